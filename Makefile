@@ -1,0 +1,40 @@
+# Two entry points that work on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP_SERVE := $(VENV)/.installed-serve
+STAMP_DEV := $(VENV)/.installed-dev
+DEMO_REPO ?= .kiln/demo-repository
+
+.PHONY: serve test lint typecheck unit install-dev clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP_SERVE): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[server]'
+	touch $@
+
+$(STAMP_DEV): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@ $(STAMP_SERVE)
+
+serve: $(STAMP_SERVE)
+	$(BIN)/kiln serve
+
+install-dev: $(STAMP_DEV)
+
+lint: $(STAMP_DEV)
+	$(BIN)/ruff check .
+
+typecheck: $(STAMP_DEV)
+	$(BIN)/mypy
+
+unit: $(STAMP_DEV)
+	$(BIN)/python -m pytest -m "not slow and not gpu" -q
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .kiln .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,117 @@
+"""Write the demo model repository (Triton layout: ``<name>/config.pbtxt`` and ``<name>/1/model.onnx``)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto
+
+from kiln.demo.models import build_mlp, build_simple
+from kiln.demo.resnet import build_resnet50
+
+_TRITON_TYPES: dict[int, str] = {
+    TensorProto.BOOL: "TYPE_BOOL",
+    TensorProto.INT32: "TYPE_INT32",
+    TensorProto.INT64: "TYPE_INT64",
+    TensorProto.FLOAT16: "TYPE_FP16",
+    TensorProto.FLOAT: "TYPE_FP32",
+}
+
+
+@dataclass(frozen=True)
+class _DemoModel:
+    name: str
+    build: Callable[[int], onnx.ModelProto]
+    max_batch_size: int
+    # Triton config blocks written after the tensors, verbatim.
+    extra_config: str = ""
+
+
+_SIMPLE = _DemoModel("simple", lambda _seed: build_simple(), max_batch_size=8)
+_MLP = _DemoModel(
+    "mlp",
+    build_mlp,
+    max_batch_size=32,
+    extra_config="dynamic_batching { }\ninstance_group [\n  {\n    kind: KIND_CPU\n    count: 1\n  }\n]\n",
+)
+_RESNET50 = _DemoModel("resnet50", build_resnet50, max_batch_size=16, extra_config="dynamic_batching { }\n")
+
+
+def build_demo_repository(path: str | os.PathLike[str], *, include_resnet50: bool = False, seed: int = 0) -> list[str]:
+    """Build the demo models under ``path`` and return the names written.
+
+    The same seed gives byte-identical files. Files are replaced atomically, and left untouched when already
+    identical, so a server polling the repository neither sees half a file nor reloads for nothing. Other
+    files under ``path`` are left alone.
+    """
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    demos = [_SIMPLE, _MLP, *([_RESNET50] if include_resnet50 else [])]
+    for demo in demos:
+        _write_demo(root / demo.name, demo, seed)
+    return [demo.name for demo in demos]
+
+
+def _write_demo(folder: Path, demo: _DemoModel, seed: int) -> None:
+    model = demo.build(seed)
+    onnx.checker.check_model(model, full_check=True)
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    # The model first: a server that sees the config should find the model it names.
+    _write_atomic(folder / "1" / "model.onnx", model.SerializeToString(deterministic=True))
+    _write_atomic(folder / "config.pbtxt", render_config(demo.name, model, demo.max_batch_size, demo.extra_config))
+
+
+def render_config(name: str, model: onnx.ModelProto, max_batch_size: int, extra_config: str = "") -> bytes:
+    """Triton ``config.pbtxt`` text whose inputs and outputs are read off the ONNX graph, so they cannot drift."""
+    lines = [
+        f'name: "{name}"',
+        'platform: "onnxruntime_onnx"',
+        'backend: "onnxruntime"',
+        f"max_batch_size: {max_batch_size}",
+    ]
+    batched = max_batch_size > 0
+    lines += _tensor_block("input", model.graph.input, batched)
+    lines += _tensor_block("output", model.graph.output, batched)
+    return ("\n".join(lines) + "\n" + extra_config).encode()
+
+
+def _tensor_block(field: str, tensors: Iterable[onnx.ValueInfoProto], batched: bool) -> list[str]:
+    entries = []
+    for value in tensors:
+        entries.append(
+            "  {\n"
+            f'    name: "{value.name}"\n'
+            f"    data_type: {_TRITON_TYPES[value.type.tensor_type.elem_type]}\n"
+            f"    dims: [ {', '.join(str(d) for d in _dims(value, batched))} ]\n"
+            "  }"
+        )
+    return [f"{field} [", ",\n".join(entries), "]"]
+
+
+def _dims(value: onnx.ValueInfoProto, batched: bool) -> list[int]:
+    # Triton leaves the batch dimension out of dims when max_batch_size > 0; -1 marks any other dynamic dim.
+    dims = [d.dim_value if d.HasField("dim_value") else -1 for d in value.type.tensor_type.shape.dim]
+    return dims[1:] if batched else dims
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    if path.is_file() and path.read_bytes() == data:
+        return
+    # Same folder, so os.replace is a rename on one filesystem; a dot name keeps it out of version scans.
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,75 @@
+"""The direct path: load a model into an in-process engine, with nothing in between."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+from kiln.config._generated import model_config_pb2 as pb
+from kiln.config.backends import FILE_BACKENDS
+from kiln.config.model_dir import ModelDir, open_model_dir
+from kiln.config.onnx_io import FileTensor, read_onnx_io
+from kiln.config.spec import ModelSpec
+from kiln.config.validate import validate_config
+from kiln.engines.base import Engine, EngineOptions, create_engine
+from kiln.errors import ConfigError, InvalidArgumentError, ModelNotFoundError
+
+
+def load(path: str | Path, version: int | None = None, **options: Any) -> Engine:
+    """Load a model file (``model.onnx``) or a model folder (``<repo>/<model>``) into an engine.
+
+    ``version`` picks a version folder (default: the newest the version policy serves). ``options`` are the
+    fields of :class:`~kiln.engines.EngineOptions`: ``kind`` ("cpu" or "gpu"), ``device_id``,
+    ``intra_op_threads``, ``inter_op_threads``.
+    """
+    engine_options = _engine_options(options)
+    path = Path(path)
+    if not path.exists():
+        raise ModelNotFoundError(f"{path}: no such model file or folder")
+    if path.is_file() or path.suffix == ".onnx":
+        if version is not None:
+            raise InvalidArgumentError(f"{path}: version={version} applies to model folders, not to a model file")
+        return create_engine(_spec_for_file(path), path, engine_options)
+    model_dir = open_model_dir(path)
+    chosen = _choose_version(model_dir, version)
+    return create_engine(model_dir.spec, model_dir.model_file(chosen), engine_options)
+
+
+def _engine_options(options: dict[str, Any]) -> EngineOptions:
+    try:
+        return EngineOptions(**options)
+    except TypeError:
+        known = ", ".join(EngineOptions.__dataclass_fields__)
+        raise InvalidArgumentError(f"unknown load option(s) {', '.join(options)}; expected: {known}") from None
+
+
+def _choose_version(model_dir: ModelDir, version: int | None) -> int:
+    if version is not None:
+        if version not in model_dir.versions:
+            available = ", ".join(str(v) for v in model_dir.versions)
+            raise ModelNotFoundError(f"model '{model_dir.name}' has no version {version} (available: {available})")
+        return version
+    served = model_dir.served_versions()
+    if not served:
+        raise ModelNotFoundError(f"model '{model_dir.name}': its version_policy selects none of the versions "
+                                 f"{', '.join(str(v) for v in model_dir.versions)}")
+    return served[-1]
+
+
+def _spec_for_file(path: Path) -> ModelSpec:
+    """A bare model file has no config: its own dims are used as they are, batch dimension included."""
+    matches = [(backend, platform) for name, backend, platform in FILE_BACKENDS if path.suffix == Path(name).suffix]
+    if not matches or matches[0][0] != "onnxruntime":
+        raise ConfigError(f"{path}: kiln.load() reads .onnx files directly; put other model files in a model "
+                          f"folder with a config.pbtxt")
+    file_io = read_onnx_io(path)
+    config = pb.ModelConfig(name=path.stem, backend="onnxruntime", platform="onnxruntime_onnx")
+    for tensor in file_io.inputs:
+        config.input.add(name=tensor.name, data_type=_config_type(tensor), dims=tensor.dims)
+    for tensor in file_io.outputs:
+        config.output.add(name=tensor.name, data_type=_config_type(tensor), dims=tensor.dims)
+    return validate_config(config, path.stem, str(path), file_io)
+
+
+def _config_type(tensor: FileTensor) -> pb.DataType:
+    return cast("pb.DataType", tensor.datatype.config_number)

@@ -1,0 +1,114 @@
+"""The Engine interface every backend implements, and the registry that finds a backend by name.
+
+An engine runs a batch in-process. ``infer()`` is the checked entry point for direct callers: it validates
+names, dtypes and shapes against the model's spec and raises typed errors. ``execute()`` is the unchecked one the
+server calls after it has validated a request once.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kiln.config.spec import ModelSpec, TensorSpec
+from kiln.engines.checks import check_inputs, check_outputs
+from kiln.errors import UnsupportedError
+
+Array = npt.NDArray[Any]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Where and how an engine instance runs. ``kind`` is "cpu" or "gpu" (an instance group's kind)."""
+
+    kind: str = "cpu"
+    device_id: int = 0
+    intra_op_threads: int | None = None
+    inter_op_threads: int | None = None
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """A loaded model that runs batches in-process."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return self.spec.inputs
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return self.spec.outputs
+
+    def infer(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None = None) -> dict[str, Array]:
+        """Run one batch. Raises InvalidArgumentError naming the tensor and what was expected."""
+        arrays = check_inputs(self.spec, inputs)
+        names = check_outputs(self.spec, outputs)
+        return self.execute(arrays, names)
+
+    @abc.abstractmethod
+    def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
+        """Run already-validated inputs; return the requested outputs."""
+
+    def close(self) -> None:  # noqa: B027  # optional hook: engines without resources need not override it
+        """Release the engine's resources. Idempotent."""
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+EngineFactory = Callable[[ModelSpec, Path, EngineOptions], Engine]
+
+# Built-in backends are imported on first use, so loading one never imports another's dependencies.
+_BUILTIN: dict[str, str] = {
+    "onnxruntime": "kiln.engines.onnxruntime:OnnxRuntimeEngine",
+    "identity": "kiln.engines.identity:IdentityEngine",
+}
+_REGISTRY: dict[str, EngineFactory] = {}
+
+
+def register_backend(name: str, factory: EngineFactory) -> None:
+    """Make ``backend: "<name>"`` in a config load engines through ``factory(spec, model_file, options)``."""
+    _REGISTRY[name] = factory
+
+
+def backend_names() -> list[str]:
+    return sorted(set(_BUILTIN) | set(_REGISTRY))
+
+
+def create_engine(spec: ModelSpec, model_file: Path, options: EngineOptions | None = None) -> Engine:
+    factory = _REGISTRY.get(spec.backend)
+    if factory is None and spec.backend in _BUILTIN:
+        module_name, attr = _BUILTIN[spec.backend].split(":")
+        factory = getattr(importlib.import_module(module_name), attr)
+        _REGISTRY[spec.backend] = factory
+    if factory is None:
+        raise UnsupportedError(
+            f"model '{spec.name}': backend '{spec.backend}' is not available in this kiln installation "
+            f"(available: {', '.join(backend_names())})"
+        )
+    return factory(spec, model_file, options or EngineOptions())
+
+
+def empty_like_spec(tensor: TensorSpec, batch: int) -> Array:
+    """A zero tensor of the spec's shape (variable dims as 1): warmup and smoke tests."""
+    dims = tuple(1 if d == -1 else d for d in tensor.dims)
+    return np.zeros((batch, *dims), dtype=tensor.datatype.numpy_dtype)

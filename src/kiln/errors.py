@@ -1,0 +1,123 @@
+"""Typed errors raised by every layer of kiln.
+
+Each error carries an :class:`ErrorCode` (Triton's eight codes). Frontends map the code to an HTTP status or a
+gRPC code in one place (``kiln.frontends.status``); nothing else in kiln knows about transports.
+
+The tree::
+
+    KilnError
+    +-- InvalidArgumentError          INVALID_ARG     bad input, bad config, wrong name / dtype / shape
+    |   +-- ConfigError               a config.pbtxt or repository problem, names the file
+    +-- NotFoundError                 NOT_FOUND
+    |   +-- ModelNotFoundError        unknown model or version
+    +-- UnavailableError              UNAVAILABLE
+    |   +-- ModelNotReadyError        known but not loaded / loading / unloading
+    |   +-- QueueFullError            the model's queue is full
+    |   +-- RequestTimeoutError       the request timed out in the queue
+    +-- UnsupportedError              UNSUPPORTED     a feature or backend kiln does not provide here
+    +-- AlreadyExistsError            ALREADY_EXISTS
+    +-- CancelledError                CANCELLED
+    +-- InternalError                 INTERNAL        an engine failed; unexpected exceptions become this
+    +-- UnknownError                  UNKNOWN
+
+Messages name the model, version, field and value involved and say what was expected.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.Enum):
+    INVALID_ARG = "INVALID_ARG"
+    NOT_FOUND = "NOT_FOUND"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNSUPPORTED = "UNSUPPORTED"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    CANCELLED = "CANCELLED"
+    INTERNAL = "INTERNAL"
+    UNKNOWN = "UNKNOWN"
+
+
+class KilnError(Exception):
+    """Base of every error kiln raises on purpose."""
+
+    code: ErrorCode = ErrorCode.UNKNOWN
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgumentError(KilnError):
+    code = ErrorCode.INVALID_ARG
+
+
+class ConfigError(InvalidArgumentError):
+    """A model configuration or repository layout that kiln cannot use."""
+
+
+class NotFoundError(KilnError):
+    code = ErrorCode.NOT_FOUND
+
+
+class ModelNotFoundError(NotFoundError):
+    pass
+
+
+class UnavailableError(KilnError):
+    code = ErrorCode.UNAVAILABLE
+
+
+class ModelNotReadyError(UnavailableError):
+    pass
+
+
+class QueueFullError(UnavailableError):
+    pass
+
+
+class RequestTimeoutError(UnavailableError):
+    pass
+
+
+class UnsupportedError(KilnError):
+    code = ErrorCode.UNSUPPORTED
+
+
+class AlreadyExistsError(KilnError):
+    code = ErrorCode.ALREADY_EXISTS
+
+
+class CancelledError(KilnError):
+    code = ErrorCode.CANCELLED
+
+
+class InternalError(KilnError):
+    code = ErrorCode.INTERNAL
+
+
+class UnknownError(KilnError):
+    code = ErrorCode.UNKNOWN
+
+
+__all__ = [
+    "AlreadyExistsError",
+    "CancelledError",
+    "ConfigError",
+    "ErrorCode",
+    "InternalError",
+    "InvalidArgumentError",
+    "KilnError",
+    "ModelNotFoundError",
+    "ModelNotReadyError",
+    "NotFoundError",
+    "QueueFullError",
+    "RequestTimeoutError",
+    "UnavailableError",
+    "UnknownError",
+    "UnsupportedError",
+]

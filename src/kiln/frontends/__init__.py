@@ -1,0 +1,1 @@
+"""Network frontends for kiln."""

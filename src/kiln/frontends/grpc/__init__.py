@@ -1,0 +1,1 @@
+"""gRPC frontend (Triton-compatible GRPCInferenceService)."""

@@ -1,0 +1,47 @@
+"""What the server knows about each model and version: state, reason, and the loaded model when ready."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.config.spec import ModelSpec
+from kiln.server.model import LoadedModel
+from kiln.server.scheduler.direct import DirectScheduler
+
+
+class ModelState(enum.Enum):
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass
+class VersionRecord:
+    version: int
+    state: ModelState
+    reason: str = ""
+    loaded: LoadedModel | None = None
+    scheduler: DirectScheduler | None = None
+
+
+@dataclass
+class ModelRecord:
+    name: str
+    path: Path | None
+    spec: ModelSpec | None = None
+    versions: dict[int, VersionRecord] = field(default_factory=dict)
+    reason: str = ""  # why the model as a whole is unavailable (bad config, duplicate name)
+
+    def ready_versions(self) -> list[int]:
+        return sorted(v for v, record in self.versions.items() if record.state is ModelState.READY)
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    name: str
+    version: str
+    state: str
+    reason: str

@@ -1,0 +1,65 @@
+"""Each request runs on its own on the next free instance; one worker thread per instance.
+
+Engines release the GIL while they compute, so instances run in parallel. The event loop only awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from kiln.engines.base import Engine
+from kiln.errors import KilnError, UnavailableError
+from kiln.server.model import LoadedModel
+from kiln.server.request import InferRequest, InferResponse
+
+
+class DirectScheduler:
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+        self._free: queue.SimpleQueue[Engine] = queue.SimpleQueue()
+        for engine in model.engines:
+            self._free.put(engine)
+        self._executor = ThreadPoolExecutor(max_workers=len(model.engines),
+                                            thread_name_prefix=f"kiln-{model.name}-{model.version}")
+        self._inflight = 0
+        self._closed = False
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
+        if self._closed:
+            raise UnavailableError(f"model '{self.model.name}' version {self.model.version} is unloading")
+        loop = asyncio.get_running_loop()
+        self._inflight += 1
+        try:
+            return await loop.run_in_executor(self._executor, self._run, request, batch_size, time.monotonic_ns())
+        finally:
+            self._inflight -= 1
+
+    def submit_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
+        if self._closed:
+            raise UnavailableError(f"model '{self.model.name}' version {self.model.version} is unloading")
+        return self._executor.submit(self._run, request, batch_size, time.monotonic_ns()).result()
+
+    def _run(self, request: InferRequest, batch_size: int, enqueued_ns: int) -> InferResponse:
+        engine = self._free.get()
+        try:
+            response, times = self.model.run(engine, request, batch_size, enqueued_ns)
+        except KilnError:
+            self.model.stats.record_failure(time.monotonic_ns() - enqueued_ns)
+            raise
+        finally:
+            self._free.put(engine)
+        self.model.stats.record_success(times, time.monotonic_ns() - enqueued_ns)
+        return response
+
+    def close(self) -> None:
+        """Stop taking requests, wait for the in-flight ones, then release the engines."""
+        self._closed = True
+        self._executor.shutdown(wait=True)
+        self.model.close()

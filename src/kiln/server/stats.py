@@ -1,0 +1,88 @@
+"""Per model-version inference statistics in Triton's shape, kept in monotonic nanoseconds.
+
+Frontends render them (statistics extension); metrics read them. Updates happen from worker threads, so every
+update and snapshot takes the lock.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int) -> None:
+        self.count += 1
+        self.ns += ns
+
+
+@dataclass
+class BatchStats:
+    batch_size: int
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass
+class ModelStats:
+    name: str
+    version: str
+    last_inference_ms: int = 0
+    inference_count: int = 0
+    execution_count: int = 0
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    batch_stats: dict[int, BatchStats] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExecutionTimes:
+    """What one execution of a batch cost, in nanoseconds."""
+
+    batch_size: int
+    queue_ns: int
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+
+
+class StatsRecorder:
+    def __init__(self, name: str, version: str) -> None:
+        self._lock = threading.Lock()
+        self._stats = ModelStats(name=name, version=version)
+
+    def record_success(self, times: ExecutionTimes, request_ns: int, requests: int = 1) -> None:
+        with self._lock:
+            stats = self._stats
+            stats.last_inference_ms = time.time_ns() // 1_000_000
+            stats.inference_count += times.batch_size
+            stats.execution_count += 1
+            for _ in range(requests):
+                stats.queue.add(times.queue_ns)
+                stats.compute_input.add(times.compute_input_ns)
+                stats.compute_infer.add(times.compute_infer_ns)
+                stats.compute_output.add(times.compute_output_ns)
+            stats.success.add(request_ns)
+            batch = stats.batch_stats.setdefault(times.batch_size, BatchStats(times.batch_size))
+            batch.compute_input.add(times.compute_input_ns)
+            batch.compute_infer.add(times.compute_infer_ns)
+            batch.compute_output.add(times.compute_output_ns)
+
+    def record_failure(self, request_ns: int) -> None:
+        with self._lock:
+            self._stats.fail.add(request_ns)
+
+    def snapshot(self) -> ModelStats:
+        with self._lock:
+            return copy.deepcopy(self._stats)

@@ -1,0 +1,64 @@
+"""Validate a request once against the model's spec, before it is queued."""
+
+from __future__ import annotations
+
+from kiln.config.spec import ModelSpec
+from kiln.engines.checks import check_shape
+from kiln.errors import InvalidArgumentError
+from kiln.server.request import InferRequest
+from kiln.tensor import element_count
+
+
+def validate_request(spec: ModelSpec, request: InferRequest) -> int:
+    """Check names, datatypes, shapes, batch sizes and requested outputs. Returns the request's batch size
+    (1 for models without batching)."""
+    expected = {t.name: t for t in spec.inputs}
+    seen: set[str] = set()
+    for tensor in request.inputs:
+        spec_tensor = expected.get(tensor.name)
+        if spec_tensor is None:
+            raise InvalidArgumentError(f"model '{spec.name}': unexpected input '{tensor.name}'; "
+                                       f"expected inputs: {', '.join(expected)}")
+        if tensor.name in seen:
+            raise InvalidArgumentError(f"model '{spec.name}': input '{tensor.name}' is given more than once")
+        seen.add(tensor.name)
+        if tensor.datatype is not spec_tensor.datatype:
+            raise InvalidArgumentError(f"model '{spec.name}': input '{tensor.name}' has datatype "
+                                       f"{tensor.datatype.wire_name}; expected {spec_tensor.datatype.wire_name}")
+        check_shape(spec, spec_tensor, tensor.shape)
+        if tensor.data.size != element_count(tensor.shape):
+            raise InvalidArgumentError(f"model '{spec.name}': input '{tensor.name}' has {tensor.data.size} "
+                                       f"elements but its shape {list(tensor.shape)} needs "
+                                       f"{element_count(tensor.shape)}")
+    missing = [t.name for t in spec.inputs if t.name not in seen and not t.optional]
+    if missing:
+        raise InvalidArgumentError(f"model '{spec.name}': missing input(s) {', '.join(missing)}; "
+                                   f"expected inputs: {', '.join(expected)}")
+    _check_outputs(spec, request)
+    return _batch_size(spec, request)
+
+
+def _check_outputs(spec: ModelSpec, request: InferRequest) -> None:
+    known = {t.name: t for t in spec.outputs}
+    seen: set[str] = set()
+    for output in request.outputs:
+        if output.name not in known:
+            raise InvalidArgumentError(f"model '{spec.name}': unknown output '{output.name}' requested; "
+                                       f"expected one of: {', '.join(known)}")
+        if output.name in seen:
+            raise InvalidArgumentError(f"model '{spec.name}': output '{output.name}' is requested more than once")
+        seen.add(output.name)
+        if output.classification < 0:
+            raise InvalidArgumentError(f"model '{spec.name}': output '{output.name}' asks for classification "
+                                       f"{output.classification}; expected a positive class count")
+
+
+def _batch_size(spec: ModelSpec, request: InferRequest) -> int:
+    if not spec.batching:
+        return 1
+    sizes = {tensor.name: tensor.shape[0] for tensor in request.inputs}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{name}={size}" for name, size in sizes.items())
+        raise InvalidArgumentError(f"model '{spec.name}': inputs disagree on the batch size ({listed}); "
+                                   f"every input needs the same first dimension")
+    return next(iter(sizes.values()), 1)
