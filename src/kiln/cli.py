@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.errors import KilnError
-
-DEFAULT_DEMO_REPOSITORY = Path(".kiln/demo-repository")
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
@@ -38,9 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("model_dir", type=Path, help="a model folder: <repository>/<model>")
     config.set_defaults(run=_config)
 
-    serve = commands.add_parser("serve", help="serve a model repository (default: the demo repository)")
-    serve.add_argument("--model-repository", type=Path, action="append", default=None)
-    serve.set_defaults(run=_serve)
+    _add_serve(commands.add_parser("serve", help="serve model repositories over HTTP and gRPC (default: the demo)"))
     return parser
 
 
@@ -60,14 +57,68 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from kiln.demo import build_demo_repository
+def _add_serve(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--model-repository", "--model-store", type=Path, action="append", default=None,
+                       help="a model repository root (repeatable; default: the demo repository)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--allow-http", type=_bool, default=True, metavar="BOOL")
+    serve.add_argument("--allow-grpc", type=_bool, default=True, metavar="BOOL")
+    serve.add_argument("--allow-metrics", type=_bool, default=True, metavar="BOOL")
+    serve.add_argument("--http-max-input-size", type=int, default=64 * 2**20, metavar="BYTES",
+                       help="largest accepted HTTP request body (default 64 MiB)")
+    serve.add_argument("--grpc-max-message-size", type=int, default=2**31 - 1, metavar="BYTES")
+    serve.add_argument("--strict-readiness", type=_bool, default=True, metavar="BOOL",
+                       help="ready only when every model is ready (default true)")
+    serve.add_argument("--exit-timeout-secs", type=float, default=30.0,
+                       help="how long shutdown waits for in-flight requests (default 30)")
+    serve.add_argument("--log-verbose", type=int, default=0, help="0 = info, 1 or more = debug")
+    serve.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
+    serve.set_defaults(run=_serve)
 
-    if args.model_repository is None:
-        names = build_demo_repository(DEFAULT_DEMO_REPOSITORY)
-        print(f"built the demo repository ({', '.join(names)}) in {DEFAULT_DEMO_REPOSITORY}")
-    print("kiln serve: the server is not part of this build yet; the repository is ready for it.")
-    return 0
+
+def _bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
+def _configure_logging(verbose: int, log_format: str) -> None:
+    date = "%Y-%m-%dT%H:%M:%S" if log_format == "ISO8601" else "%H:%M:%S"
+    logging.basicConfig(level=logging.DEBUG if verbose > 0 else logging.INFO,
+                        format="%(asctime)s %(levelname).1s %(name)s] %(message)s", datefmt=date)
+
+
+def default_demo_repository() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "kiln" / "demo-repository"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kiln.service import ServiceOptions, run_service
+
+    _configure_logging(args.log_verbose, args.log_format)
+    repositories = args.model_repository
+    if repositories is None:
+        from kiln.demo import build_demo_repository
+
+        demo = default_demo_repository()
+        names = build_demo_repository(demo)
+        logging.getLogger("kiln").info("serving the demo repository %s (%s)", demo, ", ".join(names))
+        repositories = [demo]
+    options = ServiceOptions(
+        repositories=repositories, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port, allow_http=args.allow_http, allow_grpc=args.allow_grpc,
+        allow_metrics=args.allow_metrics, http_max_input_size=args.http_max_input_size,
+        grpc_max_message_bytes=args.grpc_max_message_size, exit_timeout_s=args.exit_timeout_secs,
+        strict_readiness=args.strict_readiness,
+    )
+    return run_service(options)
 
 
 if __name__ == "__main__":

@@ -200,6 +200,12 @@ class Server:
         raise UnsupportedError(f"explicit model control is not enabled: cannot unload '{name}' (this server runs "
                                f"in model control mode 'none')")
 
+    def pending(self, name: str, version: str) -> int:
+        """Requests of a model version accepted but not finished."""
+        record = self._models.get(name)
+        found = record.versions.get(int(version)) if record is not None and version.isdigit() else None
+        return found.scheduler.inflight if found is not None and found.scheduler is not None else 0
+
     # -- inference -------------------------------------------------------------------------------------------
 
     async def infer(self, request: InferRequest) -> InferResponse:

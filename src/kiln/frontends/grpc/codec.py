@@ -1,0 +1,223 @@
+"""ModelInferRequest -> :class:`~kiln.server.request.InferRequest` and InferResponse -> ModelInferResponse.
+
+Request data arrives either in ``raw_input_contents`` (one little-endian, row-major buffer per input, in ``inputs``
+order; required for FP16/BF16) or in each input's typed ``contents`` field, never both. Raw buffers become
+``numpy.frombuffer`` views (no copy); BYTES buffers are length-prefixed and parsed by
+:func:`kiln.tensor.decode_bytes`; typed contents take one ``numpy.asarray`` per tensor. Responses always carry
+their data in ``raw_output_contents``, as Triton's do, BYTES length-prefixed.
+
+Every problem with a request is an :class:`~kiln.errors.InvalidArgumentError` naming the model and the input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kiln.errors import InternalError, InvalidArgumentError
+from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
+from kiln.server.request import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput
+from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
+
+ParameterValue = bool | int | float | str
+
+CLASSIFICATION = "classification"
+"""The per-output parameter (int64) asking for the top-k classes instead of the tensor."""
+
+_INT64_MAX = 2**63 - 1
+_DATATYPES: dict[str, DataType] = {t.wire_name: t for t in DataType}
+_CONTENTS_FIELD: dict[DataType, str] = {
+    DataType.BOOL: "bool_contents",
+    DataType.INT8: "int_contents",
+    DataType.INT16: "int_contents",
+    DataType.INT32: "int_contents",
+    DataType.INT64: "int64_contents",
+    DataType.UINT8: "uint_contents",
+    DataType.UINT16: "uint_contents",
+    DataType.UINT32: "uint_contents",
+    DataType.UINT64: "uint64_contents",
+    DataType.FP32: "fp32_contents",
+    DataType.FP64: "fp64_contents",
+    DataType.BYTES: "bytes_contents",
+}
+"""The typed ``InferTensorContents`` field of each datatype; FP16 and BF16 have none (raw only)."""
+
+InputMessage = pb.ModelInferRequest.InferInputTensor
+
+
+# -- requests ----------------------------------------------------------------------------------------------------
+
+
+def decode_request(message: pb.ModelInferRequest) -> InferRequest:
+    """Build the protocol-free request; tensor data stays a view over the received bytes where possible."""
+    model = message.model_name
+    tensors = message.inputs
+    raw = message.raw_input_contents
+    if raw:
+        if len(raw) != len(tensors):
+            raise InvalidArgumentError(
+                f"model '{model}': the request has {len(tensors)} input(s) but {len(raw)} raw_input_contents "
+                f"entries; raw_input_contents needs exactly one entry per input, in 'inputs' order"
+            )
+        inputs = [_from_raw(model, tensor, data) for tensor, data in zip(tensors, raw, strict=True)]
+    else:
+        inputs = [_from_contents(model, tensor) for tensor in tensors]
+    return InferRequest(
+        model_name=model,
+        inputs=inputs,
+        model_version=message.model_version,
+        id=message.id,
+        outputs=[_requested_output(model, output) for output in message.outputs],
+        parameters=decode_parameters(message.parameters, f"model '{model}': request") if message.parameters else {},
+    )
+
+
+def _header(model: str, tensor: InputMessage) -> tuple[DataType, tuple[int, ...]]:
+    datatype = _DATATYPES.get(tensor.datatype)
+    if datatype is None:
+        expected = ", ".join(_DATATYPES)
+        raise InvalidArgumentError(f"model '{model}': input '{tensor.name}' has unknown datatype "
+                                   f"'{tensor.datatype}'; expected one of {expected}")
+    shape = tuple(tensor.shape)
+    if any(dim < 0 for dim in shape):
+        raise InvalidArgumentError(f"model '{model}': input '{tensor.name}' has shape {list(shape)}; "
+                                   f"dimensions cannot be negative")
+    return datatype, shape
+
+
+def _input_parameters(model: str, tensor: InputMessage) -> dict[str, ParameterValue]:
+    if not tensor.parameters:
+        return {}
+    return decode_parameters(tensor.parameters, f"model '{model}': input '{tensor.name}'")
+
+
+def _from_raw(model: str, tensor: InputMessage, data: bytes) -> InputTensor:
+    if tensor.HasField("contents"):
+        raise InvalidArgumentError(
+            f"model '{model}': input '{tensor.name}' sets 'contents' while the request uses raw_input_contents; "
+            f"send every input's data one way: all in raw_input_contents, or all in contents"
+        )
+    datatype, shape = _header(model, tensor)
+    count = element_count(shape)
+    array: npt.NDArray[Any]
+    if datatype is DataType.BYTES:
+        try:
+            array = decode_bytes(data, count)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"model '{model}': input '{tensor.name}' (BYTES, shape {list(shape)}): "
+                                       f"{exc.message}") from None
+    else:
+        dtype = datatype.numpy_dtype
+        expected = count * dtype.itemsize
+        if len(data) != expected:
+            raise InvalidArgumentError(
+                f"model '{model}': input '{tensor.name}': unexpected total byte size {len(data)} in "
+                f"raw_input_contents, expecting {expected} (shape {list(shape)} x {dtype.itemsize}-byte "
+                f"{datatype.wire_name})"
+            )
+        array = np.frombuffer(data, dtype=dtype)
+    return InputTensor(tensor.name, datatype, shape, array.reshape(shape), _input_parameters(model, tensor))
+
+
+def _from_contents(model: str, tensor: InputMessage) -> InputTensor:
+    datatype, shape = _header(model, tensor)
+    field = _CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise InvalidArgumentError(f"model '{model}': input '{tensor.name}' is {datatype.wire_name}, which has no "
+                                   f"typed contents field; send its data in raw_input_contents")
+    values = getattr(tensor.contents, field)
+    count = element_count(shape)
+    if len(values) != count:
+        raise InvalidArgumentError(
+            f"model '{model}': input '{tensor.name}' has {len(values)} element(s) in contents.{field}; its shape "
+            f"{list(shape)} needs {count} ({datatype.wire_name} data goes in contents.{field})"
+        )
+    array: npt.NDArray[Any]
+    if datatype is DataType.BYTES:
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+    else:
+        try:
+            array = np.asarray(values, dtype=datatype.numpy_dtype)
+        except (OverflowError, ValueError) as exc:
+            raise InvalidArgumentError(f"model '{model}': input '{tensor.name}': contents.{field} holds a value "
+                                       f"that does not fit {datatype.wire_name}: {exc}") from None
+    return InputTensor(tensor.name, datatype, shape, array.reshape(shape), _input_parameters(model, tensor))
+
+
+def _requested_output(model: str, output: pb.ModelInferRequest.InferRequestedOutputTensor) -> RequestedOutput:
+    if not output.parameters:
+        return RequestedOutput(output.name)
+    parameters = decode_parameters(output.parameters, f"model '{model}': output '{output.name}'")
+    classification = parameters.pop(CLASSIFICATION, 0)
+    if isinstance(classification, bool) or not isinstance(classification, int):
+        raise InvalidArgumentError(f"model '{model}': output '{output.name}': parameter '{CLASSIFICATION}' is "
+                                   f"{classification!r}; expected an integer class count (int64_param)")
+    return RequestedOutput(output.name, classification, parameters)
+
+
+# -- parameters --------------------------------------------------------------------------------------------------
+
+
+def decode_parameters(parameters: Mapping[str, pb.InferParameter], where: str) -> dict[str, ParameterValue]:
+    """InferParameter map -> Python values (bool, int, str, float)."""
+    decoded: dict[str, ParameterValue] = {}
+    for key, parameter in parameters.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        if choice is None:
+            raise InvalidArgumentError(f"{where}: parameter '{key}' has no value; set one of bool_param, "
+                                       f"int64_param, string_param, double_param, uint64_param")
+        decoded[key] = getattr(parameter, choice)
+    return decoded
+
+
+def encode_parameters(target: MutableMapping[str, pb.InferParameter], parameters: Mapping[str, object]) -> None:
+    """Python values -> the InferParameter map ``target`` (an int beyond int64 becomes uint64_param)."""
+    for key, value in parameters.items():
+        parameter = target[key]
+        if isinstance(value, (bool, np.bool_)):
+            parameter.bool_param = bool(value)
+        elif isinstance(value, (int, np.integer)):
+            if int(value) > _INT64_MAX:
+                parameter.uint64_param = int(value)
+            else:
+                parameter.int64_param = int(value)
+        elif isinstance(value, (float, np.floating)):
+            parameter.double_param = float(value)
+        elif isinstance(value, str):
+            parameter.string_param = value
+        else:
+            raise InternalError(f"parameter '{key}' has a value of type {type(value).__name__}, which gRPC "
+                                f"InferParameter cannot carry (bool, int, float or str)")
+
+
+# -- responses ---------------------------------------------------------------------------------------------------
+
+
+def encode_response(response: InferResponse, message: pb.ModelInferResponse | None = None) -> pb.ModelInferResponse:
+    """Fill ``message`` (a new one by default, or e.g. a stream response's ``infer_response``) from ``response``;
+    every output's data goes in ``raw_output_contents``."""
+    if message is None:
+        message = pb.ModelInferResponse()
+    message.model_name = response.model_name
+    message.model_version = response.model_version
+    message.id = response.id
+    if response.parameters:
+        encode_parameters(message.parameters, response.parameters)
+    outputs = message.outputs
+    for output in response.outputs:
+        tensor = outputs.add(name=output.name, datatype=output.datatype.wire_name, shape=output.shape)
+        if output.parameters:
+            encode_parameters(tensor.parameters, output.parameters)
+    message.raw_output_contents.extend([raw_bytes(output) for output in response.outputs])
+    return message
+
+
+def raw_bytes(output: OutputTensor) -> bytes:
+    """An output's data as Triton's raw format: little-endian, row-major; BYTES length-prefixed."""
+    if output.datatype is DataType.BYTES:
+        return encode_bytes(output.data)
+    return np.asarray(output.data, dtype=output.datatype.numpy_dtype).tobytes()

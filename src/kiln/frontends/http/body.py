@@ -1,0 +1,82 @@
+"""Reading request bodies: the size limit (Triton's ``--http-max-input-size``), gzip / deflate decoding and JSON
+parsing with the error position.
+
+The limit is enforced before anything is buffered when ``Content-Length`` announces too much, and while
+streaming otherwise, so an oversized body is never held in memory. It applies to the decompressed size too.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from kiln.errors import CancelledError, InvalidArgumentError, UnsupportedError
+
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _too_large(size: int, limit: int, *, at_least: bool = False, what: str = "request body") -> InvalidArgumentError:
+    more = "at least " if at_least else ""
+    return InvalidArgumentError(
+        f"{what} of {more}{size} bytes exceeds the limit of {limit} bytes (--http-max-input-size)"
+    )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, decompressed per ``Content-Encoding``, never more than ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks: list[bytes] = []
+    total = 0
+    try:
+        async for chunk in request.stream():
+            if chunk:
+                total += len(chunk)
+                if total > limit:
+                    raise _too_large(total, limit, at_least=True)
+                chunks.append(chunk)
+    except ClientDisconnect:
+        raise CancelledError("the client disconnected while sending the request body") from None
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    encoding = request.headers.get("content-encoding")
+    if encoding is None or not body:
+        return body
+    return decompress(body, encoding, limit)
+
+
+def decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """Decode a gzip or deflate (zlib) body without ever inflating more than ``limit`` + 1 bytes."""
+    name = encoding.strip().lower()
+    if name in ("", "identity"):
+        return body
+    wbits = _WBITS.get(name)
+    if wbits is None:
+        raise UnsupportedError(f"Content-Encoding '{encoding}' is not supported; use gzip, deflate or identity")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        data = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InvalidArgumentError(f"the request body is not valid {name} data ({exc})") from None
+    if len(data) > limit:
+        raise _too_large(len(data), limit, at_least=True, what="decompressed request body")
+    if not inflater.eof:
+        raise InvalidArgumentError(f"the {name} request body is truncated: the compressed stream does not end")
+    return data
+
+
+def parse_json(data: bytes, what: str = "request body") -> Any:
+    """Parse JSON; a syntax error names the line, column and byte offset where parsing stopped."""
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgumentError(
+            f"malformed JSON in the {what} at line {exc.lineno} column {exc.colno} (char {exc.pos}): {exc.msg}"
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise InvalidArgumentError(f"the {what} is not UTF-8 text: invalid byte at offset {exc.start}") from None
+    except RecursionError:
+        raise InvalidArgumentError(f"the {what} is nested too deeply to parse") from None

@@ -1,0 +1,163 @@
+"""Run the Server behind its frontends: HTTP, gRPC and metrics in one event loop, with a graceful drain.
+
+SIGINT/SIGTERM: stop accepting connections, let in-flight requests finish for up to ``exit_timeout_s``, unload the
+models, exit 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kiln.frontends.grpc.server import start_grpc_server
+from kiln.frontends.http.app import build_app
+from kiln.frontends.metrics import metrics_registry
+from kiln.server.server import Server, ServerOptions
+
+log = logging.getLogger("kiln.service")
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    repositories: list[Path] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    allow_http: bool = True
+    allow_grpc: bool = True
+    allow_metrics: bool = True
+    http_max_input_size: int = 64 * 2**20
+    grpc_max_message_bytes: int = 2**31 - 1
+    exit_timeout_s: float = 30.0
+    strict_readiness: bool = True
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the service owns signals for all its frontends."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Service:
+    def __init__(self, options: ServiceOptions) -> None:
+        self.options = options
+        self.server = Server(ServerOptions(repositories=options.repositories,
+                                           strict_readiness=options.strict_readiness))
+        self._stop = asyncio.Event()
+        self._signals = 0
+        self.bound: dict[str, int] = {}
+
+    async def run(self) -> int:
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.server.start)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        http = self._uvicorn(build_app(self.server, max_input_size=self.options.http_max_input_size),
+                             self.options.http_port) if self.options.allow_http else None
+        metrics = self._uvicorn(_metrics_app(self.server), self.options.metrics_port) \
+            if self.options.allow_metrics else None
+        tasks = [asyncio.create_task(u.serve()) for u in (http, metrics) if u is not None]
+        grpc_server = None
+        if self.options.allow_grpc:
+            grpc_server, self.bound["grpc"] = await start_grpc_server(
+                self.server, self.options.host, self.options.grpc_port,
+                max_message_bytes=self.options.grpc_max_message_bytes)
+        await _wait_started([u for u in (http, metrics) if u is not None], tasks)
+        self._record_ports(http, metrics)
+        self._log_startup(time.monotonic() - started)
+        await self._stop.wait()
+        await self._drain(http, metrics, grpc_server, tasks)
+        return 0
+
+    def _uvicorn(self, app: Any, port: int) -> _Uvicorn:
+        config = uvicorn.Config(app, host=self.options.host, port=port, log_level="warning", access_log=False,
+                                lifespan="off", http="httptools", loop="none",
+                                timeout_graceful_shutdown=int(self.options.exit_timeout_s))
+        return _Uvicorn(config)
+
+    def _on_signal(self, sig: int) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second signal: exiting now")
+            os._exit(1)
+        log.info("received %s: draining in-flight requests (up to %ss)", signal.Signals(sig).name,
+                 self.options.exit_timeout_s)
+        self._stop.set()
+
+    async def _drain(self, http: _Uvicorn | None, metrics: _Uvicorn | None, grpc_server: Any,
+                     tasks: list[asyncio.Task[None]]) -> None:
+        self.server.begin_shutdown()
+        for frontend in (http, metrics):
+            if frontend is not None:
+                frontend.should_exit = True
+        if grpc_server is not None:
+            await grpc_server.stop(grace=self.options.exit_timeout_s)
+        deadline = time.monotonic() + self.options.exit_timeout_s
+        while self.server.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(None, self.server.close)
+        log.info("stopped")
+
+    def _record_ports(self, http: _Uvicorn | None, metrics: _Uvicorn | None) -> None:
+        for name, frontend in (("http", http), ("metrics", metrics)):
+            if frontend is not None and frontend.servers:
+                self.bound[name] = frontend.servers[0].sockets[0].getsockname()[1]
+
+    def _log_startup(self, elapsed_s: float) -> None:
+        rows = self.server.repository_index()
+        width = max([len(r.name) for r in rows] + [5])
+        lines = [f"{'model':<{width}}  version  state        reason"]
+        lines += [f"{r.name:<{width}}  {r.version or '-':<7}  {r.state:<11}  {r.reason}" for r in rows]
+        log.info("models:\n%s", "\n".join(lines))
+        host = self.options.host
+        for name, scheme in (("http", "http"), ("grpc", "grpc"), ("metrics", "http")):
+            if name in self.bound:
+                suffix = "/metrics" if name == "metrics" else ""
+                log.info("%s: %s://%s:%d%s", name, scheme, host, self.bound[name], suffix)
+        log.info("ready in %.2fs", elapsed_s)
+
+
+async def _wait_started(servers: list[_Uvicorn], tasks: list[asyncio.Task[None]]) -> None:
+    while not all(s.started for s in servers):
+        for task in tasks:
+            if task.done():
+                task.result()  # re-raise a bind failure
+                raise SystemExit(1)
+        await asyncio.sleep(0.01)
+
+
+def _metrics_app(server: Server) -> Starlette:
+    registry = metrics_registry(server)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Starlette(routes=[Route("/metrics", metrics)])
+
+
+def run_service(options: ServiceOptions) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(Service(options).run())
+    return uvloop.run(Service(options).run())

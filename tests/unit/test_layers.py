@@ -1,0 +1,45 @@
+"""The layering rule from the design: the core never imports a transport, engines never import the server."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "kiln"
+
+TRANSPORTS = ("starlette", "uvicorn", "grpc", "prometheus_client", "httpx", "kiln.frontends", "kiln.service")
+
+RULES = {
+    "server": TRANSPORTS,
+    "engines": (*TRANSPORTS, "kiln.server"),
+    "config": (*TRANSPORTS, "kiln.server", "kiln.engines"),
+    "errors.py": ("kiln.",),
+    "tensor.py": (*TRANSPORTS, "kiln.server", "kiln.engines", "kiln.config"),
+    "direct.py": (*TRANSPORTS, "kiln.server"),
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("area", sorted(RULES))
+def test_layer_does_not_import_higher_layers(area: str) -> None:
+    target = SRC / area
+    files = [target] if target.is_file() else [p for p in target.rglob("*.py") if "_generated" not in p.parts]
+    assert files
+    for path in files:
+        for module in imported_modules(path):
+            for forbidden in RULES[area]:
+                assert not (module == forbidden.rstrip(".") or module.startswith(forbidden.rstrip(".") + ".")
+                            or (forbidden.endswith(".") and module.startswith(forbidden))), (
+                    f"{path.relative_to(SRC)} imports {module}, which {area} must not import")
