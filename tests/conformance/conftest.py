@@ -29,7 +29,8 @@ def build_conformance_repository(root: Path) -> Path:
     labeled = root / "mlp_labeled"
     shutil.copytree(root / "mlp", labeled, dirs_exist_ok=True)
     config = (labeled / "config.pbtxt").read_text().replace('name: "mlp"', 'name: "mlp_labeled"')
-    (labeled / "config.pbtxt").write_text(config.replace('name: "OUTPUT0"', 'name: "OUTPUT0" label_filename: "labels.txt"'))
+    labeled_output = 'name: "OUTPUT0" label_filename: "labels.txt"'
+    (labeled / "config.pbtxt").write_text(config.replace('name: "OUTPUT0"', labeled_output))
     (labeled / "labels.txt").write_text("".join(f"class_{i}\n" for i in range(10)))
     return root
 

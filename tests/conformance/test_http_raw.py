@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kiln.testing.serve import KilnProcess
+
 MAX_INPUT_SIZE = 1 << 20  # the conformance server runs with --http-max-input-size 1 MiB
 
 pytestmark = pytest.mark.conformance
