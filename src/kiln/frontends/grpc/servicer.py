@@ -1,0 +1,298 @@
+"""Triton's ``inference.GRPCInferenceService`` over the :class:`~kiln.server.server.Server` facade.
+
+Every RPC, unary and streaming, is decorated with :func:`rpc`: the one place where an exception becomes a gRPC
+status (``status.as_kiln_error`` + ``status.grpc_code``, then ``context.abort``). A unit test walks the service
+descriptor and fails for any RPC that lacks it. In ``ModelStreamInfer`` a failed request is answered with an
+``error_message`` and the stream goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeVar, cast
+
+import grpc
+
+from kiln.errors import UnsupportedError
+from kiln.frontends import status
+from kiln.frontends.grpc import codec
+from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
+from kiln.server.server import Server
+from kiln.server.stats import Duration, ModelStats
+
+Context = grpc.aio.ServicerContext
+F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
+T = TypeVar("T")
+
+WRAPPED_MARK = "__kiln_grpc_rpc__"
+"""Attribute that :func:`rpc` sets on every method it wraps (checked by the tests)."""
+
+STREAM_WINDOW = 64
+"""ModelStreamInfer runs up to this many requests of one stream at once; answers still go out in order."""
+
+
+# -- the one error wrapper ---------------------------------------------------------------------------------------
+
+
+def error_message(exc: BaseException) -> str:
+    """The message a client sees for ``exc`` (unexpected exceptions are logged and reported as internal)."""
+    return status.as_kiln_error(exc).message
+
+
+async def _abort(context: Context, exc: Exception) -> NoReturn:
+    if isinstance(exc, grpc.aio.AbortError):  # the RPC is already aborted: keep its status
+        raise exc
+    error = status.as_kiln_error(exc)
+    await context.abort(status.grpc_code(error), error.message)
+    raise AssertionError("context.abort() returned")  # pragma: no cover - grpc.aio's abort always raises
+
+
+def rpc(method: F) -> F:
+    """Wrap one servicer method (a coroutine, or an async generator for streaming responses) so that any
+    exception aborts the call with the status from :mod:`kiln.frontends.status`."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def streaming(self: Any, requests: Any, context: Context) -> AsyncIterator[Any]:
+            try:
+                async for response in method(self, requests, context):
+                    yield response
+            except Exception as exc:
+                await _abort(context, exc)
+
+        wrapped: Callable[..., Any] = streaming
+    else:
+
+        @functools.wraps(method)
+        async def unary(self: Any, request: Any, context: Context) -> Any:
+            try:
+                return await method(self, request, context)
+            except Exception as exc:
+                await _abort(context, exc)
+
+        wrapped = unary
+    setattr(wrapped, WRAPPED_MARK, True)
+    return cast(F, wrapped)
+
+
+def is_wrapped(method: object) -> bool:
+    return getattr(method, WRAPPED_MARK, False) is True
+
+
+# -- the service -------------------------------------------------------------------------------------------------
+
+
+class GRPCInferenceService:
+    """Servicer for ``grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server``; method names are the
+    RPC names."""
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+
+    @rpc
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=self._server.live())
+
+    @rpc
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self._server.ready())
+
+    @rpc
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=self._server.model_ready(request.name, request.version))
+
+    @rpc
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
+        metadata = self._server.metadata()
+        extensions = cast("list[str]", metadata["extensions"])
+        return pb.ServerMetadataResponse(name=str(metadata["name"]), version=str(metadata["version"]),
+                                         extensions=extensions)
+
+    @rpc
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
+        metadata = self._server.model_metadata(request.name, request.version)
+        batch = (-1,) if metadata.batching else ()
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=metadata.name,
+            versions=metadata.versions,
+            platform=metadata.platform,
+            inputs=[tensor(name=t.name, datatype=t.datatype.wire_name, shape=batch + t.dims) for t in metadata.inputs],
+            outputs=[tensor(name=t.name, datatype=t.datatype.wire_name, shape=batch + t.dims)
+                     for t in metadata.outputs],
+        )
+
+    @rpc
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+        return codec.encode_response(await self._server.infer(codec.decode_request(request)))
+
+    @rpc
+    async def ModelStreamInfer(self, requests: AsyncIterator[pb.ModelInferRequest],
+                               context: Context) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        async for reply in answer_in_order(requests, self._stream_reply, STREAM_WINDOW):
+            yield reply
+
+    async def _stream_reply(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
+        reply = pb.ModelStreamInferResponse()
+        try:
+            codec.encode_response(await self._server.infer(codec.decode_request(request)), reply.infer_response)
+        except Exception as exc:  # this request failed; the stream goes on
+            return pb.ModelStreamInferResponse(error_message=error_message(exc))
+        return reply
+
+    @rpc
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
+        return pb.ModelConfigResponse(config=self._server.model_config(request.name, request.version))
+
+    @rpc
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest,
+                              context: Context) -> pb.ModelStatisticsResponse:
+        stats = self._server.model_statistics(request.name, request.version)
+        return pb.ModelStatisticsResponse(model_stats=[_statistics(s) for s in stats])
+
+    @rpc
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
+                              context: Context) -> pb.RepositoryIndexResponse:
+        _check_repository_name(request.repository_name)
+        index = pb.RepositoryIndexResponse.ModelIndex
+        entries = self._server.repository_index(ready_only=request.ready)
+        return pb.RepositoryIndexResponse(models=[index(name=e.name, version=e.version, state=e.state,
+                                                        reason=e.reason) for e in entries])
+
+    @rpc
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: Context) -> pb.RepositoryModelLoadResponse:
+        _check_repository_name(request.repository_name)
+        if request.parameters:
+            raise UnsupportedError(f"load of model '{request.model_name}': load parameters "
+                                   f"({', '.join(sorted(request.parameters))}) are not supported")
+        await asyncio.to_thread(self._server.load_model, request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @rpc
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context: Context) -> pb.RepositoryModelUnloadResponse:
+        _check_repository_name(request.repository_name)
+        await asyncio.to_thread(self._server.unload_model, request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    @rpc
+    async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,
+                                       context: Context) -> pb.SystemSharedMemoryStatusResponse:
+        raise _unsupported("system shared memory")
+
+    @rpc
+    async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
+                                         context: Context) -> pb.SystemSharedMemoryRegisterResponse:
+        raise _unsupported("system shared memory")
+
+    @rpc
+    async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
+                                           context: Context) -> pb.SystemSharedMemoryUnregisterResponse:
+        raise _unsupported("system shared memory")
+
+    @rpc
+    async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest,
+                                     context: Context) -> pb.CudaSharedMemoryStatusResponse:
+        raise _unsupported("CUDA shared memory")
+
+    @rpc
+    async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest,
+                                       context: Context) -> pb.CudaSharedMemoryRegisterResponse:
+        raise _unsupported("CUDA shared memory")
+
+    @rpc
+    async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
+                                         context: Context) -> pb.CudaSharedMemoryUnregisterResponse:
+        raise _unsupported("CUDA shared memory")
+
+    @rpc
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> pb.TraceSettingResponse:
+        raise UnsupportedError("trace settings are not supported by kiln's gRPC endpoint (kiln has no request "
+                               "tracing); use ModelStatistics or the Prometheus metrics for timings")
+
+    @rpc
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
+        raise UnsupportedError("log settings are not supported by kiln's gRPC endpoint; set logging when starting "
+                               "the server (`kiln serve --log-verbose N --log-format ...`)")
+
+
+# -- helpers -----------------------------------------------------------------------------------------------------
+
+
+async def answer_in_order(requests: AsyncIterator[R], answer: Callable[[R], Awaitable[T]],
+                          window: int) -> AsyncIterator[T]:
+    """Start answering each request as it arrives, up to ``window`` at once, and yield the answers in the order
+    the requests came. ``answer`` must not raise (a stream answers a failed request with a message); a failure to
+    read ``requests`` is raised once the answers before it have been yielded."""
+    pending: asyncio.Queue[asyncio.Task[T] | None] = asyncio.Queue()
+    slots = asyncio.Semaphore(window)
+
+    async def read() -> None:
+        try:
+            async for request in requests:
+                await slots.acquire()
+                pending.put_nowait(asyncio.ensure_future(answer(request)))
+        finally:
+            pending.put_nowait(None)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (task := await pending.get()) is not None:
+            result = await task
+            slots.release()
+            yield result
+        await reader
+    finally:
+        reader.cancel()
+        if reader.done() and not reader.cancelled():
+            reader.exception()  # retrieved: a read failure seen while cancelling is not logged as lost
+        while not pending.empty():
+            leftover = pending.get_nowait()
+            if leftover is not None:
+                leftover.cancel()
+
+
+def _unsupported(feature: str) -> UnsupportedError:
+    return UnsupportedError(f"{feature} is not supported by kiln's gRPC endpoint; send tensor data in the request "
+                            f"itself (raw_input_contents) instead of registering a shared-memory region")
+
+
+def _check_repository_name(name: str) -> None:
+    if name:
+        raise UnsupportedError(f"'repository_name' specification is not supported (got '{name}'); leave it empty "
+                               f"to address every repository")
+
+
+def _duration(duration: Duration) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=duration.count, ns=duration.ns)
+
+
+def _statistics(stats: ModelStats) -> pb.ModelStatistics:
+    return pb.ModelStatistics(
+        name=stats.name,
+        version=stats.version,
+        last_inference=stats.last_inference_ms,
+        inference_count=stats.inference_count,
+        execution_count=stats.execution_count,
+        inference_stats=pb.InferStatistics(
+            success=_duration(stats.success),
+            fail=_duration(stats.fail),
+            queue=_duration(stats.queue),
+            compute_input=_duration(stats.compute_input),
+            compute_infer=_duration(stats.compute_infer),
+            compute_output=_duration(stats.compute_output),
+            cache_hit=pb.StatisticDuration(),
+            cache_miss=pb.StatisticDuration(),
+        ),
+        batch_stats=[
+            pb.InferBatchStatistics(batch_size=batch.batch_size, compute_input=_duration(batch.compute_input),
+                                    compute_infer=_duration(batch.compute_infer),
+                                    compute_output=_duration(batch.compute_output))
+            for _, batch in sorted(stats.batch_stats.items())
+        ],
+    )

@@ -1,0 +1,125 @@
+"""One short async function per KServe V2 / Triton HTTP route: read the request, call the Server, encode.
+
+Errors are raised, never rendered here: the guard that ``app.py`` puts around every endpoint turns them into
+``{"error": message}`` with the status from ``kiln.frontends.status``.
+"""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kiln.config.render import config_to_json
+from kiln.errors import UnsupportedError
+from kiln.frontends.http import codec
+from kiln.frontends.http.body import read_body
+from kiln.frontends.status import as_kiln_error, error_body, http_status
+from kiln.server.server import Server
+
+NOT_READY = HTTPStatus.BAD_REQUEST
+"""KServe's answer to a health or model-readiness probe that fails. Not an error mapping: the protocol fixes it
+(Triton's ``EVHTP_RES_BADREQ`` in ``HandleServerHealth`` / ``HandleModelReady``)."""
+
+_NO_SHARED_MEMORY = ("{kind} shared memory is not supported by kiln: send tensor data in the request body "
+                     "(JSON, or the binary tensor data extension for large tensors)")
+
+
+def error_response(exc: Exception) -> Response:
+    """The response for any exception: typed errors keep their code, anything else is INTERNAL (logged once)."""
+    error = as_kiln_error(exc)
+    return Response(json.dumps(error_body(error)).encode(), status_code=http_status(error),
+                    media_type=codec.JSON_TYPE)
+
+
+def _json(doc: Any) -> Response:
+    return Response(json.dumps(doc, separators=(",", ":")).encode(), media_type=codec.JSON_TYPE)
+
+
+class Endpoints:
+    """The route handlers, bound to one Server and the request body limit."""
+
+    def __init__(self, server: Server, max_input_size: int) -> None:
+        self.server = server
+        self.max_input_size = max_input_size
+
+    # -- health and metadata ---------------------------------------------------------------------------------
+
+    async def live(self, request: Request) -> Response:
+        return Response() if self.server.live() else JSONResponse({"error": "server is not live"}, NOT_READY)
+
+    async def ready(self, request: Request) -> Response:
+        return Response() if self.server.ready() else JSONResponse({"error": "server is not ready"}, NOT_READY)
+
+    async def server_metadata(self, request: Request) -> Response:
+        return _json(self.server.metadata())
+
+    async def model_metadata(self, request: Request) -> Response:
+        name, version = _model(request)
+        return _json(codec.model_metadata_doc(self.server.model_metadata(name, version)))
+
+    async def model_ready(self, request: Request) -> Response:
+        name, version = _model(request)
+        if self.server.model_ready(name, version):
+            return Response()
+        which = f"model '{name}'" + (f" version {version}" if version else "")
+        return JSONResponse({"error": f"{which} is not ready"}, NOT_READY)
+
+    async def model_config(self, request: Request) -> Response:
+        name, version = _model(request)
+        return _json(config_to_json(self.server.model_config(name, version)))
+
+    async def model_statistics(self, request: Request) -> Response:
+        name, version = _model(request)
+        return _json(codec.statistics_doc(self.server.model_statistics(name, version)))
+
+    # -- inference -------------------------------------------------------------------------------------------
+
+    async def infer(self, request: Request) -> Response:
+        name, version = _model(request)
+        body = await read_body(request, self.max_input_size)
+        json_size = codec.header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
+        if json_size == 0:
+            metadata = self.server.model_metadata(name, version)
+            infer_request = codec.decode_raw_request(name, version, body, metadata)
+        else:
+            infer_request = codec.decode_request(name, version, body, json_size)
+        response = await self.server.infer(infer_request)
+        content, header_size = codec.encode_response(response, infer_request)
+        if header_size is None:
+            return Response(content, media_type=codec.JSON_TYPE)
+        return Response(content, media_type=codec.BINARY_TYPE, headers={codec.HEADER_LENGTH: str(header_size)})
+
+    # -- repository ------------------------------------------------------------------------------------------
+
+    async def repository_index(self, request: Request) -> Response:
+        ready_only = codec.index_ready_only(await read_body(request, self.max_input_size))
+        return _json(codec.index_doc(self.server.repository_index(ready_only)))
+
+    async def load_model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        codec.check_control_body(await read_body(request, self.max_input_size), "load", name)
+        self.server.load_model(name)
+        return Response()
+
+    async def unload_model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        codec.check_control_body(await read_body(request, self.max_input_size), "unload", name)
+        self.server.unload_model(name)
+        return Response()
+
+    # -- shared memory ---------------------------------------------------------------------------------------
+
+    async def system_shared_memory(self, request: Request) -> Response:
+        raise UnsupportedError(_NO_SHARED_MEMORY.format(kind="system"))
+
+    async def cuda_shared_memory(self, request: Request) -> Response:
+        raise UnsupportedError(_NO_SHARED_MEMORY.format(kind="CUDA"))
+
+
+def _model(request: Request) -> tuple[str, str]:
+    params = request.path_params
+    return params.get("model", ""), params.get("version", "")
