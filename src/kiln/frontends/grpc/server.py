@@ -1,0 +1,68 @@
+"""Start the gRPC frontend: Triton's GRPCInferenceService plus the standard ``grpc.health.v1.Health`` service.
+
+Health answers SERVING while :meth:`Server.ready` is true and NOT_SERVING otherwise, both for the whole server
+(service ``""``) and for ``inference.GRPCInferenceService``; the state is read from the Server on every Check and
+at the start of every Watch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from grpc_health.v1 import _async as health_aio  # type: ignore[import-untyped]  # no stubs or py.typed marker
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
+
+from kiln.frontends.grpc._generated import grpc_service_pb2, grpc_service_pb2_grpc
+from kiln.frontends.grpc.servicer import GRPCInferenceService
+from kiln.server.server import Server
+
+SERVICE_NAME: str = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+MAX_MESSAGE_BYTES = 2**31 - 1
+"""Triton's limit (INT32_MAX) for both directions."""
+
+
+class ReadinessHealth:
+    """``grpc.health.v1.Health`` whose status follows the Server's readiness (grpc's own servicer underneath)."""
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+        self._health = health_aio.HealthServicer()
+
+    async def _refresh(self) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        state = serving if self._server.ready() else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, state)
+
+    async def Check(self, request: Any, context: Any) -> Any:
+        await self._refresh()
+        return await self._health.Check(request, context)
+
+    async def Watch(self, request: Any, context: Any) -> None:
+        await self._refresh()
+        await self._health.Watch(request, context)
+
+
+async def start_grpc_server(server: Server, host: str, port: int, *,
+                            max_message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.aio.Server, int]:
+    """Serve ``server`` over gRPC on ``host:port`` (port 0 picks a free port) and return the started
+    ``grpc.aio.Server`` with the port it bound. Stop it with ``await grpc_server.stop(grace)``."""
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a port already in use is an error, not a silently shared listener
+    ]
+    grpc_server = grpc.aio.server(options=options)
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]  # generated
+        GRPCInferenceService(server), grpc_server)
+    health_pb2_grpc.add_HealthServicer_to_server(ReadinessHealth(server), grpc_server)
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound = grpc_server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpcio raises on a failed bind (older versions returned 0)
+        raise OSError(f"gRPC frontend: cannot listen on {address}: {exc}") from None
+    if not bound:
+        raise OSError(f"gRPC frontend: cannot listen on {address} (address in use or not available)")
+    await grpc_server.start()
+    return grpc_server, int(bound)

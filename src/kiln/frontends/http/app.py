@@ -1,0 +1,88 @@
+"""The KServe V2 / Triton HTTP application: the route table and the error handlers, nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from kiln.frontends.http.endpoints import Endpoints, error_response
+from kiln.server.server import Server
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+DEFAULT_MAX_INPUT_SIZE = 64 * 2**20
+"""Triton's ``--http-max-input-size`` default (``HTTP_DEFAULT_MAX_INPUT_SIZE``)."""
+
+_MODEL = "/v2/models/{model}"
+_VERSION = "/v2/models/{model}/versions/{version}"
+_SYSTEM_SHM = "/v2/systemsharedmemory"
+_CUDA_SHM = "/v2/cudasharedmemory"
+
+
+def build_app(server: Server, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE) -> Starlette:
+    """An ASGI app serving ``server`` over HTTP; request bodies larger than ``max_input_size`` bytes get 400."""
+    return Starlette(routes=_routes(Endpoints(server, max_input_size)),
+                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})
+
+
+def _routes(e: Endpoints) -> list[BaseRoute]:
+    table: list[tuple[str, Endpoint, str]] = [
+        # Inference first: the router tries routes in order.
+        (_MODEL + "/infer", e.infer, "POST"),
+        (_VERSION + "/infer", e.infer, "POST"),
+        ("/v2/health/live", e.live, "GET"),
+        ("/v2/health/ready", e.ready, "GET"),
+        ("/v2", e.server_metadata, "GET"),
+        ("/v2/models/stats", e.model_statistics, "GET"),  # before /v2/models/{model}
+        (_MODEL, e.model_metadata, "GET"),
+        (_VERSION, e.model_metadata, "GET"),
+        (_MODEL + "/ready", e.model_ready, "GET"),
+        (_VERSION + "/ready", e.model_ready, "GET"),
+        (_MODEL + "/config", e.model_config, "GET"),
+        (_VERSION + "/config", e.model_config, "GET"),
+        (_MODEL + "/stats", e.model_statistics, "GET"),
+        (_VERSION + "/stats", e.model_statistics, "GET"),
+        ("/v2/repository/index", e.repository_index, "POST"),
+        ("/v2/repository/{repository}/index", e.repository_index, "POST"),
+        ("/v2/repository/models/{model}/load", e.load_model, "POST"),
+        ("/v2/repository/models/{model}/unload", e.unload_model, "POST"),
+    ]
+    for prefix, handler in ((_SYSTEM_SHM, e.system_shared_memory), (_CUDA_SHM, e.cuda_shared_memory)):
+        table += [
+            (prefix + "/status", handler, "GET"),
+            (prefix + "/region/{region}/status", handler, "GET"),
+            (prefix + "/region/{region}/register", handler, "POST"),
+            (prefix + "/unregister", handler, "POST"),
+            (prefix + "/region/{region}/unregister", handler, "POST"),
+        ]
+    return [Route(path, _guarded(handler), methods=[method]) for path, handler, method in table]
+
+
+def _guarded(endpoint: Endpoint) -> Endpoint:
+    """Answer every exception an endpoint raises with its error response, so none reaches Starlette's
+    ServerErrorMiddleware (which would re-raise it to the ASGI server after answering)."""
+
+    async def guarded(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except Exception as exc:
+            return error_response(exc)
+
+    guarded.__name__ = getattr(endpoint, "__name__", "endpoint")
+    return guarded
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Routing errors: unmatched path (404 Not Found) and wrong method (405 Method Not Allowed)."""
+    assert isinstance(exc, HTTPException)
+    return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """Last resort for a failure outside any endpoint (Starlette answers it in ServerErrorMiddleware)."""
+    return error_response(exc)
