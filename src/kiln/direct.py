@@ -36,11 +36,11 @@ def load(path: str | Path, version: int | None = None, **options: Any) -> Engine
 
 
 def _engine_options(options: dict[str, Any]) -> EngineOptions:
-    try:
-        return EngineOptions(**options)
-    except TypeError:
-        known = ", ".join(EngineOptions.__dataclass_fields__)
-        raise InvalidArgumentError(f"unknown load option(s) {', '.join(options)}; expected: {known}") from None
+    known = EngineOptions.__dataclass_fields__
+    unknown = [name for name in options if name not in known]
+    if unknown:
+        raise InvalidArgumentError(f"unknown load option(s) {', '.join(unknown)}; expected: {', '.join(known)}")
+    return EngineOptions(**options)
 
 
 def _choose_version(model_dir: ModelDir, version: int | None) -> int:

@@ -7,7 +7,7 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.config._generated import model_config_pb2 as pb
@@ -234,6 +234,7 @@ def test_huge_declared_length_is_truncation_not_allocation() -> None:
         decode_bytes(b"\xff\xff\xff\xff")
 
 
+@settings(deadline=None)
 @given(st.lists(st.binary(max_size=64), max_size=20))
 def test_round_trip_bytes(values: list[bytes]) -> None:
     array = np.empty(len(values), dtype=object)
@@ -244,6 +245,7 @@ def test_round_trip_bytes(values: list[bytes]) -> None:
     assert decode_bytes(encoded, count=len(values)).tolist() == values
 
 
+@settings(deadline=None)
 @given(st.lists(st.text(max_size=32), max_size=20))
 def test_round_trip_str_as_utf8(values: list[str]) -> None:
     array = np.empty(len(values), dtype=object)
@@ -252,6 +254,7 @@ def test_round_trip_str_as_utf8(values: list[str]) -> None:
     assert decoded.tolist() == [v.encode("utf-8") for v in values]
 
 
+@settings(deadline=None)
 @given(st.lists(st.binary(max_size=16), min_size=1, max_size=10), st.data())
 def test_any_cut_of_a_valid_buffer_is_rejected(values: list[bytes], data: st.DataObject) -> None:
     encoded = encode_bytes(values)

@@ -25,9 +25,9 @@ def complete_from_file(config: pb.ModelConfig, file_io: FileIO, default_max_batc
     """Complete ``config`` in place from the tensors the model file declares."""
     if config.max_batch_size == 0 and file_io.supports_batching() and not _declares_full_rank(config, file_io):
         config.max_batch_size = default_max_batch_size
-    skip = 1 if config.max_batch_size > 0 else 0
-    _complete_tensors(config.input, file_io.inputs, skip)
-    _complete_tensors(config.output, file_io.outputs, skip)
+    batching = config.max_batch_size > 0
+    _complete_tensors(config.input, file_io.inputs, batching)
+    _complete_tensors(config.output, file_io.outputs, batching)
     if config.max_batch_size > 1 and config.WhichOneof("scheduling_choice") is None:
         config.dynamic_batching.SetInParent()
 
@@ -53,7 +53,8 @@ def _declares_full_rank(config: pb.ModelConfig, file_io: FileIO) -> bool:
     return any(t.dims and len(t.dims) == ranks.get(t.name) for t in tensors)
 
 
-def _complete_tensors(declared: _Tensors, found: tuple[FileTensor, ...], skip: int) -> None:
+def _complete_tensors(declared: _Tensors, found: tuple[FileTensor, ...], batching: bool) -> None:
+    """Only a dynamic leading dimension is the batch dimension; a fixed one stays so validation can explain it."""
     by_name = {t.name: t for t in declared}
     for tensor in found:
         entry = by_name.get(tensor.name)
@@ -63,6 +64,7 @@ def _complete_tensors(declared: _Tensors, found: tuple[FileTensor, ...], skip: i
         if entry.data_type == pb.TYPE_INVALID:
             entry.data_type = cast("pb.DataType", tensor.datatype.config_number)
         if not entry.dims and not entry.HasField("reshape"):
+            skip = 1 if batching and tensor.dims[:1] == (-1,) else 0
             entry.dims.extend(tensor.dims[skip:])
 
 

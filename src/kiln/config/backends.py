@@ -37,6 +37,12 @@ FILE_BACKENDS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+def register_backend_name(name: str, default_filename: str = "") -> None:
+    """Let configs name a backend that was registered at run time (see kiln.engines.register_backend)."""
+    if name not in BACKENDS:
+        BACKENDS[name] = BackendInfo(name, (), default_filename)
+
+
 def backend_for_platform(platform: str) -> str | None:
     for info in BACKENDS.values():
         if platform in info.platforms:

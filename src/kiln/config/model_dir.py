@@ -40,7 +40,7 @@ def version_folders(model_path: Path) -> dict[int, Path]:
     """Numeric sub-folders; names that are not numeric or start with 0 are ignored, as Triton does."""
     found: dict[int, Path] = {}
     for child in model_path.iterdir():
-        if child.is_dir() and child.name.isdigit() and not child.name.startswith("0"):
+        if child.is_dir() and child.name.isascii() and child.name.isdigit() and not child.name.startswith("0"):
             found[int(child.name)] = child
     return dict(sorted(found.items()))
 

@@ -53,9 +53,10 @@ def _describe_parse_error(message: str, source: str) -> str:
 def _hint(detail: str) -> str:
     if "has no field named" in detail:
         return " (check the spelling against Triton's model_config.proto field names)"
-    if "Unknown enumeration value" in detail and "data_type" in detail:
+    unknown_enum = "Unknown enumeration value" in detail or "has no value named" in detail
+    if unknown_enum and ("data_type" in detail or "inference.DataType" in detail):
         names = ", ".join(name for name in pb.DataType.keys() if name != "TYPE_INVALID")
         return f" (valid data_type values: {names})"
-    if "Unknown enumeration value" in detail:
+    if unknown_enum:
         return " (check the enum value spelling, e.g. KIND_CPU, KIND_GPU)"
     return ""

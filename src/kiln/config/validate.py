@@ -62,6 +62,10 @@ def _tensor_specs(entries: _Tensors, kind: str,
         seen.add(entry.name)
         if entry.data_type == pb.TYPE_INVALID:
             raise ConfigError(f"{source}: {kind} '{entry.name}' has no data_type; set e.g. data_type: TYPE_FP32")
+        if entry.data_type not in pb.DataType.values():
+            names = ", ".join(name for name in pb.DataType.keys() if name != "TYPE_INVALID")
+            raise ConfigError(f"{source}: {kind} '{entry.name}' has data_type {entry.data_type}, which is not a "
+                              f"known type; use one of {names}")
         dims = tuple(int(d) for d in entry.dims)
         reshape = tuple(int(d) for d in entry.reshape.shape) if entry.HasField("reshape") else None
         if not dims and reshape is None:

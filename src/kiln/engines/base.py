@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kiln.config.backends import register_backend_name
 from kiln.config.spec import ModelSpec, TensorSpec
 from kiln.engines.checks import check_inputs, check_outputs
-from kiln.errors import UnsupportedError
+from kiln.errors import InvalidArgumentError, UnsupportedError
 
 Array = npt.NDArray[Any]
 
@@ -34,6 +35,10 @@ class EngineOptions:
     intra_op_threads: int | None = None
     inter_op_threads: int | None = None
     extra: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cpu", "gpu"):
+            raise InvalidArgumentError(f"engine option kind is '{self.kind}'; expected 'cpu' or 'gpu'")
 
 
 class Engine(abc.ABC):
@@ -85,9 +90,11 @@ _BUILTIN: dict[str, str] = {
 _REGISTRY: dict[str, EngineFactory] = {}
 
 
-def register_backend(name: str, factory: EngineFactory) -> None:
-    """Make ``backend: "<name>"`` in a config load engines through ``factory(spec, model_file, options)``."""
+def register_backend(name: str, factory: EngineFactory, default_filename: str = "") -> None:
+    """Make ``backend: "<name>"`` in a config load engines through ``factory(spec, model_file, options)``.
+    ``default_filename`` is the model file looked for in a version folder ("" = none needed)."""
     _REGISTRY[name] = factory
+    register_backend_name(name, default_filename)
 
 
 def backend_names() -> list[str]:

@@ -65,7 +65,13 @@ class OnnxRuntimeEngine(Engine):
             array = array.reshape(lead + tensor.reshape)
         if array.dtype.kind in ("O", "S"):
             # onnxruntime's string tensors take str elements.
-            return np.array([_text(v) for v in array.reshape(-1)], dtype=object).reshape(array.shape)
+            try:
+                texts = [_text(v) for v in array.reshape(-1)]
+            except UnicodeDecodeError as exc:
+                raise InvalidArgumentError(f"model '{self.spec.name}': input '{name}' holds bytes that are not "
+                                           f"UTF-8 ({exc.reason} at byte {exc.start}); onnxruntime string tensors "
+                                           f"need UTF-8 text") from None
+            return np.array(texts, dtype=object).reshape(array.shape)
         return np.ascontiguousarray(array)
 
     def _from_model(self, tensor: TensorSpec, value: Any) -> Array:

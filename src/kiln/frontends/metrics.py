@@ -5,7 +5,7 @@ Metrics are read from the statistics at scrape time, so the request path pays no
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -23,7 +23,7 @@ class ServerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._server.model_statistics()
-        counters = {
+        counters: dict[str, tuple[str, Callable[[ModelStats], int]]] = {
             "nv_inference_request_success": ("Number of successful inference requests, all batch sizes",
                                              lambda s: s.success.count),
             "nv_inference_count": ("Number of inferences performed (a batch of n counts n)",

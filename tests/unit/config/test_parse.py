@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.config._generated import model_config_pb2 as pb
@@ -103,8 +103,6 @@ def test_unknown_data_type_names_file_position_and_value() -> None:
     assert "TYPE_FLOAT" in message
 
 
-@pytest.mark.xfail(strict=True, reason="kiln.config.parse._hint matches 'Unknown enumeration value', but protobuf "
-                   "6 says 'Enum type ... has no value named ...': the data_type hint never appears")
 def test_unknown_data_type_hint_lists_valid_names() -> None:
     with pytest.raises(ConfigError) as info:
         parse_config_text('input [ { name: "a" data_type: TYPE_FLOAT } ]', "m/config.pbtxt")
@@ -115,7 +113,6 @@ def test_unknown_data_type_hint_lists_valid_names() -> None:
     assert "TYPE_INVALID" not in message
 
 
-@pytest.mark.xfail(strict=True, reason="kiln.config.parse._hint never matches protobuf 6's enum error text")
 def test_unknown_enum_value_hint() -> None:
     with pytest.raises(ConfigError, match="check the enum value spelling, e.g. KIND_CPU, KIND_GPU"):
         parse_config_text("instance_group [ { kind: KIND_TPU } ]", "m/config.pbtxt")
@@ -161,7 +158,7 @@ def test_config_to_text_round_trips() -> None:
 
 # -- property: any ModelConfig survives text_format -> parse_config_text
 
-_names = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
+_names = st.text(st.characters(codec="utf-8"), max_size=12)
 _int64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 _uint64 = st.integers(min_value=0, max_value=2**64 - 1)
 _int32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
@@ -205,6 +202,7 @@ def _configs(draw: st.DrawFn) -> pb.ModelConfig:
     return config
 
 
+@settings(deadline=None)
 @given(_configs(), st.booleans())
 def test_any_config_round_trips_through_text(config: pb.ModelConfig, as_one_line: bool) -> None:
     text = text_format.MessageToString(config, as_one_line=as_one_line)

@@ -27,7 +27,8 @@ dynamic_batching {
   priority_queue_policy { key: 1 value: { default_timeout_microseconds: 70 allow_timeout_override: true } }
   priority_queue_policy { key: 3 value: { max_queue_size: 2 } }
 }
-model_warmup [ { name: "w" batch_size: 2 inputs { key: "IN" value: { data_type: TYPE_FP32 dims: [ 4, 3 ] zero_data: true } } } ]
+model_warmup [ { name: "w" batch_size: 2
+  inputs { key: "IN" value: { data_type: TYPE_FP32 dims: [ 4, 3 ] zero_data: true } } } ]
 """
 
 

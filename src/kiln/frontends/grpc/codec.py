@@ -53,9 +53,11 @@ InputMessage = pb.ModelInferRequest.InferInputTensor
 
 def decode_request(message: pb.ModelInferRequest) -> InferRequest:
     """Build the protocol-free request; tensor data stays a view over the received bytes where possible."""
+    # Repeated fields are read with [:] (one list per field): iterating upb containers directly is several
+    # times slower, and this runs for every request.
     model = message.model_name
-    tensors = message.inputs
-    raw = message.raw_input_contents
+    tensors = message.inputs[:]
+    raw = message.raw_input_contents[:]
     if raw:
         if len(raw) != len(tensors):
             raise InvalidArgumentError(
@@ -65,13 +67,15 @@ def decode_request(message: pb.ModelInferRequest) -> InferRequest:
         inputs = [_from_raw(model, tensor, data) for tensor, data in zip(tensors, raw, strict=True)]
     else:
         inputs = [_from_contents(model, tensor) for tensor in tensors]
+    outputs = message.outputs
+    parameters = message.parameters
     return InferRequest(
         model_name=model,
         inputs=inputs,
         model_version=message.model_version,
         id=message.id,
-        outputs=[_requested_output(model, output) for output in message.outputs],
-        parameters=decode_parameters(message.parameters, f"model '{model}': request") if message.parameters else {},
+        outputs=[_requested_output(model, output) for output in outputs[:]] if outputs else [],
+        parameters=decode_parameters(parameters, f"model '{model}': request") if parameters else {},
     )
 
 
@@ -81,8 +85,8 @@ def _header(model: str, tensor: InputMessage) -> tuple[DataType, tuple[int, ...]
         expected = ", ".join(_DATATYPES)
         raise InvalidArgumentError(f"model '{model}': input '{tensor.name}' has unknown datatype "
                                    f"'{tensor.datatype}'; expected one of {expected}")
-    shape = tuple(tensor.shape)
-    if any(dim < 0 for dim in shape):
+    shape = tuple(tensor.shape[:])
+    if shape and min(shape) < 0:
         raise InvalidArgumentError(f"model '{model}': input '{tensor.name}' has shape {list(shape)}; "
                                    f"dimensions cannot be negative")
     return datatype, shape
@@ -128,7 +132,7 @@ def _from_contents(model: str, tensor: InputMessage) -> InputTensor:
     if field is None:
         raise InvalidArgumentError(f"model '{model}': input '{tensor.name}' is {datatype.wire_name}, which has no "
                                    f"typed contents field; send its data in raw_input_contents")
-    values = getattr(tensor.contents, field)
+    values = getattr(tensor.contents, field)[:]
     count = element_count(shape)
     if len(values) != count:
         raise InvalidArgumentError(
@@ -138,7 +142,7 @@ def _from_contents(model: str, tensor: InputMessage) -> InputTensor:
     array: npt.NDArray[Any]
     if datatype is DataType.BYTES:
         array = np.empty(count, dtype=object)
-        array[:] = list(values)
+        array[:] = values
     else:
         try:
             array = np.asarray(values, dtype=datatype.numpy_dtype)

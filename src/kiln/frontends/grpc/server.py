@@ -1,17 +1,17 @@
 """Start the gRPC frontend: Triton's GRPCInferenceService plus the standard ``grpc.health.v1.Health`` service.
 
 Health answers SERVING while :meth:`Server.ready` is true and NOT_SERVING otherwise, both for the whole server
-(service ``""``) and for ``inference.GRPCInferenceService``; the state is read from the Server on every Check and
-at the start of every Watch.
+(service ``""``) and for ``inference.GRPCInferenceService``; the state is read from the Server on every Check, and
+every :data:`HEALTH_POLL_S` seconds while a Watch is open.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
-from grpc_health.v1 import _async as health_aio  # type: ignore[import-untyped]  # no stubs or py.typed marker
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[import-untyped]  # no type info
 
 from kiln.frontends.grpc._generated import grpc_service_pb2, grpc_service_pb2_grpc
 from kiln.frontends.grpc.servicer import GRPCInferenceService
@@ -20,6 +20,8 @@ from kiln.server.server import Server
 SERVICE_NAME: str = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 MAX_MESSAGE_BYTES = 2**31 - 1
 """Triton's limit (INT32_MAX) for both directions."""
+HEALTH_POLL_S = 1.0
+"""How often an open health Watch re-reads the Server's readiness."""
 
 
 class ReadinessHealth:
@@ -27,12 +29,12 @@ class ReadinessHealth:
 
     def __init__(self, server: Server) -> None:
         self._server = server
-        self._health = health_aio.HealthServicer()
+        self._health = health.aio.HealthServicer()
 
     async def _refresh(self) -> None:
         serving = health_pb2.HealthCheckResponse.SERVING
         state = serving if self._server.ready() else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", SERVICE_NAME):
+        for service in (health.OVERALL_HEALTH, SERVICE_NAME):
             await self._health.set(service, state)
 
     async def Check(self, request: Any, context: Any) -> Any:
@@ -41,7 +43,16 @@ class ReadinessHealth:
 
     async def Watch(self, request: Any, context: Any) -> None:
         await self._refresh()
-        await self._health.Watch(request, context)
+        poller = asyncio.create_task(self._poll())
+        try:
+            await self._health.Watch(request, context)
+        finally:
+            poller.cancel()
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_POLL_S)
+            await self._refresh()
 
 
 async def start_grpc_server(server: Server, host: str, port: int, *,

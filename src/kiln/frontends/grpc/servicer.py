@@ -12,7 +12,7 @@ import asyncio
 import functools
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, TypeAlias, TypeVar, cast
 
 import grpc
 
@@ -23,7 +23,8 @@ from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
 from kiln.server.server import Server
 from kiln.server.stats import Duration, ModelStats
 
-Context = grpc.aio.ServicerContext
+Context: TypeAlias = Any
+"""A ``grpc.aio.ServicerContext`` (grpcio ships no type information)."""
 F = TypeVar("F", bound=Callable[..., Any])
 R = TypeVar("R")
 T = TypeVar("T")

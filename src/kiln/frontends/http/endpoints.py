@@ -6,7 +6,6 @@ Errors are raised, never rendered here: the guard that ``app.py`` puts around ev
 
 from __future__ import annotations
 
-import json
 from http import HTTPStatus
 from typing import Any
 
@@ -31,12 +30,11 @@ _NO_SHARED_MEMORY = ("{kind} shared memory is not supported by kiln: send tensor
 def error_response(exc: Exception) -> Response:
     """The response for any exception: typed errors keep their code, anything else is INTERNAL (logged once)."""
     error = as_kiln_error(exc)
-    return Response(json.dumps(error_body(error)).encode(), status_code=http_status(error),
-                    media_type=codec.JSON_TYPE)
+    return Response(codec.encode_json(error_body(error)), status_code=http_status(error), media_type=codec.JSON_TYPE)
 
 
 def _json(doc: Any) -> Response:
-    return Response(json.dumps(doc, separators=(",", ":")).encode(), media_type=codec.JSON_TYPE)
+    return Response(codec.encode_json(doc), media_type=codec.JSON_TYPE)
 
 
 class Endpoints:
