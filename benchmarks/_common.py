@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shlex
 import shutil
 import signal
@@ -221,6 +222,93 @@ class LoadResult:
     p99_ms: float
     mean_ms: float
     notes: str = ""
+    # Average CPU cores used during the window by the server's process group, by the load generator, and by
+    # everything else on the machine (other users' processes; should be ~0 on a quiet machine).
+    cpu_server: float | None = None
+    cpu_loadgen: float | None = None
+    cpu_other: float | None = None
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies over all CPUs from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait
+
+
+def _group_ticks(pgid: int) -> int:
+    """utime + stime jiffies of every live process in process group ``pgid``."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            rest = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(rest[2]) == pgid:
+            total += int(rest[11]) + int(rest[12])
+    return total
+
+
+class CpuMeter:
+    """CPU use split into server / load generator (this process's reaped children) / everything else.
+
+    ``server_pgid`` is the server's process group; ``None`` means the server is this very process (direct mode).
+    """
+
+    def __init__(self, server_pgid: int | None) -> None:
+        self.pgid = server_pgid
+
+    def _server_seconds(self) -> float:
+        if self.pgid is None:
+            r = resource.getrusage(resource.RUSAGE_SELF)
+            return r.ru_utime + r.ru_stime
+        return _group_ticks(self.pgid) / _CLK_TCK
+
+    def __enter__(self) -> CpuMeter:
+        self.t0 = time.perf_counter()
+        self.machine0 = _machine_ticks()
+        self.server0 = self._server_seconds()
+        c = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.children0 = c.ru_utime + c.ru_stime
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self.t0
+        busy1, _total1 = _machine_ticks()
+        c = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.server = (self._server_seconds() - self.server0) / wall
+        self.loadgen = (c.ru_utime + c.ru_stime - self.children0) / wall if self.pgid is not None else 0.0
+        self.machine = (busy1 - self.machine0[0]) / _CLK_TCK / wall
+        self.other = max(0.0, self.machine - self.server - self.loadgen)
+
+    def apply(self, result: LoadResult) -> LoadResult:
+        result.cpu_server, result.cpu_loadgen, result.cpu_other = self.server, self.loadgen, self.other
+        if self.other > 0.25:
+            note = f"machine not quiet: {self.other:.2f} cores used by other processes"
+            result.notes = f"{result.notes}; {note}" if result.notes else note
+        return result
+
+
+def wait_quiet(server_pgid: int | None, max_wait_s: float, threshold: float = 0.15, sample_s: float = 0.5) -> float:
+    """Wait (up to ``max_wait_s``) until processes other than the server use < ``threshold`` cores; return that."""
+    deadline = time.monotonic() + max_wait_s
+    announced = False
+    while True:
+        with CpuMeter(server_pgid) as meter:
+            time.sleep(sample_s)
+        other = meter.machine - (meter.server if server_pgid is not None else 0.0)
+        if other < threshold or time.monotonic() >= deadline:
+            return other
+        if not announced:
+            print(f"   waiting for a quiet machine (other processes use {other:.2f} cores) ...", flush=True)
+            announced = True
+        time.sleep(2.0)
 
 
 _WRK_LUA = r"""
@@ -247,7 +335,7 @@ end
 
 
 def run_wrk(url: str, body: bytes, headers: Mapping[str, str], concurrency: int, duration_s: float,
-            threads: int = 1) -> LoadResult:
+            threads: int = 1, server_pgid: int | None = None) -> LoadResult:
     """POST ``body`` to ``url`` from ``concurrency`` keep-alive connections for ``duration_s`` seconds."""
     with tempfile.TemporaryDirectory(prefix="kiln-wrk-") as tmp:
         body_path = Path(tmp, "body.bin")
@@ -260,7 +348,8 @@ def run_wrk(url: str, body: bytes, headers: Mapping[str, str], concurrency: int,
         threads = max(1, min(threads, concurrency))
         cmd = ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{_secs(duration_s)}", "--timeout", "10s",
                "-s", str(script), url]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=duration_s + 60)
+        with CpuMeter(server_pgid or -1) as meter:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=duration_s + 60)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("KILN_WRK_JSON ")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"wrk failed (rc {proc.returncode}): {proc.stdout[-2000:]} {proc.stderr[-2000:]}")
@@ -272,8 +361,9 @@ def run_wrk(url: str, body: bytes, headers: Mapping[str, str], concurrency: int,
     if errors:
         notes = (f"errors: status={s['status']} connect={s['connect']} read={s['read']} write={s['write']} "
                  f"timeout={s['timeout']}")
-    return LoadResult("wrk", concurrency, duration, ok, errors, ok / duration, s["p50_us"] / 1e3,
-                      s["p99_us"] / 1e3, s["mean_us"] / 1e3, notes)
+    result = LoadResult("wrk", concurrency, duration, ok, errors, ok / duration, s["p50_us"] / 1e3,
+                        s["p99_us"] / 1e3, s["mean_us"] / 1e3, notes)
+    return meter.apply(result)
 
 
 def grpc_frame(message: bytes) -> bytes:
@@ -282,7 +372,7 @@ def grpc_frame(message: bytes) -> bytes:
 
 
 def run_h2load(url: str, message: bytes, concurrency: int, duration_s: float, warmup_s: float,
-               expected_response_bytes: int) -> LoadResult:
+               expected_response_bytes: int, server_pgid: int | None = None) -> LoadResult:
     """Unary gRPC calls of ``message`` (a serialized request) for ``duration_s`` after ``warmup_s``.
 
     ``expected_response_bytes`` is the size of the verified response message; each successful call must
@@ -291,7 +381,8 @@ def run_h2load(url: str, message: bytes, concurrency: int, duration_s: float, wa
     """
     if warmup_s > 0:
         _h2load(url, message, concurrency, warmup_s)
-    out, latencies_us, non200 = _h2load(url, message, concurrency, duration_s)
+    with CpuMeter(server_pgid or -1) as meter:
+        out, latencies_us, non200 = _h2load(url, message, concurrency, duration_s)
     finished = re.search(r"finished in ([\d.]+)(m?s)", out)
     reqs = re.search(r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, (\d+) failed, "
                      r"(\d+) errored, (\d+) timeout", out)
@@ -317,7 +408,8 @@ def run_h2load(url: str, message: bytes, concurrency: int, duration_s: float, wa
                           float(latencies_us.mean()) / 1e3)
     else:
         p50 = p99 = mean = float("nan")
-    return LoadResult("h2load", concurrency, duration, ok, errors, ok / duration, p50, p99, mean, "; ".join(notes))
+    result = LoadResult("h2load", concurrency, duration, ok, errors, ok / duration, p50, p99, mean, "; ".join(notes))
+    return meter.apply(result)
 
 
 def _h2load(url: str, message: bytes, concurrency: int, duration_s: float) -> tuple[str, np.ndarray, int]:

@@ -52,6 +52,7 @@ from _common import (
     run_h2load,
     run_wrk,
     running,
+    wait_quiet,
     write_json,
 )
 
@@ -74,6 +75,8 @@ def main() -> int:
     parser.add_argument("--kiln-variants", default="demo,nobatch",
                         help="kiln configs: demo (as written by demo-repo), nobatch (dynamic_batching removed)")
     parser.add_argument("--skip-kiln", action="store_true", help="measure MLServer only")
+    parser.add_argument("--max-wait-quiet", type=float, default=120.0,
+                        help="before each window, wait up to this long for other processes to go idle (default 120)")
     parser.add_argument("--output", type=Path, default=None, help="write all results as JSON here")
     args = parser.parse_args()
 
@@ -167,7 +170,7 @@ def _measure_mlserver(python: Path, tmp: Path, repo: Path, workers: int, payload
     with running(server):
         ready_s = server.wait_http_ready(http_port, ("/v2/health/ready", f"/v2/models/{MODEL}/ready"), timeout=180)
         print(f"   ready after {ready_s:.1f} s", flush=True)
-        row = _measure(name, http_port, grpc_port, payload, args)
+        row = _measure(name, http_port, grpc_port, payload, args, server.proc.pid)
     row.update({"server": "mlserver", "parallel_workers": workers, "ready_s": ready_s,
                 "settings": settings, "model_settings": model_settings})
     return row
@@ -194,14 +197,14 @@ def _measure_kiln(tmp: Path, repo: Path, variant: str, payload: Payload, args: a
     with running(server):
         ready_s = server.wait_http_ready(http_port, timeout=180)
         print(f"   ready after {ready_s:.1f} s", flush=True)
-        row = _measure(name, http_port, grpc_port, payload, args)
+        row = _measure(name, http_port, grpc_port, payload, args, server.proc.pid)
     row.update({"server": "kiln", "variant": variant, "ready_s": ready_s,
                 "config": (served / MODEL / "config.pbtxt").read_text()})
     return row
 
 
-def _measure(name: str, http_port: int, grpc_port: int, payload: Payload,
-             args: argparse.Namespace) -> dict[str, Any]:
+def _measure(name: str, http_port: int, grpc_port: int, payload: Payload, args: argparse.Namespace,
+             pgid: int) -> dict[str, Any]:
     _inputs, expected, body, message = payload
     # Correctness first: the exact bytes the load generators will send must give the right answer.
     status, _headers, resp = http_post(http_port, f"/v2/models/{MODEL}/infer", body,
@@ -215,11 +218,13 @@ def _measure(name: str, http_port: int, grpc_port: int, payload: Payload,
 
     url = f"http://127.0.0.1:{http_port}/v2/models/{MODEL}/infer"
     headers = {"Content-Type": "application/json"}
+    wait_quiet(pgid, args.max_wait_quiet)
     run_wrk(url, body, headers, args.concurrency, args.warmup)
-    rest = run_wrk(url, body, headers, args.concurrency, args.duration)
+    rest = run_wrk(url, body, headers, args.concurrency, args.duration, server_pgid=pgid)
     print(f"   REST  {_fmt(rest)}", flush=True)
+    wait_quiet(pgid, args.max_wait_quiet)
     grpc = run_h2load(f"http://127.0.0.1:{grpc_port}", message, args.concurrency, args.duration, args.warmup,
-                      expected_response_bytes=len(grpc_resp))
+                      expected_response_bytes=len(grpc_resp), server_pgid=pgid)
     print(f"   gRPC  {_fmt(grpc)}", flush=True)
     return {"name": name, "rest": rest, "grpc": grpc, "rest_body_bytes": len(body),
             "grpc_request_bytes": len(message), "grpc_response_bytes": len(grpc_resp)}
@@ -228,6 +233,7 @@ def _measure(name: str, http_port: int, grpc_port: int, payload: Payload,
 def _fmt(r: LoadResult) -> str:
     extra = f"  [{r.notes}]" if r.notes else ""
     return (f"{r.rps:,.0f} req/s  p50 {r.p50_ms:.2f} ms  p99 {r.p99_ms:.2f} ms  ok {r.ok}  errors {r.errors}"
+            f"  cpu server/loadgen/other {r.cpu_server or 0:.2f}/{r.cpu_loadgen or 0:.2f}/{r.cpu_other or 0:.2f}"
             f"{extra}")
 
 
@@ -238,8 +244,12 @@ def _report(rows: list[dict[str, Any]], bar: float) -> dict[str, Any]:
         for proto in ("rest", "grpc"):
             r: LoadResult = row[proto]
             table.append([row["name"], "HTTP JSON (wrk)" if proto == "rest" else "gRPC raw (h2load)", r.concurrency,
-                          r.rps, r.p50_ms, r.p99_ms, r.ok, r.errors])
-    lines += format_table(["server", "protocol", "conc", "req/s", "p50", "p99", "ok", "errors"], table)
+                          r.rps, r.p50_ms, r.p99_ms, r.ok, r.errors, f"{r.cpu_server or 0:.2f}",
+                          f"{r.cpu_loadgen or 0:.2f}", f"{r.cpu_other or 0:.2f}"])
+    lines += format_table(["server", "protocol", "conc", "req/s", "p50", "p99", "ok", "errors", "cpu server",
+                           "cpu loadgen", "cpu other"], table)
+    lines += ["cpu columns: average cores busy during the window (server process group incl. workers; load "
+              "generator; all other processes on the machine)"]
     verdict: dict[str, Any] = {"bar": bar}
     mls = [r for r in rows if r["server"] == "mlserver"]
     kilns = [r for r in rows if r["server"] == "kiln"]

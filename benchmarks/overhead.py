@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from _common import (
     GRPC_INFER_PATH,
+    CpuMeter,
     LoadResult,
     ServerProcess,
     Tensor,
@@ -57,6 +58,7 @@ from _common import (
     run_h2load,
     run_wrk,
     running,
+    wait_quiet,
     write_json,
 )
 
@@ -71,6 +73,8 @@ def main() -> int:
     parser.add_argument("--models", default="simple,mlp", help="comma-separated demo models (default simple,mlp)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
     parser.add_argument("--wrk-threads", type=int, default=1, help="wrk threads (default 1: leave a core to kiln)")
+    parser.add_argument("--max-wait-quiet", type=float, default=120.0,
+                        help="before each window, wait up to this long for other processes to go idle (default 120)")
     parser.add_argument("--output", type=Path, default=None, help="write all results as JSON here")
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -127,7 +131,10 @@ def _direct(repo: Path, model: str, case: tuple[list[Tensor], dict[str, np.ndarr
     with kiln.load(repo / model) as engine:
         check_outputs(dict(engine.infer(feed)), expected, f"direct {model}")
         for c in concurrencies:
-            result = _direct_window(engine, feed, expected, c, args.warmup, args.duration)
+            wait_quiet(None, args.max_wait_quiet)
+            with CpuMeter(None) as meter:
+                result = _direct_window(engine, feed, expected, c, args.warmup, args.duration)
+            meter.apply(result)
             print(f"direct       {model:6s} c={c:<3d} {_fmt(result)}", flush=True)
             out.append({"model": model, "mode": "direct", "result": result})
     return out
@@ -190,6 +197,7 @@ def _served(tmp: Path, repo: Path, models: list[str], cases: dict[str, tuple[lis
     with running(server):
         ready_s = server.wait_http_ready(http_port, timeout=180)
         print(f"   ready after {ready_s:.2f} s", flush=True)
+        pgid = server.proc.pid  # started in its own session: its pid is its process group
         for model in models:
             inputs, expected = cases[model]
             output_names = sorted(expected)
@@ -215,12 +223,14 @@ def _served(tmp: Path, repo: Path, models: list[str], cases: dict[str, tuple[lis
                     grpc_resp = grpc_unary(grpc_port, GRPC_INFER_PATH, message)
                     check_outputs(parse_grpc_response(grpc_resp), expected, f"{mode} {model}")
                 for c in concurrencies:
+                    wait_quiet(pgid, args.max_wait_quiet)
                     if mode == "grpc":
                         result = run_h2load(f"http://127.0.0.1:{grpc_port}", message, c, args.duration,
-                                            args.warmup, expected_response_bytes=len(grpc_resp))
+                                            args.warmup, expected_response_bytes=len(grpc_resp), server_pgid=pgid)
                     else:
                         run_wrk(url, body, headers, c, args.warmup, threads=args.wrk_threads)
-                        result = run_wrk(url, body, headers, c, args.duration, threads=args.wrk_threads)
+                        result = run_wrk(url, body, headers, c, args.duration, threads=args.wrk_threads,
+                                         server_pgid=pgid)
                     print(f"{mode:12s} {model:6s} c={c:<3d} {_fmt(result)}", flush=True)
                     out.append({"model": model, "mode": mode, "result": result})
         if server.proc.poll() is not None:
@@ -236,6 +246,7 @@ def _expect_200(status: int, body: bytes, mode: str, model: str) -> None:
 def _fmt(r: LoadResult) -> str:
     extra = f"  [{r.notes}]" if r.notes else ""
     return (f"{r.rps:9,.0f} req/s  p50 {r.p50_ms:7.3f} ms  p99 {r.p99_ms:7.3f} ms  ok {r.ok:6d}  errors {r.errors}"
+            f"  cpu server/loadgen/other {r.cpu_server or 0:.2f}/{r.cpu_loadgen or 0:.2f}/{r.cpu_other or 0:.2f}"
             f"{extra}")
 
 
@@ -251,11 +262,18 @@ def _table(results: list[dict[str, Any]], models: list[str], modes: list[str], c
                 d = by_key.get((model, "direct", c))
                 rps_ratio = f"{r.rps / d.rps:.3f}" if d and d.rps and mode != "direct" else None
                 p50_ratio = f"{r.p50_ms / d.p50_ms:.1f}x" if d and d.p50_ms and mode != "direct" else None
-                rows.append([model, mode, c, r.rps, r.p50_ms, r.p99_ms, r.ok, r.errors, rps_ratio, p50_ratio])
+                rows.append([model, mode, c, r.rps, r.p50_ms, r.p99_ms, r.ok, r.errors, rps_ratio, p50_ratio,
+                             _cores(r.cpu_server), _cores(r.cpu_loadgen), _cores(r.cpu_other)])
     lines = ["", "## Results (req/s counts only correct answers; latencies in ms; ratios served/direct)"]
     lines += format_table(["model", "mode", "conc", "req/s", "p50 ms", "p99 ms", "ok", "errors",
-                           "req/s served/direct", "p50 served/direct"], rows)
+                           "req/s served/direct", "p50 served/direct", "cpu server", "cpu loadgen", "cpu other"], rows)
+    lines += ["cpu columns: average cores busy during the window (server process group or, for direct, this "
+              "process; load generator; all other processes on the machine)"]
     return lines
+
+
+def _cores(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)

@@ -180,7 +180,8 @@ def decode_bytes(buffer: bytes | bytearray | memoryview, count: int | None = Non
     if count is not None and len(elements) != count:
         raise InvalidArgumentError(f"BYTES buffer holds {len(elements)} elements, expected {count}")
     if offset != len(view):
-        raise InvalidArgumentError(f"BYTES buffer has {len(view) - offset} unexpected bytes after {count} elements")
+        raise InvalidArgumentError(f"BYTES buffer has {len(view) - offset} unexpected bytes after {len(elements)} "
+                                   f"elements")
     result = np.empty(len(elements), dtype=object)
     result[:] = elements
     return result

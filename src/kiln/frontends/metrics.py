@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kiln.server.server import Server
@@ -41,9 +41,9 @@ class ServerCollector(Collector):
                                                         "microseconds", lambda s: s.compute_output.ns // 1000),
         }
         for name, (help_text, read) in counters.items():
-            family = CounterMetricFamily(name, help_text, labels=_LABELS)
+            family = _counter(name, help_text)
             for s in stats:
-                family.add_metric([s.name, s.version], read(s))
+                family.add_sample(name, {"model": s.name, "version": s.version}, read(s))
             yield family
         yield self._failures(stats)
         pending = GaugeMetricFamily("nv_inference_pending_request_count",
@@ -55,11 +55,16 @@ class ServerCollector(Collector):
 
     @staticmethod
     def _failures(stats: list[ModelStats]) -> Metric:
-        family = CounterMetricFamily("nv_inference_request_failure", "Number of failed inference requests",
-                                     labels=[*_LABELS, "reason"])
+        name = "nv_inference_request_failure"
+        family = _counter(name, "Number of failed inference requests, all batch sizes")
         for s in stats:
-            family.add_metric([s.name, s.version, "BACKEND"], s.fail.count)
+            family.add_sample(name, {"model": s.name, "version": s.version, "reason": "BACKEND"}, s.fail.count)
         return family
+
+
+def _counter(name: str, help_text: str) -> Metric:
+    """A counter exposed under exactly Triton's name (prometheus_client would append ``_total``)."""
+    return Metric(name, help_text, "counter")
 
 
 def metrics_registry(server: Server) -> CollectorRegistry:

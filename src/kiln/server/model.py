@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 
 from kiln.config.spec import ModelSpec
@@ -41,12 +42,12 @@ class LoadedModel:
         for engine in self.engines:
             engine.close()
 
-    def run(self, engine: Engine, request: InferRequest, batch_size: int,
-            enqueued_ns: int) -> tuple[InferResponse, ExecutionTimes]:
-        """Execute one request on ``engine`` (in a worker thread) and build its response."""
+    def run_batch(self, engine: Engine, requests: list[InferRequest],
+                  rows: list[int]) -> tuple[list[InferResponse], ExecutionTimes]:
+        """Execute requests with identical input shapes as one batch; split the outputs back per request."""
         start = time.monotonic_ns()
-        feed = {tensor.name: tensor.data for tensor in request.inputs}
-        names = [o.name for o in request.outputs] or [t.name for t in self.spec.outputs]
+        feed = _concatenate(requests)
+        names = _output_names(self.spec, requests)
         infer_start = time.monotonic_ns()
         try:
             results = engine.execute(feed, names)
@@ -55,13 +56,20 @@ class LoadedModel:
         except Exception as exc:  # an engine's own failure: report it as INTERNAL, never crash the worker
             raise InternalError(f"model '{self.name}' version {self.version}: {type(exc).__name__}: {exc}") from exc
         infer_end = time.monotonic_ns()
-        outputs = [self._output(name, results[name], request) for name in names]
+        responses: list[InferResponse] = []
+        offset = 0
+        for request, count in zip(requests, rows, strict=True):
+            wanted = [o.name for o in request.outputs] or [t.name for t in self.spec.outputs]
+            part = {name: results[name][offset:offset + count] if len(requests) > 1 else results[name]
+                    for name in wanted}
+            outputs = [self._output(name, part[name], request) for name in wanted]
+            responses.append(InferResponse(model_name=self.name, model_version=str(self.version), outputs=outputs,
+                                           id=request.id))
+            offset += count
         end = time.monotonic_ns()
-        times = ExecutionTimes(batch_size, start - enqueued_ns, infer_start - start, infer_end - infer_start,
-                               end - infer_end)
-        response = InferResponse(model_name=self.name, model_version=str(self.version), outputs=outputs,
-                                 id=request.id)
-        return response, times
+        times = ExecutionTimes(sum(rows), start, infer_start - start,
+                               infer_end - infer_start, end - infer_end)
+        return responses, times
 
     def _output(self, name: str, data: npt.NDArray[Any], request: InferRequest) -> OutputTensor:
         spec = self.spec.output(name)
@@ -71,3 +79,19 @@ class LoadedModel:
                                self.labels.get(name, []))
             return OutputTensor(name, DataType.BYTES, classes.shape, classes)
         return OutputTensor(name, spec.datatype, tuple(data.shape), data)
+
+
+def _concatenate(requests: list[InferRequest]) -> dict[str, npt.NDArray[Any]]:
+    if len(requests) == 1:
+        return {tensor.name: tensor.data for tensor in requests[0].inputs}
+    names = [tensor.name for tensor in requests[0].inputs]
+    columns = [{t.name: t.data for t in request.inputs} for request in requests]
+    return {name: np.concatenate([column[name] for column in columns]) for name in names}
+
+
+def _output_names(spec: ModelSpec, requests: list[InferRequest]) -> list[str]:
+    """The union of what the requests asked for, in the model's output order (all outputs when one asks none)."""
+    if any(not request.outputs for request in requests):
+        return [t.name for t in spec.outputs]
+    wanted = {o.name for request in requests for o in request.outputs}
+    return [t.name for t in spec.outputs if t.name in wanted]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kiln.config.spec import ModelSpec
 from kiln.server.model import LoadedModel
-from kiln.server.scheduler.direct import DirectScheduler
+from kiln.server.scheduler.base import Scheduler
 
 
 class ModelState(enum.Enum):
@@ -24,7 +24,7 @@ class VersionRecord:
     state: ModelState
     reason: str = ""
     loaded: LoadedModel | None = None
-    scheduler: DirectScheduler | None = None
+    scheduler: Scheduler | None = None
 
 
 @dataclass

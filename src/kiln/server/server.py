@@ -28,7 +28,7 @@ from kiln.server.model import LoadedModel
 from kiln.server.registry import IndexEntry, ModelRecord, ModelState, VersionRecord
 from kiln.server.repository import scan_repositories
 from kiln.server.request import InferRequest, InferResponse
-from kiln.server.scheduler.direct import DirectScheduler
+from kiln.server.scheduler import Scheduler, make_scheduler
 from kiln.server.stats import ModelStats
 from kiln.server.validate import validate_request
 
@@ -121,13 +121,17 @@ class Server:
         return record
 
     def _load_version(self, name: str, version: int, model_dir: ModelDir) -> VersionRecord:
+        engines = []
         try:
             engines = create_instances(model_dir.spec, model_dir.model_file(version))
             loaded = LoadedModel(model_dir.spec, version, model_dir.path, engines)
+            scheduler = make_scheduler(loaded)
         except (KilnError, OSError) as exc:
+            for engine in engines:
+                engine.close()
             log.error("model '%s' version %d failed to load: %s", name, version, exc)
             return VersionRecord(version, ModelState.UNAVAILABLE, reason=str(exc))
-        return VersionRecord(version, ModelState.READY, loaded=loaded, scheduler=DirectScheduler(loaded))
+        return VersionRecord(version, ModelState.READY, loaded=loaded, scheduler=scheduler)
 
     # -- health and metadata ---------------------------------------------------------------------------------
 
@@ -225,7 +229,7 @@ class Server:
         finally:
             self._inflight -= 1
 
-    def _admit(self, request: InferRequest) -> tuple[DirectScheduler, int]:
+    def _admit(self, request: InferRequest) -> tuple[Scheduler, int]:
         if self._stopping:
             raise UnavailableError("the server is shutting down and takes no new requests")
         record = self._resolve(request.model_name, request.model_version)

@@ -51,7 +51,7 @@ class ExecutionTimes:
     """What one execution of a batch cost, in nanoseconds."""
 
     batch_size: int
-    queue_ns: int
+    start_ns: int  # monotonic time the execution began; a request's queue time ends here
     compute_input_ns: int
     compute_infer_ns: int
     compute_output_ns: int
@@ -62,18 +62,19 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._stats = ModelStats(name=name, version=version)
 
-    def record_success(self, times: ExecutionTimes, request_ns: int, requests: int = 1) -> None:
+    def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int) -> None:
+        """One execution that answered ``len(enqueued_ns)`` requests successfully."""
         with self._lock:
             stats = self._stats
             stats.last_inference_ms = time.time_ns() // 1_000_000
             stats.inference_count += times.batch_size
             stats.execution_count += 1
-            for _ in range(requests):
-                stats.queue.add(times.queue_ns)
+            for enqueued in enqueued_ns:
+                stats.queue.add(times.start_ns - enqueued)
                 stats.compute_input.add(times.compute_input_ns)
                 stats.compute_infer.add(times.compute_infer_ns)
                 stats.compute_output.add(times.compute_output_ns)
-            stats.success.add(request_ns)
+                stats.success.add(end_ns - enqueued)
             batch = stats.batch_stats.setdefault(times.batch_size, BatchStats(times.batch_size))
             batch.compute_input.add(times.compute_input_ns)
             batch.compute_infer.add(times.compute_infer_ns)

@@ -28,7 +28,7 @@ def _too_large(size: int, limit: int, *, at_least: bool = False, what: str = "re
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, decompressed per ``Content-Encoding``, never more than ``limit`` bytes."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isdecimal() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     # ASGI messages read directly: Request.stream() costs an async generator per request on the hot path.
     receive = request.receive

@@ -49,7 +49,7 @@ def header_length(value: str | None, body_size: int) -> int | None:
     """The JSON header's length from ``Inference-Header-Content-Length``; None when the header is absent."""
     if value is None:
         return None
-    if not value.strip().isdigit():
+    if not value.strip().isdecimal():
         raise InvalidArgumentError(f"Inference-Header-Content-Length must be a non-negative integer, got '{value}'")
     length = int(value)
     if length > body_size:

@@ -10,10 +10,10 @@ from http import HTTPStatus
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from kiln.config.render import config_to_json
-from kiln.errors import UnsupportedError
+from kiln.errors import ModelNotReadyError, UnsupportedError
 from kiln.frontends.http import codec
 from kiln.frontends.http.body import read_body
 from kiln.frontends.status import as_kiln_error, error_body, http_status
@@ -37,6 +37,11 @@ def _json(doc: Any) -> Response:
     return Response(codec.encode_json(doc), media_type=codec.JSON_TYPE)
 
 
+def _not_ready(message: str) -> Response:
+    return Response(codec.encode_json(error_body(ModelNotReadyError(message))), NOT_READY,
+                    media_type=codec.JSON_TYPE)
+
+
 class Endpoints:
     """The route handlers, bound to one Server and the request body limit."""
 
@@ -47,10 +52,10 @@ class Endpoints:
     # -- health and metadata ---------------------------------------------------------------------------------
 
     async def live(self, request: Request) -> Response:
-        return Response() if self.server.live() else JSONResponse({"error": "server is not live"}, NOT_READY)
+        return Response() if self.server.live() else _not_ready("server is not live")
 
     async def ready(self, request: Request) -> Response:
-        return Response() if self.server.ready() else JSONResponse({"error": "server is not ready"}, NOT_READY)
+        return Response() if self.server.ready() else _not_ready("server is not ready")
 
     async def server_metadata(self, request: Request) -> Response:
         return _json(self.server.metadata())
@@ -64,7 +69,7 @@ class Endpoints:
         if self.server.model_ready(name, version):
             return Response()
         which = f"model '{name}'" + (f" version {version}" if version else "")
-        return JSONResponse({"error": f"{which} is not ready"}, NOT_READY)
+        return _not_ready(f"{which} is not ready")
 
     async def model_config(self, request: Request) -> Response:
         name, version = _model(request)

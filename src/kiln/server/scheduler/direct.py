@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kiln.engines.base import Engine
-from kiln.errors import KilnError, UnavailableError
+from kiln.errors import InternalError, KilnError, UnavailableError
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
 
@@ -49,14 +49,16 @@ class DirectScheduler:
     def _run(self, request: InferRequest, batch_size: int, enqueued_ns: int) -> InferResponse:
         engine = self._free.get()
         try:
-            response, times = self.model.run(engine, request, batch_size, enqueued_ns)
-        except KilnError:
+            responses, times = self.model.run_batch(engine, [request], [batch_size])
+        except BaseException as exc:  # count every failure; unexpected ones reach the client as INTERNAL
             self.model.stats.record_failure(time.monotonic_ns() - enqueued_ns)
-            raise
+            if isinstance(exc, KilnError):
+                raise
+            raise InternalError(f"model '{self.model.name}': {type(exc).__name__}: {exc}") from exc
         finally:
             self._free.put(engine)
-        self.model.stats.record_success(times, time.monotonic_ns() - enqueued_ns)
-        return response
+        self.model.stats.record_success(times, [enqueued_ns], time.monotonic_ns())
+        return responses[0]
 
     def close(self) -> None:
         """Stop taking requests, wait for the in-flight ones, then release the engines."""

@@ -26,7 +26,8 @@ from kiln.server.stats import BatchStats, Duration, ModelStats
 from kiln.tensor import DataType, encode_bytes
 
 
-def _input(name: str = "INPUT0", datatype: str = "INT32", shape: list[int] | None = None, **extra: Any) -> dict[str, Any]:
+def _input(name: str = "INPUT0", datatype: str | None = "INT32", shape: list[Any] | None = None,
+           **extra: Any) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": [1, 4] if shape is None else shape}
     if "data" not in extra and "parameters" not in extra:
         entry["data"] = [1, 2, 3, 4]

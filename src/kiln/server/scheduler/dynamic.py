@@ -1,0 +1,160 @@
+"""The dynamic batcher: one queue per model version, one worker thread per instance.
+
+A worker takes the next batch the queue's rule allows (see queue.py), runs it on its engine, and answers every
+request in it: exactly one response or error each. With preserve_ordering, answers are released in arrival order
+even when instances finish out of order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+
+from kiln.engines.base import Engine
+from kiln.errors import InternalError, KilnError, RequestTimeoutError, UnavailableError
+from kiln.server.model import LoadedModel
+from kiln.server.request import InferRequest, InferResponse
+from kiln.server.scheduler.policy import BatchingPolicy
+from kiln.server.scheduler.queue import Batch, BatchQueue, Pending
+
+Clock = Callable[[], int]
+
+
+class DynamicBatcher:
+    def __init__(self, model: LoadedModel, policy: BatchingPolicy, clock: Clock = time.monotonic_ns) -> None:
+        self.model = model
+        self.policy = policy
+        self._clock = clock
+        self._queue = BatchQueue(model.name, policy)
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._inflight = 0
+        self._closed = False
+        self._release = _OrderedRelease() if policy.preserve_ordering else None
+        self._workers = [threading.Thread(target=self._work, args=(engine,), daemon=True,
+                                          name=f"kiln-{model.name}-{model.version}-{index}")
+                         for index, engine in enumerate(model.engines)]
+        for worker in self._workers:
+            worker.start()
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
+        return await asyncio.wrap_future(self._enqueue(request, batch_size))
+
+    def submit_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
+        return self._enqueue(request, batch_size).result()
+
+    def close(self) -> None:
+        """Stop taking requests, run the queued ones, then release the engines."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for worker in self._workers:
+            worker.join()
+        self.model.close()
+
+    def _enqueue(self, request: InferRequest, batch_size: int) -> Future[InferResponse]:
+        name = self.model.name
+        priority = self.policy.priority_of(name, request)
+        timeout_us = self.policy.timeout_us_of(name, request, priority)
+        now = self._clock()
+        pending = Pending(request=request, rows=batch_size, signature=_signature(request), priority=priority,
+                          enqueued_ns=now, deadline_ns=now + timeout_us * 1000 if timeout_us else 0,
+                          seq=next(self._seq))
+        with self._cond:
+            if self._closed:
+                raise UnavailableError(f"model '{name}' version {self.model.version} is unloading")
+            self._queue.put(pending)
+            self._inflight += 1
+            if self._release is not None:
+                self._release.expect(pending.seq)
+            self._cond.notify()
+        return pending.future
+
+    def _work(self, engine: Engine) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            for pending in batch.expired:
+                timeout_error = RequestTimeoutError(
+                    f"model '{self.model.name}': request timed out after waiting in the queue "
+                    f"{(self._clock() - pending.enqueued_ns) // 1000} us")
+                self._answer(pending, timeout_error)
+            if batch.items:
+                self._execute(engine, batch.items)
+
+    def _next_batch(self) -> Batch | None:
+        with self._cond:
+            while True:
+                batch = self._queue.next_batch(self._clock())
+                if batch.items or batch.expired:
+                    return batch
+                if self._closed and not len(self._queue):
+                    return None
+                timeout = None if batch.wake_at_ns is None else max(0, batch.wake_at_ns - self._clock()) / 1e9
+                self._cond.wait(timeout)
+
+    def _execute(self, engine: Engine, items: list[Pending]) -> None:
+        try:
+            responses, times = self.model.run_batch(engine, [p.request for p in items], [p.rows for p in items])
+        except BaseException as exc:  # every request of a failed batch gets the error; the worker lives on
+            error = exc if isinstance(exc, KilnError) else InternalError(f"model '{self.model.name}': {exc}")
+            end = self._clock()
+            for pending in items:
+                self.model.stats.record_failure(end - pending.enqueued_ns)
+                self._answer(pending, error)
+            return
+        self.model.stats.record_success(times, [p.enqueued_ns for p in items], self._clock())
+        for pending, response in zip(items, responses, strict=True):
+            self._answer(pending, response)
+
+    def _answer(self, pending: Pending, outcome: InferResponse | BaseException) -> None:
+        with self._cond:
+            self._inflight -= 1
+        if self._release is None:
+            _settle(pending, outcome)
+        else:
+            self._release.done(pending, outcome)
+
+
+def _settle(pending: Pending, outcome: InferResponse | BaseException) -> None:
+    if isinstance(outcome, BaseException):
+        pending.future.set_exception(outcome)
+    else:
+        pending.future.set_result(outcome)
+
+
+def _signature(request: InferRequest) -> Hashable:
+    """Requests batch together only when every input matches in name, datatype and non-batch dims."""
+    return tuple(sorted((t.name, t.datatype.value, t.shape[1:]) for t in request.inputs))
+
+
+class _OrderedRelease:
+    """Hands answers out in arrival order (preserve_ordering)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._expected: collections.deque[int] = collections.deque()
+        self._ready: dict[int, tuple[Pending, InferResponse | BaseException]] = {}
+
+    def expect(self, seq: int) -> None:
+        with self._lock:
+            self._expected.append(seq)
+
+    def done(self, pending: Pending, outcome: InferResponse | BaseException) -> None:
+        with self._lock:
+            self._ready[pending.seq] = (pending, outcome)
+            releasable: list[tuple[Pending, InferResponse | BaseException]] = []
+            while self._expected and self._expected[0] in self._ready:
+                releasable.append(self._ready.pop(self._expected.popleft()))
+        for item, result in releasable:
+            _settle(item, result)
