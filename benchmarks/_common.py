@@ -403,6 +403,10 @@ def run_h2load(url: str, message: bytes, concurrency: int, duration_s: float, wa
         notes.append(f"{non200} non-200 in log")
     ok = max(0, succeeded - short)
     errors = failed + short
+    if ok == 0:
+        errors = max(errors, 1)
+        summary = " | ".join(ln.strip() for ln in out.splitlines() if ln.startswith(("requests:", "status codes:")))
+        notes.append(f"no call completed: {summary}; h2load said: {out[-600:]!r}")
     if latencies_us.size:
         p50, p99, mean = (float(np.percentile(latencies_us, 50)) / 1e3, float(np.percentile(latencies_us, 99)) / 1e3,
                           float(latencies_us.mean()) / 1e3)

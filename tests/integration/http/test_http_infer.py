@@ -335,7 +335,7 @@ async def test_oversized_streamed_body_stops_reading_at_the_limit(client: httpx.
 async def test_malformed_json_reports_the_position(client: httpx.AsyncClient) -> None:
     response = await client.post("/v2/models/simple/infer", content=b'{"inputs": [\n  {"name": }]}')
     assert _error(response) == ("malformed JSON in the inference request at line 2 column 12 (char 24): "
-                                "Expecting value")
+                                "unexpected character, expected a JSON value")
 
 
 @pytest.mark.parametrize(

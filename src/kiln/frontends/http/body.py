@@ -11,6 +11,7 @@ import json
 import zlib
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 
 from kiln.errors import CancelledError, InvalidArgumentError, UnsupportedError
@@ -76,8 +77,12 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
 def parse_json(data: bytes, what: str = "request body") -> Any:
     """Parse JSON; a syntax error names the line, column and byte offset where parsing stopped."""
     try:
-        return json.loads(data)
-    except json.JSONDecodeError as exc:
+        return orjson.loads(data)
+    except json.JSONDecodeError as exc:  # orjson's error type derives from it and carries the position
+        if "depth limit" in exc.msg:
+            raise InvalidArgumentError(f"the {what} is nested too deeply to parse") from None
+        if "UTF-8" in exc.msg:
+            raise InvalidArgumentError(f"the {what} is not UTF-8 text: {exc.msg} (char {exc.pos})") from None
         raise InvalidArgumentError(
             f"malformed JSON in the {what} at line {exc.lineno} column {exc.colno} (char {exc.pos}): {exc.msg}"
         ) from None

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import orjson
 
 from kiln.config.spec import TensorSpec
 from kiln.errors import InvalidArgumentError
@@ -34,8 +35,6 @@ _INTS = frozenset({DataType.INT8, DataType.INT16, DataType.INT32, DataType.INT64
 _FLOATS = frozenset({DataType.FP16, DataType.FP32, DataType.FP64, DataType.BF16})
 _NO_PARAMETERS: Mapping[str, Any] = {}
 _DATATYPES = {t.wire_name: t for t in DataType}
-_ENCODER = json.JSONEncoder(separators=(",", ":"))
-"""One compact encoder: ``json.dumps(..., separators=...)`` would build a new one per call (twice as slow)."""
 
 
 def _bad(model: str, where: str, problem: str) -> InvalidArgumentError:
@@ -295,7 +294,7 @@ def encode_response(response: InferResponse, request: InferRequest) -> tuple[byt
 
 
 def encode_json(doc: Any) -> bytes:
-    return _ENCODER.encode(doc).encode()
+    return orjson.dumps(doc)
 
 
 def _to_binary(output: OutputTensor) -> bytes | memoryview:
