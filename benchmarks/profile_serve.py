@@ -75,6 +75,7 @@ def main() -> int:
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--gil", action=argparse.BooleanOptionalAction, default=True,
                         help="sample only the thread holding the GIL (default on)")
+    parser.add_argument("--native", action="store_true", help="also sample native frames (C/Cython/C++)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out-dir", type=Path, default=Path("profile-out"))
     args = parser.parse_args()
@@ -116,7 +117,8 @@ def _loader(mode: str, args: argparse.Namespace, inputs: list[Tensor], outputs: 
     """A function running the load generator for ``d`` seconds and describing what it measured."""
 
     def describe(r: LoadResult) -> str:
-        return f"{r.rps:,.0f} req/s, p50 {r.p50_ms:.2f} ms, errors {r.errors}, server cores {r.cpu_server or 0:.2f}"
+        return (f"{r.rps:,.0f} req/s, p50 {r.p50_ms:.2f} ms, errors {r.errors}, server cores {r.cpu_server or 0:.2f}"
+                + (f" [{r.notes}]" if r.notes else ""))
 
     if mode in ("http-json", "http-binary"):
         if mode == "http-json":
@@ -134,7 +136,8 @@ def _loader(mode: str, args: argparse.Namespace, inputs: list[Tensor], outputs: 
 
 def _record(args: argparse.Namespace, pid: int, stem: Path) -> Path:
     common = [args.py_spy, "record", "--pid", str(pid), "--duration", f"{args.duration:g}", "--rate",
-              str(args.rate), "--nonblocking", "--threads", "--full-filenames"] + (["--gil"] if args.gil else [])
+              str(args.rate), "--nonblocking", "--threads", "--full-filenames"]
+    common += (["--gil"] if args.gil else []) + (["--native"] if args.native else [])
     collapsed = stem.with_suffix(".collapsed.txt")
     # Two recorders would double the sampling cost: record raw (folded) stacks, then convert for speedscope.
     subprocess.run([*common, "--format", "raw", "--output", str(collapsed)], check=True, capture_output=True,

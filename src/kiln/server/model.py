@@ -15,7 +15,7 @@ from kiln.engines.base import Engine
 from kiln.errors import InternalError, KilnError
 from kiln.server.classification import classify, read_labels
 from kiln.server.request import InferRequest, InferResponse, OutputTensor
-from kiln.server.stats import ExecutionTimes, StatsRecorder
+from kiln.server.stats import ExecutionTimes, RequestObserver, StatsRecorder
 from kiln.tensor import DataType
 
 
@@ -27,9 +27,10 @@ class LoadedModel:
     engines: list[Engine]
     stats: StatsRecorder = field(init=False)
     labels: dict[str, list[str]] = field(default_factory=dict)
+    observers: list[RequestObserver] = field(default_factory=list)  # shared with the Server, see add_observer
 
     def __post_init__(self) -> None:
-        self.stats = StatsRecorder(self.spec.name, str(self.version))
+        self.stats = StatsRecorder(self.spec.name, str(self.version), self.observers)
         for tensor in self.spec.outputs:
             if tensor.label_filename:
                 self.labels[tensor.name] = read_labels(self.path / tensor.label_filename)

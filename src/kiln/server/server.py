@@ -7,6 +7,7 @@ its model's spec, and hands it to that version's scheduler.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ from kiln.server.registry import IndexEntry, ModelRecord, ModelState, VersionRec
 from kiln.server.repository import scan_repositories
 from kiln.server.request import InferRequest, InferResponse
 from kiln.server.scheduler import Scheduler, make_scheduler
-from kiln.server.stats import ModelStats
+from kiln.server.stats import ModelStats, RequestObserver
 from kiln.server.validate import validate_request
 
 log = logging.getLogger("kiln.server")
@@ -70,6 +71,7 @@ class Server:
         self._live = False
         self._stopping = False
         self._inflight = 0
+        self._observers: list[RequestObserver] = []  # one list shared by every model's statistics
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -99,6 +101,10 @@ class Server:
         """New inference requests are refused from now on; in-flight ones continue."""
         self._stopping = True
 
+    def add_request_observer(self, observer: RequestObserver) -> None:
+        """Call ``observer`` (from worker threads) with the durations of every successful request."""
+        self._observers.append(observer)
+
     @property
     def inflight(self) -> int:
         return self._inflight
@@ -122,10 +128,12 @@ class Server:
 
     def _load_version(self, name: str, version: int, model_dir: ModelDir) -> VersionRecord:
         engines = []
+        started = time.monotonic()
         try:
             engines = create_instances(model_dir.spec, model_dir.model_file(version))
-            loaded = LoadedModel(model_dir.spec, version, model_dir.path, engines)
+            loaded = LoadedModel(model_dir.spec, version, model_dir.path, engines, observers=self._observers)
             scheduler = make_scheduler(loaded)
+            loaded.stats.set_load_duration(time.monotonic() - started)
         except (KilnError, OSError) as exc:
             for engine in engines:
                 engine.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -44,6 +45,8 @@ class ModelStats:
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
     batch_stats: dict[int, BatchStats] = field(default_factory=dict)
+    failures_by_reason: dict[str, int] = field(default_factory=dict)  # REJECTED, CANCELED, BACKEND, OTHER
+    load_duration_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,27 @@ class ExecutionTimes:
     compute_output_ns: int
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """One successful request's durations in nanoseconds, for observers such as latency summaries."""
+
+    model: str
+    version: str
+    request_ns: int
+    queue_ns: int
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+
+
+RequestObserver = Callable[[RequestTimes], None]
+
+
 class StatsRecorder:
-    def __init__(self, name: str, version: str) -> None:
+    def __init__(self, name: str, version: str, observers: list[RequestObserver] | None = None) -> None:
         self._lock = threading.Lock()
         self._stats = ModelStats(name=name, version=version)
+        self.observers: list[RequestObserver] = observers if observers is not None else []
 
     def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int) -> None:
         """One execution that answered ``len(enqueued_ns)`` requests successfully."""
@@ -79,10 +99,21 @@ class StatsRecorder:
             batch.compute_input.add(times.compute_input_ns)
             batch.compute_infer.add(times.compute_infer_ns)
             batch.compute_output.add(times.compute_output_ns)
+        for observer in self.observers:
+            for enqueued in enqueued_ns:
+                observer(RequestTimes(stats.name, stats.version, end_ns - enqueued, times.start_ns - enqueued,
+                                      times.compute_input_ns, times.compute_infer_ns, times.compute_output_ns))
 
-    def record_failure(self, request_ns: int) -> None:
+    def record_failure(self, request_ns: int, reason: str = "BACKEND") -> None:
+        """A failed request. ``reason`` is Triton's failure label: REJECTED (queue full or timed out in the
+        queue), CANCELED, BACKEND (the engine failed) or OTHER."""
         with self._lock:
             self._stats.fail.add(request_ns)
+            self._stats.failures_by_reason[reason] = self._stats.failures_by_reason.get(reason, 0) + 1
+
+    def set_load_duration(self, seconds: float) -> None:
+        with self._lock:
+            self._stats.load_duration_s = seconds
 
     def snapshot(self) -> ModelStats:
         with self._lock:

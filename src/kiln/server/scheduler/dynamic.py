@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 
 from kiln.engines.base import Engine
-from kiln.errors import InternalError, KilnError, RequestTimeoutError, UnavailableError
+from kiln.errors import InternalError, KilnError, QueueFullError, RequestTimeoutError, UnavailableError
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
 from kiln.server.scheduler.policy import BatchingPolicy
@@ -72,7 +72,11 @@ class DynamicBatcher:
         with self._cond:
             if self._closed:
                 raise UnavailableError(f"model '{name}' version {self.model.version} is unloading")
-            self._queue.put(pending)
+            try:
+                self._queue.put(pending)
+            except QueueFullError:
+                self.model.stats.record_failure(0, "REJECTED")
+                raise
             self._inflight += 1
             if self._release is not None:
                 self._release.expect(pending.seq)
@@ -85,10 +89,10 @@ class DynamicBatcher:
             if batch is None:
                 return
             for pending in batch.expired:
-                timeout_error = RequestTimeoutError(
-                    f"model '{self.model.name}': request timed out after waiting in the queue "
-                    f"{(self._clock() - pending.enqueued_ns) // 1000} us")
-                self._answer(pending, timeout_error)
+                waited_ns = self._clock() - pending.enqueued_ns
+                self.model.stats.record_failure(waited_ns, "REJECTED")
+                self._answer(pending, RequestTimeoutError(
+                    f"model '{self.model.name}': request timed out after waiting in the queue {waited_ns // 1000} us"))
             if batch.items:
                 self._execute(engine, batch.items)
 
