@@ -136,12 +136,15 @@ def _loader(mode: str, args: argparse.Namespace, inputs: list[Tensor], outputs: 
 
 def _record(args: argparse.Namespace, pid: int, stem: Path) -> Path:
     common = [args.py_spy, "record", "--pid", str(pid), "--duration", f"{args.duration:g}", "--rate",
-              str(args.rate), "--nonblocking", "--threads", "--full-filenames"]
-    common += (["--gil"] if args.gil else []) + (["--native"] if args.native else [])
+              str(args.rate), "--threads", "--full-filenames"]
+    # Native stacks need the process paused while sampling; Python-only sampling does not.
+    common += (["--gil"] if args.gil else []) + (["--native"] if args.native else ["--nonblocking"])
     collapsed = stem.with_suffix(".collapsed.txt")
     # Two recorders would double the sampling cost: record raw (folded) stacks, then convert for speedscope.
-    subprocess.run([*common, "--format", "raw", "--output", str(collapsed)], check=True, capture_output=True,
-                   timeout=args.duration + 60)
+    proc = subprocess.run([*common, "--format", "raw", "--output", str(collapsed)], capture_output=True, text=True,
+                          timeout=args.duration + 60)
+    if proc.returncode != 0:
+        raise RuntimeError(f"py-spy failed ({proc.returncode}): {proc.stdout[-1500:]} {proc.stderr[-1500:]}")
     _to_speedscope(collapsed, stem.with_suffix(".speedscope.json"))
     return collapsed
 

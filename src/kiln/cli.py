@@ -75,6 +75,8 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
                        help="ready only when every model is ready (default true)")
     serve.add_argument("--exit-timeout-secs", type=float, default=30.0,
                        help="how long shutdown waits for in-flight requests (default 30)")
+    serve.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                       help="cores shared by all CPU model instances that set no thread count (default: all)")
     serve.add_argument("--log-verbose", type=int, default=0, help="0 = info, 1 or more = debug")
     serve.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
     serve.set_defaults(run=_serve)
@@ -117,7 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, allow_http=args.allow_http, allow_grpc=args.allow_grpc,
         allow_metrics=args.allow_metrics, http_max_input_size=args.http_max_input_size,
         grpc_max_message_bytes=args.grpc_max_message_size, exit_timeout_s=args.exit_timeout_secs,
-        strict_readiness=args.strict_readiness,
+        strict_readiness=args.strict_readiness, cpu_threads=args.cpu_threads,
     )
     return run_service(options)
 

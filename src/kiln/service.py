@@ -46,6 +46,7 @@ class ServiceOptions:
     grpc_max_message_bytes: int = 2**31 - 1
     exit_timeout_s: float = 30.0
     strict_readiness: bool = True
+    cpu_threads: int | None = None
 
 
 class _Uvicorn(uvicorn.Server):
@@ -60,7 +61,8 @@ class Service:
     def __init__(self, options: ServiceOptions) -> None:
         self.options = options
         self.server = Server(ServerOptions(repositories=options.repositories,
-                                           strict_readiness=options.strict_readiness))
+                                           strict_readiness=options.strict_readiness,
+                                           cpu_threads=options.cpu_threads))
         self._stop = asyncio.Event()
         self._signals = 0
         self.bound: dict[str, int] = {}

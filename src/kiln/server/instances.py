@@ -2,29 +2,54 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.spec import ModelSpec
 from kiln.engines.base import Engine, EngineOptions, create_engine
 
+# Config parameters with which a model sets its own thread counts (Triton's onnxruntime backend keys).
+_THREAD_PARAMETERS = ("intra_op_thread_count", "inter_op_thread_count")
 
-def instance_options(spec: ModelSpec) -> list[EngineOptions]:
-    """One EngineOptions per instance: ``count`` per listed GPU for KIND_GPU, ``count`` in total otherwise."""
+
+def cpu_instance_count(spec: ModelSpec) -> int:
+    return sum(g.count for g in spec.config.instance_group if g.kind != pb.ModelInstanceGroup.KIND_GPU)
+
+
+def cpu_thread_share(cpu_threads: int | None, models: list[tuple[ModelSpec, int]]) -> int | None:
+    """Threads per CPU instance so that all instances together stay within the machine's cores.
+
+    ``models`` pairs each spec with its number of served versions. Models that set their own thread counts
+    are not counted. With a single instance in all, None lets the engine use every core.
+    """
+    budget = cpu_threads or os.cpu_count() or 1
+    instances = sum(cpu_instance_count(spec) * versions for spec, versions in models
+                    if not any(spec.parameters.get(key) for key in _THREAD_PARAMETERS))
+    if instances <= 1:
+        return None
+    return max(1, budget // instances)
+
+
+def instance_options(spec: ModelSpec, threads: int | None = None) -> list[EngineOptions]:
+    """One EngineOptions per instance: ``count`` per listed GPU for KIND_GPU, ``count`` in total otherwise.
+    CPU instances get ``threads`` intra-op threads unless the config sets its own."""
+    own = any(spec.parameters.get(key) for key in _THREAD_PARAMETERS)
+    cpu_threads = None if own else threads
     options: list[EngineOptions] = []
     for group in spec.config.instance_group:
         if group.kind == pb.ModelInstanceGroup.KIND_GPU:
             for gpu in list(group.gpus) or [0]:
                 options.extend(EngineOptions(kind="gpu", device_id=gpu) for _ in range(group.count))
         else:
-            options.extend(EngineOptions(kind="cpu") for _ in range(group.count))
-    return options or [EngineOptions()]
+            options.extend(EngineOptions(kind="cpu", intra_op_threads=cpu_threads) for _ in range(group.count))
+    return options or [EngineOptions(intra_op_threads=cpu_threads)]
 
 
-def create_instances(spec: ModelSpec, model_file: Path) -> list[Engine]:
+def create_instances(spec: ModelSpec, model_file: Path, threads: int | None = None) -> list[Engine]:
     engines: list[Engine] = []
     try:
-        for options in instance_options(spec):
+        for options in instance_options(spec, threads):
             engines.append(create_engine(spec, model_file, options))
     except BaseException:
         for engine in engines:

@@ -24,7 +24,7 @@ from kiln.errors import (
     UnavailableError,
     UnsupportedError,
 )
-from kiln.server.instances import create_instances
+from kiln.server.instances import cpu_thread_share, create_instances
 from kiln.server.model import LoadedModel
 from kiln.server.registry import IndexEntry, ModelRecord, ModelState, VersionRecord
 from kiln.server.repository import scan_repositories
@@ -52,6 +52,8 @@ class ServerOptions:
     model_load_thread_count: int = 4
     autocomplete: bool = True
     default_max_batch_size: int = 4
+    # Cores shared by every CPU instance that sets no thread count of its own (None: all cores).
+    cpu_threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,11 @@ class Server:
             self._models[name] = ModelRecord(name=name, path=None, reason=scan.reason(name))
             log.error("%s", scan.reason(name))
         with ThreadPoolExecutor(max_workers=max(1, self.options.model_load_thread_count)) as pool:
-            records = list(pool.map(self._load_model, scan.models.items()))
+            opened = list(pool.map(self._open_model, scan.models.items()))
+            dirs = [model_dir for _, model_dir in opened if model_dir is not None]
+            threads = cpu_thread_share(self.options.cpu_threads,
+                                       [(d.spec, len(d.served_versions())) for d in dirs])
+            records = list(pool.map(lambda item: self._load_versions(item[0], item[1], threads), opened))
         for record in records:
             self._models[record.name] = record
         self._live = True
@@ -109,7 +115,7 @@ class Server:
     def inflight(self) -> int:
         return self._inflight
 
-    def _load_model(self, item: tuple[str, Path]) -> ModelRecord:
+    def _open_model(self, item: tuple[str, Path]) -> tuple[ModelRecord, ModelDir | None]:
         name, path = item
         record = ModelRecord(name=name, path=path)
         try:
@@ -118,19 +124,24 @@ class Server:
         except KilnError as exc:
             record.reason = str(exc)
             log.error("model '%s' failed to load: %s", name, exc)
-            return record
+            return record, None
         record.spec = model_dir.spec
+        return record, model_dir
+
+    def _load_versions(self, record: ModelRecord, model_dir: ModelDir | None, threads: int | None) -> ModelRecord:
+        if model_dir is None:
+            return record
         for version in model_dir.served_versions():
-            record.versions[version] = self._load_version(model_dir.spec.name, version, model_dir)
+            record.versions[version] = self._load_version(model_dir.spec.name, version, model_dir, threads)
         if not record.versions:
-            record.reason = f"model '{name}': its version_policy selects no version folder"
+            record.reason = f"model '{record.name}': its version_policy selects no version folder"
         return record
 
-    def _load_version(self, name: str, version: int, model_dir: ModelDir) -> VersionRecord:
+    def _load_version(self, name: str, version: int, model_dir: ModelDir, threads: int | None) -> VersionRecord:
         engines = []
         started = time.monotonic()
         try:
-            engines = create_instances(model_dir.spec, model_dir.model_file(version))
+            engines = create_instances(model_dir.spec, model_dir.model_file(version), threads)
             loaded = LoadedModel(model_dir.spec, version, model_dir.path, engines, observers=self._observers)
             scheduler = make_scheduler(loaded)
             loaded.stats.set_load_duration(time.monotonic() - started)
