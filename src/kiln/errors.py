@@ -12,6 +12,7 @@ The tree::
     |   +-- ModelNotFoundError        unknown model or version
     +-- UnavailableError              UNAVAILABLE
     |   +-- ModelNotReadyError        known but not loaded / loading / unloading
+    |   |   +-- VersionUnloadingError the version was just replaced or unloaded
     |   +-- QueueFullError            the model's queue is full
     |   +-- RequestTimeoutError       the request timed out in the queue
     +-- UnsupportedError              UNSUPPORTED     a feature or backend kiln does not provide here
@@ -76,6 +77,10 @@ class ModelNotReadyError(UnavailableError):
     pass
 
 
+class VersionUnloadingError(ModelNotReadyError):
+    """The version stopped taking requests (replaced or unloaded); a newer one may serve the request."""
+
+
 class QueueFullError(UnavailableError):
     pass
 
@@ -120,4 +125,5 @@ __all__ = [
     "UnavailableError",
     "UnknownError",
     "UnsupportedError",
+    "VersionUnloadingError",
 ]

@@ -23,6 +23,7 @@ from kiln.errors import (
     UnavailableError,
     UnknownError,
     UnsupportedError,
+    VersionUnloadingError,
 )
 
 # (class, code, direct parent) exactly as drawn in kiln.errors' docstring.
@@ -34,6 +35,7 @@ TREE: list[tuple[type[KilnError], ErrorCode, type[Exception]]] = [
     (ModelNotFoundError, ErrorCode.NOT_FOUND, NotFoundError),
     (UnavailableError, ErrorCode.UNAVAILABLE, KilnError),
     (ModelNotReadyError, ErrorCode.UNAVAILABLE, UnavailableError),
+    (VersionUnloadingError, ErrorCode.UNAVAILABLE, ModelNotReadyError),
     (QueueFullError, ErrorCode.UNAVAILABLE, UnavailableError),
     (RequestTimeoutError, ErrorCode.UNAVAILABLE, UnavailableError),
     (UnsupportedError, ErrorCode.UNSUPPORTED, KilnError),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +18,17 @@ from kiln.server.stats import ExecutionTimes, RequestObserver, StatsRecorder
 from kiln.tensor import DataType
 
 
-@dataclass
 class LoadedModel:
-    spec: ModelSpec
-    version: int
-    path: Path
-    engines: list[Engine]
-    stats: StatsRecorder = field(init=False)
-    labels: dict[str, list[str]] = field(default_factory=dict)
-    observers: list[RequestObserver] = field(default_factory=list)  # shared with the Server, see add_observer
-
-    def __post_init__(self) -> None:
-        self.stats = StatsRecorder(self.spec.name, str(self.version), self.observers)
-        for tensor in self.spec.outputs:
-            if tensor.label_filename:
-                self.labels[tensor.name] = read_labels(self.path / tensor.label_filename)
+    def __init__(self, spec: ModelSpec, version: int, path: Path, engines: list[Engine],
+                 observers: list[RequestObserver] | None = None, stats: StatsRecorder | None = None) -> None:
+        """``observers`` is shared with the Server (see Server.add_request_observer); ``stats`` is passed on when
+        instances are resized in place, so the counters continue."""
+        self.spec = spec
+        self.version = version
+        self.path = path
+        self.engines = engines
+        self.stats = stats or StatsRecorder(spec.name, str(version), observers)
+        self.labels = {t.name: read_labels(path / t.label_filename) for t in spec.outputs if t.label_filename}
 
     @property
     def name(self) -> str:

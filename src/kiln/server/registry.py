@@ -25,6 +25,7 @@ class VersionRecord:
     reason: str = ""
     loaded: LoadedModel | None = None
     scheduler: Scheduler | None = None
+    fingerprint: str = ""  # of the version folder and config it was loaded from
 
 
 @dataclass
@@ -34,6 +35,9 @@ class ModelRecord:
     spec: ModelSpec | None = None
     versions: dict[int, VersionRecord] = field(default_factory=dict)
     reason: str = ""  # why the model as a whole is unavailable (bad config, duplicate name)
+    fingerprint: str = ""  # of the model folder as last applied; polling compares against it
+    unloaded: dict[int, str] = field(default_factory=dict)  # versions no longer served -> why
+    wanted: bool = True  # False once unloaded on purpose: strict readiness no longer waits for it
 
     def ready_versions(self) -> list[int]:
         return sorted(v for v, record in self.versions.items() if record.state is ModelState.READY)

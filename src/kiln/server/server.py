@@ -7,14 +7,12 @@ its model's spec, and hands it to that version's scheduler.
 from __future__ import annotations
 
 import logging
-import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln import __version__
 from kiln.config._generated import model_config_pb2 as pb
-from kiln.config.model_dir import ModelDir, open_model_dir
 from kiln.config.spec import TensorSpec
 from kiln.errors import (
     InvalidArgumentError,
@@ -22,14 +20,14 @@ from kiln.errors import (
     ModelNotFoundError,
     ModelNotReadyError,
     UnavailableError,
-    UnsupportedError,
+    VersionUnloadingError,
 )
-from kiln.server.instances import cpu_thread_share, create_instances
-from kiln.server.model import LoadedModel
+from kiln.server.manager import CONTROL_MODES, ManagerOptions, RepositoryManager
 from kiln.server.registry import IndexEntry, ModelRecord, ModelState, VersionRecord
 from kiln.server.repository import scan_repositories
 from kiln.server.request import InferRequest, InferResponse
-from kiln.server.scheduler import Scheduler, make_scheduler
+from kiln.server.scheduler import Scheduler
+from kiln.server.staging import check_model_name, parse_config_override, stage_files
 from kiln.server.stats import ModelStats, RequestObserver
 from kiln.server.validate import validate_request
 
@@ -49,11 +47,19 @@ EXTENSIONS = (
 class ServerOptions:
     repositories: list[Path] = field(default_factory=list)
     strict_readiness: bool = True
+    control_mode: str = "none"  # none | poll | explicit (see manager.py)
+    load_models: tuple[str, ...] = ()  # explicit mode: loaded at start ("*" = all)
     model_load_thread_count: int = 4
     autocomplete: bool = True
     default_max_batch_size: int = 4
     # Cores shared by every CPU instance that sets no thread count of its own (None: all cores).
     cpu_threads: int | None = None
+
+    def manager_options(self) -> ManagerOptions:
+        return ManagerOptions(repositories=list(self.repositories), control_mode=self.control_mode,
+                              load_models=self.load_models, model_load_thread_count=self.model_load_thread_count,
+                              autocomplete=self.autocomplete, default_max_batch_size=self.default_max_batch_size,
+                              cpu_threads=self.cpu_threads)
 
 
 @dataclass(frozen=True)
@@ -68,39 +74,60 @@ class ModelMetadata:
 
 class Server:
     def __init__(self, options: ServerOptions) -> None:
+        if options.control_mode not in CONTROL_MODES:
+            raise InvalidArgumentError(f"model control mode '{options.control_mode}' is not one of "
+                                       f"{', '.join(CONTROL_MODES)}")
+        if options.load_models and options.control_mode != "explicit":
+            raise InvalidArgumentError("--load-model needs --model-control-mode=explicit")
         self.options = options
         self._models: dict[str, ModelRecord] = {}
+        self._observers: list[RequestObserver] = []  # one list shared by every model's statistics
+        self._manager = RepositoryManager(options.manager_options(), self._models, self._observers)
         self._live = False
         self._stopping = False
         self._inflight = 0
-        self._observers: list[RequestObserver] = []  # one list shared by every model's statistics
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Scan the repositories and load every model (control mode none). Failed models stay UNAVAILABLE."""
-        scan = scan_repositories([Path(p) for p in self.options.repositories])
-        for name in scan.duplicates:
-            self._models[name] = ModelRecord(name=name, path=None, reason=scan.reason(name))
-            log.error("%s", scan.reason(name))
-        with ThreadPoolExecutor(max_workers=max(1, self.options.model_load_thread_count)) as pool:
-            opened = list(pool.map(self._open_model, scan.models.items()))
-            dirs = [model_dir for _, model_dir in opened if model_dir is not None]
-            threads = cpu_thread_share(self.options.cpu_threads,
-                                       [(d.spec, len(d.served_versions())) for d in dirs])
-            records = list(pool.map(lambda item: self._load_versions(item[0], item[1], threads), opened))
-        for record in records:
-            self._models[record.name] = record
+    def start(self) -> list[str]:
+        """Load the models the control mode asks for. Returns the names that failed (they stay UNAVAILABLE)."""
+        failed = self._manager.start()
         self._live = True
+        return failed
+
+    def poll(self) -> list[str]:
+        """Poll mode: apply repository changes now. Returns the models that changed."""
+        return self._manager.poll()
+
+    def load_model(self, name: str, config: str | None = None, files: Mapping[str, bytes] | None = None) -> None:
+        """Explicit mode: (re)load a model. ``config`` is a ModelConfig in JSON that replaces config.pbtxt;
+        ``files`` maps ``file:<version>/<name>`` to contents, which are staged under the model's folder."""
+        check_model_name(name)
+        override = parse_config_override(name, config) if config else None
+        staged = None
+        if files:
+            folder = scan_repositories(list(self.options.repositories)).models.get(name)
+            if folder is None:
+                raise ModelNotFoundError(f"failed to load '{name}': no model folder named '{name}' in the "
+                                         f"model repositories")
+            staged = stage_files(folder, name, override, files)
+            override = None
+        self._manager.load(name, override, staged)
+
+    def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        """Explicit mode: stop serving a model; its versions finish their in-flight requests first.
+        ``unload_dependents`` has nothing to act on until ensembles exist."""
+        check_model_name(name)
+        self._manager.unload(name)
+
+    def wait_unloaded(self, timeout_s: float | None = None) -> bool:
+        """Wait until replaced and unloaded versions have released their engines."""
+        return self._manager.retirements.wait(timeout_s)
 
     def close(self) -> None:
         """Stop taking requests and release every model after its in-flight requests finish."""
         self._stopping = True
-        for record in self._models.values():
-            for version in record.versions.values():
-                if version.scheduler is not None:
-                    version.scheduler.close()
-                    version.state, version.scheduler, version.loaded = ModelState.UNAVAILABLE, None, None
+        self._manager.close()
         self._live = False
 
     def begin_shutdown(self) -> None:
@@ -115,43 +142,6 @@ class Server:
     def inflight(self) -> int:
         return self._inflight
 
-    def _open_model(self, item: tuple[str, Path]) -> tuple[ModelRecord, ModelDir | None]:
-        name, path = item
-        record = ModelRecord(name=name, path=path)
-        try:
-            model_dir = open_model_dir(path, autocomplete=self.options.autocomplete,
-                                       default_max_batch_size=self.options.default_max_batch_size)
-        except KilnError as exc:
-            record.reason = str(exc)
-            log.error("model '%s' failed to load: %s", name, exc)
-            return record, None
-        record.spec = model_dir.spec
-        return record, model_dir
-
-    def _load_versions(self, record: ModelRecord, model_dir: ModelDir | None, threads: int | None) -> ModelRecord:
-        if model_dir is None:
-            return record
-        for version in model_dir.served_versions():
-            record.versions[version] = self._load_version(model_dir.spec.name, version, model_dir, threads)
-        if not record.versions:
-            record.reason = f"model '{record.name}': its version_policy selects no version folder"
-        return record
-
-    def _load_version(self, name: str, version: int, model_dir: ModelDir, threads: int | None) -> VersionRecord:
-        engines = []
-        started = time.monotonic()
-        try:
-            engines = create_instances(model_dir.spec, model_dir.model_file(version), threads)
-            loaded = LoadedModel(model_dir.spec, version, model_dir.path, engines, observers=self._observers)
-            scheduler = make_scheduler(loaded)
-            loaded.stats.set_load_duration(time.monotonic() - started)
-        except (KilnError, OSError) as exc:
-            for engine in engines:
-                engine.close()
-            log.error("model '%s' version %d failed to load: %s", name, version, exc)
-            return VersionRecord(version, ModelState.UNAVAILABLE, reason=str(exc))
-        return VersionRecord(version, ModelState.READY, loaded=loaded, scheduler=scheduler)
-
     # -- health and metadata ---------------------------------------------------------------------------------
 
     def live(self) -> bool:
@@ -162,7 +152,7 @@ class Server:
             return False
         if not self.options.strict_readiness:
             return True
-        return all(record.ready_versions() and not record.reason for record in self._models.values())
+        return all(record.ready_versions() for record in self._models.values() if record.wanted)
 
     def metadata(self) -> dict[str, object]:
         return {"name": "kiln", "version": __version__, "extensions": list(EXTENSIONS)}
@@ -203,25 +193,28 @@ class Server:
         return [v.loaded.stats.snapshot() for v in records if v.loaded is not None]
 
     def repository_index(self, ready_only: bool = False) -> list[IndexEntry]:
+        """Every model in the repositories with each version's state and reason (Triton's index)."""
         entries: list[IndexEntry] = []
+        known = set(self._models)
         for record in self._sorted_records():
-            if not record.versions:
-                if not ready_only:
-                    entries.append(IndexEntry(record.name, "", ModelState.UNAVAILABLE.value, record.reason))
-                continue
-            for version, vr in sorted(record.versions.items()):
-                if ready_only and vr.state is not ModelState.READY:
-                    continue
-                entries.append(IndexEntry(record.name, str(version), vr.state.value, vr.reason))
-        return entries
+            rows = [(v, r.state.value, r.reason) for v, r in record.versions.items()]
+            rows += [(v, ModelState.UNAVAILABLE.value, why) for v, why in record.unloaded.items()
+                     if v not in record.versions]
+            if not rows:
+                rows = [(0, ModelState.UNAVAILABLE.value, record.reason)]
+            for version, state, reason in sorted(rows):
+                if not ready_only or state == ModelState.READY.value:
+                    entries.append(IndexEntry(record.name, str(version) if version else "", state, reason))
+        if not ready_only:
+            for name in sorted(set(self._scan_names()) - known):
+                entries.append(IndexEntry(name, "", ModelState.UNAVAILABLE.value, "not loaded"))
+        return sorted(entries, key=lambda e: (e.name, e.version))
 
-    def load_model(self, name: str) -> None:
-        raise UnsupportedError(f"explicit model control is not enabled: cannot load '{name}' (this server runs in "
-                               f"model control mode 'none'; repository changes need a restart)")
-
-    def unload_model(self, name: str) -> None:
-        raise UnsupportedError(f"explicit model control is not enabled: cannot unload '{name}' (this server runs "
-                               f"in model control mode 'none')")
+    def _scan_names(self) -> list[str]:
+        try:
+            return list(scan_repositories(list(self.options.repositories)).models)
+        except KilnError:
+            return []
 
     def pending(self, name: str, version: str) -> int:
         """Requests of a model version accepted but not finished."""
@@ -232,19 +225,28 @@ class Server:
     # -- inference -------------------------------------------------------------------------------------------
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        scheduler, batch_size = self._admit(request)
         self._inflight += 1
         try:
-            return await scheduler.submit(request, batch_size)
+            scheduler, batch_size = self._admit(request)
+            try:
+                return await scheduler.submit(request, batch_size)
+            except VersionUnloadingError:
+                # Swapped out between lookup and enqueue: the replacement takes it.
+                scheduler, batch_size = self._admit(request)
+                return await scheduler.submit(request, batch_size)
         finally:
             self._inflight -= 1
 
     def infer_sync(self, request: InferRequest) -> InferResponse:
         """Blocking twin of :meth:`infer` for callers without an event loop."""
-        scheduler, batch_size = self._admit(request)
         self._inflight += 1
         try:
-            return scheduler.submit_sync(request, batch_size)
+            scheduler, batch_size = self._admit(request)
+            try:
+                return scheduler.submit_sync(request, batch_size)
+            except VersionUnloadingError:
+                scheduler, batch_size = self._admit(request)
+                return scheduler.submit_sync(request, batch_size)
         finally:
             self._inflight -= 1
 
@@ -278,6 +280,8 @@ class Server:
         except ValueError:
             raise InvalidArgumentError(f"model '{name}': version '{version}' is not a number") from None
         found = record.versions.get(number)
+        if found is None and number in record.unloaded:
+            raise ModelNotReadyError(f"model '{name}' version {version} is not available: {record.unloaded[number]}")
         if found is None:
             raise ModelNotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
         if found.state is not ModelState.READY:

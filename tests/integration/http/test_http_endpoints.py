@@ -180,7 +180,7 @@ async def test_repository_index(client: httpx.AsyncClient) -> None:
 @pytest.mark.parametrize("action", ["load", "unload"])
 async def test_load_and_unload_are_not_implemented(client: httpx.AsyncClient, action: str) -> None:
     response = await client.post(f"/v2/repository/models/simple/{action}")
-    assert f"explicit model control is not enabled: cannot {action} 'simple'" in _error(response, 501)
+    assert f"cannot {action} 'simple': explicit model control is not enabled" in _error(response, 501)
     with_body = await client.post(f"/v2/repository/models/simple/{action}", json={"parameters": {}})
     assert with_body.status_code == 501
     assert "the body must be a JSON object" in _error(await client.post(f"/v2/repository/models/simple/{action}",

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, NoReturn, TypeAlias, TypeVar, cast
 
 import grpc
 
-from kiln.errors import UnsupportedError
+from kiln.errors import InvalidArgumentError, UnsupportedError
 from kiln.frontends import status
 from kiln.frontends.grpc import codec
 from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
@@ -168,17 +168,18 @@ class GRPCInferenceService:
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context: Context) -> pb.RepositoryModelLoadResponse:
         _check_repository_name(request.repository_name)
-        if request.parameters:
-            raise UnsupportedError(f"load of model '{request.model_name}': load parameters "
-                                   f"({', '.join(sorted(request.parameters))}) are not supported")
-        await asyncio.to_thread(self._server.load_model, request.model_name)
+        config, files = _load_parameters(request.model_name, request.parameters)
+        await asyncio.to_thread(self._server.load_model, request.model_name, config, files)
         return pb.RepositoryModelLoadResponse()
 
     @rpc
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context: Context) -> pb.RepositoryModelUnloadResponse:
         _check_repository_name(request.repository_name)
-        await asyncio.to_thread(self._server.unload_model, request.model_name)
+        dependents = request.parameters.get("unload_dependents")
+        unload_dependents = dependents is not None and dependents.WhichOneof("parameter_choice") == "bool_param" \
+            and dependents.bool_param
+        await asyncio.to_thread(self._server.unload_model, request.model_name, unload_dependents)
         return pb.RepositoryModelUnloadResponse()
 
     @rpc
@@ -297,3 +298,20 @@ def _statistics(stats: ModelStats) -> pb.ModelStatistics:
             for _, batch in sorted(stats.batch_stats.items())
         ],
     )
+
+
+def _load_parameters(model: str, parameters: Mapping[str, pb.ModelRepositoryParameter]) -> tuple[str | None,
+                                                                                                  dict[str, bytes]]:
+    """``config`` (string_param, ModelConfig JSON) and ``file:<version>/<name>`` (bytes_param) of a load."""
+    config: str | None = None
+    files: dict[str, bytes] = {}
+    for key, value in parameters.items():
+        kind = value.WhichOneof("parameter_choice")
+        if key == "config" and kind == "string_param":
+            config = value.string_param
+        elif key.startswith("file:") and kind == "bytes_param":
+            files[key] = value.bytes_param
+        else:
+            raise InvalidArgumentError(f"load of model '{model}': parameter '{key}' ({kind}) is not understood; "
+                                       f"expected 'config' (string) or 'file:<version>/<name>' (bytes)")
+    return config, files

@@ -8,8 +8,11 @@ model's single input. Responses are JSON, or a JSON header plus raw bytes when a
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -380,7 +383,44 @@ def index_ready_only(body: bytes) -> bool:
     return ready
 
 
-def check_control_body(body: bytes, action: str, model: str) -> None:
+@dataclass(frozen=True)
+class ControlRequest:
+    """A load / unload request's parameters: ``config`` (ModelConfig JSON), ``file:<version>/<name>`` contents
+    (base64 on the wire), ``unload_dependents``."""
+
+    config: str | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    unload_dependents: bool = False
+
+
+def control_request(body: bytes, action: str, model: str) -> ControlRequest:
     """Load / unload bodies are optional JSON objects (``{"parameters": {...}}``); reject anything else."""
-    if body.strip() and not isinstance(parse_json(body, f"{action} request"), dict):
+    if not body.strip():
+        return ControlRequest()
+    doc = parse_json(body, f"{action} request")
+    if not isinstance(doc, dict):
         raise InvalidArgumentError(f"{action} of model '{model}': the body must be a JSON object")
+    parameters = doc.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise InvalidArgumentError(f"{action} of model '{model}': 'parameters' must be a JSON object")
+    config = parameters.get("config")
+    if config is not None and not isinstance(config, str):
+        raise InvalidArgumentError(f"{action} of model '{model}': parameter 'config' must be a string holding "
+                                   f"the model configuration as JSON")
+    files: dict[str, bytes] = {}
+    for key, value in parameters.items():
+        if key.startswith("file:"):
+            files[key] = _base64(action, model, key, value)
+    dependents = parameters.get("unload_dependents", False)
+    if not isinstance(dependents, bool):
+        raise InvalidArgumentError(f"{action} of model '{model}': parameter 'unload_dependents' must be a boolean")
+    return ControlRequest(config=config, files=files, unload_dependents=dependents)
+
+
+def _base64(action: str, model: str, key: str, value: object) -> bytes:
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"{action} of model '{model}': parameter '{key}' must be base64 text")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgumentError(f"{action} of model '{model}': parameter '{key}' is not valid base64") from None

@@ -6,6 +6,7 @@ Errors are raised, never rendered here: the guard that ``app.py`` puts around ev
 
 from __future__ import annotations
 
+import asyncio
 from http import HTTPStatus
 from typing import Any
 
@@ -104,14 +105,14 @@ class Endpoints:
 
     async def load_model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        codec.check_control_body(await read_body(request, self.max_input_size), "load", name)
-        self.server.load_model(name)
+        control = codec.control_request(await read_body(request, self.max_input_size), "load", name)
+        await asyncio.to_thread(self.server.load_model, name, control.config, control.files)
         return Response()
 
     async def unload_model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        codec.check_control_body(await read_body(request, self.max_input_size), "unload", name)
-        self.server.unload_model(name)
+        control = codec.control_request(await read_body(request, self.max_input_size), "unload", name)
+        await asyncio.to_thread(self.server.unload_model, name, control.unload_dependents)
         return Response()
 
     # -- shared memory ---------------------------------------------------------------------------------------

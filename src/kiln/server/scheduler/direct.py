@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kiln.engines.base import Engine
-from kiln.errors import InternalError, KilnError, UnavailableError
+from kiln.errors import InternalError, KilnError, VersionUnloadingError
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
 
@@ -33,7 +33,7 @@ class DirectScheduler:
 
     async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
         if self._closed:
-            raise UnavailableError(f"model '{self.model.name}' version {self.model.version} is unloading")
+            raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is unloading")
         loop = asyncio.get_running_loop()
         self._inflight += 1
         try:
@@ -43,7 +43,7 @@ class DirectScheduler:
 
     def submit_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
         if self._closed:
-            raise UnavailableError(f"model '{self.model.name}' version {self.model.version} is unloading")
+            raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is unloading")
         return self._executor.submit(self._run, request, batch_size, time.monotonic_ns()).result()
 
     def _run(self, request: InferRequest, batch_size: int, enqueued_ns: int) -> InferResponse:

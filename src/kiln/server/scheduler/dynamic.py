@@ -16,7 +16,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 
 from kiln.engines.base import Engine
-from kiln.errors import InternalError, KilnError, QueueFullError, RequestTimeoutError, UnavailableError
+from kiln.errors import InternalError, KilnError, QueueFullError, RequestTimeoutError, VersionUnloadingError
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
 from kiln.server.scheduler.policy import BatchingPolicy
@@ -71,7 +71,7 @@ class DynamicBatcher:
                           seq=next(self._seq))
         with self._cond:
             if self._closed:
-                raise UnavailableError(f"model '{name}' version {self.model.version} is unloading")
+                raise VersionUnloadingError(f"model '{name}' version {self.model.version} is unloading")
             try:
                 self._queue.put(pending)
             except QueueFullError:

@@ -350,9 +350,20 @@ def test_repository_index_documents() -> None:
     assert codec.index_ready_only(b'{"ready": true}') is True
     with pytest.raises(InvalidArgumentError, match="optional boolean 'ready', got"):
         codec.index_ready_only(b'{"ready": "yes"}')
-    codec.check_control_body(b'{"parameters": {}}', "load", "m")
+    assert codec.control_request(b'{"parameters": {}}', "load", "m") == codec.ControlRequest()
     with pytest.raises(InvalidArgumentError, match="load of model 'm': the body must be a JSON object"):
-        codec.check_control_body(b"[]", "load", "m")
+        codec.control_request(b"[]", "load", "m")
+
+
+def test_control_request_parameters() -> None:
+    body = b'{"parameters": {"config": "{}", "file:1/model.onnx": "AAEC", "unload_dependents": true}}'
+    control = codec.control_request(body, "load", "m")
+    assert control == codec.ControlRequest(config="{}", files={"file:1/model.onnx": b"\x00\x01\x02"},
+                                           unload_dependents=True)
+    with pytest.raises(InvalidArgumentError, match="'file:1/x' is not valid base64"):
+        codec.control_request(b'{"parameters": {"file:1/x": "%%%"}}', "load", "m")
+    with pytest.raises(InvalidArgumentError, match="parameter 'config' must be a string"):
+        codec.control_request(b'{"parameters": {"config": {}}}', "load", "m")
 
 
 # -- content encoding ----------------------------------------------------------------------------------------

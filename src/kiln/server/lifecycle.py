@@ -1,0 +1,86 @@
+"""Load, swap and retire model versions without interrupting traffic.
+
+A new version (or a reloaded one) is loaded and warmed up completely before it is published; the version it
+replaces stops taking new requests and is released only after its queued and in-flight requests finish, on a
+background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kiln.config.model_dir import ModelDir
+from kiln.engines.base import Engine
+from kiln.errors import KilnError
+from kiln.server.instances import create_instances, instance_options
+from kiln.server.model import LoadedModel
+from kiln.server.registry import ModelState, VersionRecord
+from kiln.server.scheduler import make_scheduler
+from kiln.server.stats import RequestObserver
+from kiln.server.warmup import warm_up
+
+log = logging.getLogger("kiln.server")
+
+
+def load_version(model_dir: ModelDir, version: int, fingerprint: str, threads: int | None,
+                 observers: list[RequestObserver]) -> VersionRecord:
+    """A READY record for ``version``, or an UNAVAILABLE one carrying the reason it failed."""
+    name = model_dir.spec.name
+    engines: list[Engine] = []
+    started = time.monotonic()
+    try:
+        engines = create_instances(model_dir.spec, model_dir.model_file(version), threads)
+        warm_up(model_dir.spec, model_dir.path, engines)
+        loaded = LoadedModel(model_dir.spec, version, model_dir.path, engines, observers=observers)
+        scheduler = make_scheduler(loaded)
+    except (KilnError, OSError) as exc:
+        for engine in engines:
+            engine.close()
+        log.error("model '%s' version %d failed to load: %s", name, version, exc)
+        return VersionRecord(version, ModelState.UNAVAILABLE, reason=str(exc), fingerprint=fingerprint)
+    loaded.stats.set_load_duration(time.monotonic() - started)
+    log.info("model '%s' version %d loaded in %.2fs", name, version, time.monotonic() - started)
+    return VersionRecord(version, ModelState.READY, loaded=loaded, scheduler=scheduler, fingerprint=fingerprint)
+
+
+def resize_version(record: VersionRecord, model_dir: ModelDir, threads: int | None,
+                   observers: list[RequestObserver]) -> VersionRecord:
+    """Same model files, new instance count: keep the running engines, add or drop the difference."""
+    old = record.loaded
+    assert old is not None
+    wanted = len(instance_options(model_dir.spec, threads))
+    kept = old.engines[:wanted]
+    added = create_instances(model_dir.spec, model_dir.model_file(record.version), threads)[: wanted - len(kept)]
+    loaded = LoadedModel(model_dir.spec, record.version, model_dir.path, kept + added, observers=observers,
+                         stats=old.stats)
+    scheduler = make_scheduler(loaded)
+    # The old scheduler releases only the engines that are no longer used.
+    old.engines = old.engines[wanted:]
+    return VersionRecord(record.version, ModelState.READY, loaded=loaded, scheduler=scheduler,
+                         fingerprint=record.fingerprint)
+
+
+@dataclass
+class Retirements:
+    """Versions being drained and released in the background."""
+
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def retire(self, record: VersionRecord) -> None:
+        scheduler = record.scheduler
+        if scheduler is None:
+            return
+        record.state = ModelState.UNLOADING
+        thread = threading.Thread(target=scheduler.close, name=f"kiln-retire-{record.version}", daemon=True)
+        thread.start()
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until every retired version is released; False when the timeout passed first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for thread in list(self._threads):
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)

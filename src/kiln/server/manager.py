@@ -1,0 +1,243 @@
+"""The repository manager: what should be loaded (desired) against what is (loaded), in three control modes.
+
+- ``none``: load everything at start; the repository is not watched and the API cannot load or unload.
+- ``poll``: like none, then :meth:`poll` (called every ``--repository-poll-secs``) applies what changed on disk.
+- ``explicit``: load only what start-up names (``*`` for all), then what the API loads and unloads.
+
+Every change goes through one per-model path that loads the new version completely before swapping it in, so a
+broken config or a half-copied file leaves the serving version untouched and the failure visible.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.config._generated import model_config_pb2 as pb
+from kiln.config.model_dir import ModelDir, open_model_dir
+from kiln.errors import InvalidArgumentError, KilnError, ModelNotFoundError, UnsupportedError
+from kiln.server.fingerprint import folder_fingerprint, model_fingerprint
+from kiln.server.instances import cpu_thread_share
+from kiln.server.lifecycle import Retirements, load_version, resize_version
+from kiln.server.registry import ModelRecord, ModelState, VersionRecord
+from kiln.server.repository import RepositoryScan, scan_repositories
+from kiln.server.stats import RequestObserver
+
+log = logging.getLogger("kiln.server")
+
+CONTROL_MODES = ("none", "poll", "explicit")
+
+
+@dataclass(frozen=True)
+class ManagerOptions:
+    repositories: list[Path] = field(default_factory=list)
+    control_mode: str = "none"
+    load_models: tuple[str, ...] = ()  # explicit mode start-up; ("*",) = all
+    model_load_thread_count: int = 4
+    autocomplete: bool = True
+    default_max_batch_size: int = 4
+    cpu_threads: int | None = None
+
+
+class RepositoryManager:
+    def __init__(self, options: ManagerOptions, models: dict[str, ModelRecord],
+                 observers: list[RequestObserver]) -> None:
+        self.options = options
+        self.models = models  # shared with the Server, which reads it on the request path
+        self._observers = observers
+        self._lock = threading.RLock()  # one change at a time; requests never take it
+        self._threads: int | None = None
+        self.retirements = Retirements()
+
+    # -- entry points ----------------------------------------------------------------------------------------
+
+    def start(self) -> list[str]:
+        """Load what the control mode says to load at start-up. Returns the names that failed."""
+        scan = self._scan()
+        names = sorted(scan.models)
+        if self.options.control_mode == "explicit":
+            wanted = set(names) if "*" in self.options.load_models else set(self.options.load_models)
+            missing = sorted(wanted - set(names) - set(scan.duplicates))
+            for name in missing:
+                self.models[name] = ModelRecord(name=name, path=None,
+                                                reason=f"model '{name}' is not in any model repository")
+            names = [n for n in names if n in wanted]
+        self._mark_duplicates(scan)
+        dirs = self._open_all({n: scan.models[n] for n in names})
+        self._threads = cpu_thread_share(self.options.cpu_threads,
+                                         [(d.spec, len(d.served_versions())) for d in dirs.values()
+                                          if isinstance(d, ModelDir)])
+        with ThreadPoolExecutor(max_workers=max(1, self.options.model_load_thread_count)) as pool:
+            list(pool.map(lambda n: self._apply(n, scan.models[n], dirs[n]), names))
+        return sorted(name for name, record in self.models.items() if record.reason)
+
+    def poll(self) -> list[str]:
+        """Apply repository changes (poll mode). Returns the names of models that changed."""
+        if self.options.control_mode != "poll":
+            raise UnsupportedError(f"polling needs --model-control-mode=poll (the mode is "
+                                   f"'{self.options.control_mode}')")
+        with self._lock:
+            scan = self._scan()
+            self._mark_duplicates(scan)
+            changed: list[str] = []
+            for name, path in sorted(scan.models.items()):
+                record = self.models.get(name)
+                if record is None or record.path != path or record.fingerprint != model_fingerprint(path):
+                    changed.append(name)
+                    self._apply(name, path, None)
+            for name in sorted(set(self.models) - set(scan.models) - set(scan.duplicates)):
+                if self.models[name].versions or self.models[name].reason:
+                    changed.append(name)
+                    self._unload(name, "removed from the model repository")
+            return changed
+
+    def load(self, name: str, config: pb.ModelConfig | None = None, path: Path | None = None) -> None:
+        """Explicit mode: (re)load ``name``, optionally from a staged folder or with a config override."""
+        self._require_explicit("load", name)
+        with self._lock:
+            folder = path or self._scan().models.get(name)
+            if folder is None:
+                raise ModelNotFoundError(f"failed to load '{name}': no model folder named '{name}' in "
+                                         f"{', '.join(str(r) for r in self.options.repositories)}")
+            self._apply(name, folder, None, config=config, force=config is not None or path is not None)
+            record = self.models[name]
+            if record.reason and not record.ready_versions():
+                raise InvalidArgumentError(f"failed to load '{name}': {record.reason}")
+
+    def unload(self, name: str) -> None:
+        self._require_explicit("unload", name)
+        with self._lock:
+            if name not in self.models:
+                raise ModelNotFoundError(f"failed to unload '{name}': the model is not loaded")
+            self._unload(name, "unloaded")
+
+    def close(self) -> None:
+        with self._lock:
+            for name in list(self.models):
+                self._unload(name, "the server is shutting down")
+        self.retirements.wait()
+
+    # -- the one change path -------------------------------------------------------------------------------
+
+    def _apply(self, name: str, path: Path, opened: ModelDir | KilnError | None,
+               config: pb.ModelConfig | None = None, force: bool = False) -> None:
+        with self._lock:
+            record = self.models.get(name) or ModelRecord(name=name, path=path)
+            self.models.setdefault(name, record)
+            fingerprint = model_fingerprint(path)
+            model_dir = opened if opened is not None else self._open(path, config)
+            if isinstance(model_dir, KilnError):
+                self._keep_serving(record, model_dir)
+                return
+            desired = model_dir.served_versions()
+            for version in desired:
+                self._apply_version(record, model_dir, version, force)
+            for version in [v for v in record.versions if v not in desired]:
+                self._retire(record, version, "no longer selected by the version policy")
+            failures = [r.reason for r in record.versions.values() if r.state is not ModelState.READY]
+            record.spec, record.path, record.wanted = model_dir.spec, path, True
+            record.reason = failures[0] if failures and not record.ready_versions() else ""
+            if not desired:
+                record.reason = f"model '{name}': its version_policy selects no version folder"
+            # Remember what was applied; a failed version is retried on the next poll.
+            record.fingerprint = fingerprint if not failures else ""
+
+    def _apply_version(self, record: ModelRecord, model_dir: ModelDir, version: int, force: bool) -> None:
+        fingerprint = _version_fingerprint(model_dir, version)
+        current = record.versions.get(version)
+        if current is not None and current.state is ModelState.READY and not force:
+            if current.fingerprint == fingerprint:
+                current.reason = ""
+                return
+            if _only_instances_changed(current, model_dir, fingerprint):
+                record.versions[version] = resize_version(current, model_dir, self._threads, self._observers)
+                self.retirements.retire(current)
+                log.info("model '%s' version %d: instance count adjusted in place", record.name, version)
+                return
+        if current is None or current.state is not ModelState.READY:
+            record.versions[version] = VersionRecord(version, ModelState.LOADING, fingerprint=fingerprint)
+        fresh = load_version(model_dir, version, fingerprint, self._threads, self._observers)
+        if fresh.state is not ModelState.READY and current is not None and current.state is ModelState.READY:
+            current.reason = f"serving; the last reload failed: {fresh.reason}"
+            record.versions[version] = current
+            return
+        record.versions[version] = fresh
+        record.unloaded.pop(version, None)
+        if current is not None and current is not fresh:
+            self.retirements.retire(current)
+
+    def _keep_serving(self, record: ModelRecord, error: KilnError) -> None:
+        log.error("model '%s' failed to load: %s", record.name, error)
+        if record.ready_versions():
+            for version in record.versions.values():
+                version.reason = f"serving; the last reload failed: {error}"
+            record.fingerprint = ""
+        else:
+            record.reason = str(error)
+
+    def _unload(self, name: str, why: str) -> None:
+        record = self.models.get(name)
+        if record is None:
+            return
+        for version in list(record.versions):
+            self._retire(record, version, why)
+        record.reason = why
+        record.fingerprint = ""
+        record.wanted = False
+
+    def _retire(self, record: ModelRecord, version: int, why: str) -> None:
+        old = record.versions.pop(version)
+        record.unloaded[version] = why
+        self.retirements.retire(old)
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+
+    def _scan(self) -> RepositoryScan:
+        return scan_repositories(list(self.options.repositories))
+
+    def _mark_duplicates(self, scan: RepositoryScan) -> None:
+        for name in scan.duplicates:
+            if name in self.models:
+                self._unload(name, scan.reason(name))
+            self.models[name] = ModelRecord(name=name, path=None, reason=scan.reason(name))
+            log.error("%s", scan.reason(name))
+
+    def _open(self, path: Path, config: pb.ModelConfig | None) -> ModelDir | KilnError:
+        try:
+            return open_model_dir(path, autocomplete=self.options.autocomplete,
+                                  default_max_batch_size=self.options.default_max_batch_size, config=config)
+        except KilnError as exc:
+            return exc
+
+    def _open_all(self, paths: dict[str, Path]) -> dict[str, ModelDir | KilnError]:
+        with ThreadPoolExecutor(max_workers=max(1, self.options.model_load_thread_count)) as pool:
+            results = pool.map(lambda item: (item[0], self._open(item[1], None)), paths.items())
+            return dict(results)
+
+    def _require_explicit(self, action: str, name: str) -> None:
+        if self.options.control_mode != "explicit":
+            raise UnsupportedError(f"cannot {action} '{name}': explicit model control is not enabled (this server "
+                                   f"runs in model control mode '{self.options.control_mode}'; start it with "
+                                   f"--model-control-mode=explicit)")
+
+
+def _version_fingerprint(model_dir: ModelDir, version: int) -> str:
+    config = model_dir.spec.config.SerializeToString(deterministic=True).hex()
+    return f"{folder_fingerprint(model_dir.versions[version])}:{config}"
+
+
+def _only_instances_changed(current: VersionRecord, model_dir: ModelDir, fingerprint: str) -> bool:
+    if current.loaded is None or current.fingerprint.split(":")[0] != fingerprint.split(":")[0]:
+        return False
+    old, new = pb.ModelConfig(), pb.ModelConfig()
+    old.CopyFrom(current.loaded.spec.config)
+    new.CopyFrom(model_dir.spec.config)
+    old_kinds = [(g.kind, list(g.gpus)) for g in old.instance_group]
+    new_kinds = [(g.kind, list(g.gpus)) for g in new.instance_group]
+    old.ClearField("instance_group")
+    new.ClearField("instance_group")
+    return old == new and old_kinds == new_kinds
+
