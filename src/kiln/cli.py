@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kiln.errors import KilnError
+from kiln.errors import InvalidArgumentError, KilnError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,6 +75,15 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
                        help="ready only when every model is ready (default true)")
     serve.add_argument("--exit-timeout-secs", type=float, default=30.0,
                        help="how long shutdown waits for in-flight requests (default 30)")
+    serve.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none",
+                       help="none: load all at start; poll: also apply repository changes; explicit: only "
+                            "--load-model at start, then the load/unload API")
+    serve.add_argument("--repository-poll-secs", type=float, default=15.0, help="poll interval (poll mode)")
+    serve.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                       help="explicit mode: load this model at start (repeatable; '*' = all)")
+    serve.add_argument("--exit-on-error", type=_bool, default=True, metavar="BOOL",
+                       help="exit when a model fails to load at start (default true)")
+    serve.add_argument("--model-load-thread-count", type=int, default=4)
     serve.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                        help="cores shared by all CPU model instances that set no thread count (default: all)")
     serve.add_argument("--log-verbose", type=int, default=0, help="0 = info, 1 or more = debug")
@@ -106,6 +115,10 @@ def _serve(args: argparse.Namespace) -> int:
     from kiln.service import ServiceOptions, run_service
 
     _configure_logging(args.log_verbose, args.log_format)
+    if args.load_model and args.model_control_mode != "explicit":
+        raise InvalidArgumentError("--load-model needs --model-control-mode=explicit")
+    if "*" in args.load_model and len(args.load_model) > 1:
+        raise InvalidArgumentError("--load-model=* loads every model and must be the only --load-model")
     repositories = args.model_repository
     if repositories is None:
         from kiln.demo import build_demo_repository
@@ -120,6 +133,9 @@ def _serve(args: argparse.Namespace) -> int:
         allow_metrics=args.allow_metrics, http_max_input_size=args.http_max_input_size,
         grpc_max_message_bytes=args.grpc_max_message_size, exit_timeout_s=args.exit_timeout_secs,
         strict_readiness=args.strict_readiness, cpu_threads=args.cpu_threads,
+        control_mode=args.model_control_mode, load_models=tuple(args.load_model),
+        repository_poll_secs=args.repository_poll_secs, exit_on_error=args.exit_on_error,
+        model_load_thread_count=args.model_load_thread_count,
     )
     return run_service(options)
 

@@ -47,6 +47,11 @@ class ServiceOptions:
     exit_timeout_s: float = 30.0
     strict_readiness: bool = True
     cpu_threads: int | None = None
+    control_mode: str = "none"
+    load_models: tuple[str, ...] = ()
+    repository_poll_secs: float = 15.0
+    exit_on_error: bool = True
+    model_load_thread_count: int = 4
 
 
 class _Uvicorn(uvicorn.Server):
@@ -60,9 +65,10 @@ class _Uvicorn(uvicorn.Server):
 class Service:
     def __init__(self, options: ServiceOptions) -> None:
         self.options = options
-        self.server = Server(ServerOptions(repositories=options.repositories,
-                                           strict_readiness=options.strict_readiness,
-                                           cpu_threads=options.cpu_threads))
+        self.server = Server(ServerOptions(
+            repositories=options.repositories, strict_readiness=options.strict_readiness,
+            cpu_threads=options.cpu_threads, control_mode=options.control_mode, load_models=options.load_models,
+            model_load_thread_count=options.model_load_thread_count))
         self._stop = asyncio.Event()
         self._signals = 0
         self.bound: dict[str, int] = {}
@@ -70,7 +76,13 @@ class Service:
     async def run(self) -> int:
         started = time.monotonic()
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.server.start)
+        failed = await loop.run_in_executor(None, self.server.start)
+        if failed and self.options.exit_on_error:
+            self._log_models()
+            log.error("exiting: model(s) %s failed to load (--exit-on-error=true; pass --exit-on-error=false to "
+                      "serve the others)", ", ".join(failed))
+            await loop.run_in_executor(None, self.server.close)
+            return 1
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         http = self._uvicorn(build_app(self.server, max_input_size=self.options.http_max_input_size),
@@ -86,9 +98,25 @@ class Service:
         await _wait_started([u for u in (http, metrics) if u is not None], tasks)
         self._record_ports(http, metrics)
         self._log_startup(time.monotonic() - started)
+        watcher = asyncio.create_task(self._poll()) if self.options.control_mode == "poll" else None
         await self._stop.wait()
+        if watcher is not None:
+            watcher.cancel()
         await self._drain(http, metrics, grpc_server, tasks)
         return 0
+
+    async def _poll(self) -> None:
+        """Poll mode: apply repository changes every --repository-poll-secs, off the event loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.options.repository_poll_secs)
+            try:
+                changed = await loop.run_in_executor(None, self.server.poll)
+            except Exception:  # a scan error must not stop polling; it is retried next time
+                log.exception("repository poll failed")
+                continue
+            if changed:
+                log.info("repository poll applied changes to: %s", ", ".join(changed))
 
     def _uvicorn(self, app: Any, port: int) -> _Uvicorn:
         config = uvicorn.Config(app, host=self.options.host, port=port, log_level="warning", access_log=False,
@@ -125,12 +153,15 @@ class Service:
             if frontend is not None and frontend.servers:
                 self.bound[name] = frontend.servers[0].sockets[0].getsockname()[1]
 
-    def _log_startup(self, elapsed_s: float) -> None:
+    def _log_models(self) -> None:
         rows = self.server.repository_index()
         width = max([len(r.name) for r in rows] + [5])
         lines = [f"{'model':<{width}}  version  state        reason"]
         lines += [f"{r.name:<{width}}  {r.version or '-':<7}  {r.state:<11}  {r.reason}" for r in rows]
         log.info("models:\n%s", "\n".join(lines))
+
+    def _log_startup(self, elapsed_s: float) -> None:
+        self._log_models()
         host = self.options.host
         for name, scheme in (("http", "http"), ("grpc", "grpc"), ("metrics", "http")):
             if name in self.bound:
