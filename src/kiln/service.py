@@ -103,7 +103,13 @@ class Service:
         if watcher is not None:
             watcher.cancel()
         await self._drain(http, metrics, grpc_server, tasks)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
         return 0
+
+    def request_stop(self) -> None:
+        """What SIGTERM does: stop accepting, drain, exit."""
+        self._on_signal(signal.SIGTERM)
 
     async def _poll(self) -> None:
         """Poll mode: apply repository changes every --repository-poll-secs, off the event loop."""

@@ -1,0 +1,63 @@
+"""SIGTERM stops new work, lets in-flight requests finish, then the service returns 0."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+from kiln.config.spec import ModelSpec
+from kiln.engines import Engine, EngineOptions, register_backend
+from kiln.engines.base import Array
+from kiln.service import Service, ServiceOptions
+
+GATE = threading.Event()
+ENTERED = threading.Event()
+
+
+class SlowEngine(Engine):
+    def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
+        super().__init__(spec)
+
+    def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
+        ENTERED.set()
+        GATE.wait(30)
+        return {outputs[0]: inputs["x"] + 1}
+
+
+CONFIG = """
+backend: "slow_for_shutdown_test" max_batch_size: 4
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 2 ] } ]
+"""
+
+
+async def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
+    register_backend("slow_for_shutdown_test", SlowEngine)
+    (tmp_path / "slow" / "1").mkdir(parents=True)
+    (tmp_path / "slow" / "config.pbtxt").write_text(CONFIG)
+    service = Service(ServiceOptions(repositories=[tmp_path], http_port=0, grpc_port=0, metrics_port=0,
+                                     exit_timeout_s=20))
+    GATE.clear()
+    ENTERED.clear()
+    run = asyncio.create_task(service.run())
+    while "http" not in service.bound:
+        await asyncio.sleep(0.01)
+    url = f"http://127.0.0.1:{service.bound['http']}"
+    body = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
+    async with httpx.AsyncClient(timeout=30) as client:
+        in_flight = asyncio.create_task(client.post(f"{url}/v2/models/slow/infer", json=body))
+        await asyncio.to_thread(ENTERED.wait, 10)
+        service.request_stop()
+        await asyncio.sleep(0.2)
+        assert not run.done()  # still draining
+        assert not service.server.ready()
+        GATE.set()
+        response = await in_flight
+    assert response.status_code == 200
+    assert response.json()["outputs"][0]["data"] == [2.0, 3.0]
+    assert await asyncio.wait_for(run, 20) == 0
+    assert not service.server.live()
