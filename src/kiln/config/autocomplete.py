@@ -1,8 +1,9 @@
 """Fill in what a partial or missing config.pbtxt leaves out, the way Triton does.
 
-From the model file: inputs, outputs (names, data types, dims) and max_batch_size (the default, 4, when every
-tensor has a dynamic leading dimension and the config did not spell out full-rank dims); then dynamic batching
-when max_batch_size > 1 and no scheduler is chosen. Independent of the file: name, backend/platform, default
+From the model file: inputs (except the sequence batcher's control and state inputs, which the server fills),
+outputs (names, data types, dims) and max_batch_size (the default, 4, when every tensor has a dynamic leading
+dimension and the config did not spell out full-rank dims); then dynamic batching when that auto-completed
+max_batch_size is > 1 and no scheduler is chosen. Independent of the file: name, backend/platform, default
 model file name, version policy and instance groups.
 """
 
@@ -23,13 +24,26 @@ _Tensors = RepeatedCompositeFieldContainer[pb.ModelInput] | RepeatedCompositeFie
 
 def complete_from_file(config: pb.ModelConfig, file_io: FileIO, default_max_batch_size: int) -> None:
     """Complete ``config`` in place from the tensors the model file declares."""
-    if config.max_batch_size == 0 and file_io.supports_batching() and not _declares_full_rank(config, file_io):
+    completed_batching = (config.max_batch_size == 0 and file_io.supports_batching()
+                          and not _declares_full_rank(config, file_io))
+    if completed_batching:
         config.max_batch_size = default_max_batch_size
     batching = config.max_batch_size > 0
-    _complete_tensors(config.input, file_io.inputs, batching)
+    server_filled = sequence_input_names(config)
+    _complete_tensors(config.input, tuple(t for t in file_io.inputs if t.name not in server_filled), batching)
     _complete_tensors(config.output, file_io.outputs, batching)
-    if config.max_batch_size > 1 and config.WhichOneof("scheduling_choice") is None:
+    # Like Triton, only a batch size that auto-complete chose turns the dynamic batcher on; a config that sets
+    # max_batch_size itself decides its scheduler.
+    if completed_batching and config.max_batch_size > 1 and config.WhichOneof("scheduling_choice") is None:
         config.dynamic_batching.SetInParent()
+
+
+def sequence_input_names(config: pb.ModelConfig) -> set[str]:
+    """Model inputs the sequence batcher fills (control and implicit-state inputs): never request inputs."""
+    if not config.HasField("sequence_batching"):
+        return set()
+    batching = config.sequence_batching
+    return {c.name for c in batching.control_input} | {s.input_name for s in batching.state}
 
 
 def normalize(config: pb.ModelConfig, folder_name: str, source: str) -> None:

@@ -45,6 +45,8 @@ async def test_version_swaps_under_load_lose_no_request(tmp_path: Path) -> None:
     clients = [asyncio.create_task(client(i)) for i in range(CLIENTS)]
     loop = asyncio.get_running_loop()
     try:
+        while len(answers) < 10:
+            await asyncio.sleep(0.001)
         for version in range(2, SWAPS + 2):
             before = len(answers)
             write_version(model, version)
