@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -75,6 +76,11 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
                        help="ready only when every model is ready (default true)")
     serve.add_argument("--exit-timeout-secs", type=float, default=30.0,
                        help="how long shutdown waits for in-flight requests (default 30)")
+    serve.add_argument("--metrics-config", action="append", default=[], metavar="KEY=VALUE",
+                       help="counter_latencies, summary_latencies, histogram_latencies (true/false), "
+                            "summary_quantiles=0.5:0.05,0.9:0.01 (repeatable)")
+    serve.add_argument("--allow-cpu-metrics", type=_bool, default=True, metavar="BOOL")
+    serve.add_argument("--allow-gpu-metrics", type=_bool, default=True, metavar="BOOL")
     serve.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none",
                        help="none: load all at start; poll: also apply repository changes; explicit: only "
                             "--load-model at start, then the load/unload API")
@@ -112,6 +118,7 @@ def default_demo_repository() -> Path:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from kiln.frontends.metrics import parse_metrics_config
     from kiln.service import ServiceOptions, run_service
 
     _configure_logging(args.log_verbose, args.log_format)
@@ -127,6 +134,8 @@ def _serve(args: argparse.Namespace) -> int:
         names = build_demo_repository(demo)
         logging.getLogger("kiln").info("serving the demo repository %s (%s)", demo, ", ".join(names))
         repositories = [demo]
+    metrics = dataclasses.replace(parse_metrics_config(args.metrics_config), cpu_metrics=args.allow_cpu_metrics,
+                                  gpu_metrics=args.allow_gpu_metrics)
     options = ServiceOptions(
         repositories=repositories, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, allow_http=args.allow_http, allow_grpc=args.allow_grpc,
@@ -135,7 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
         strict_readiness=args.strict_readiness, cpu_threads=args.cpu_threads,
         control_mode=args.model_control_mode, load_models=tuple(args.load_model),
         repository_poll_secs=args.repository_poll_secs, exit_on_error=args.exit_on_error,
-        model_load_thread_count=args.model_load_thread_count,
+        model_load_thread_count=args.model_load_thread_count, metrics=metrics,
     )
     return run_service(options)
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -26,7 +25,7 @@ from starlette.routing import Route
 
 from kiln.frontends.grpc.server import start_grpc_server
 from kiln.frontends.http.app import build_app
-from kiln.frontends.metrics import metrics_registry
+from kiln.frontends.metrics import METRICS_CONTENT_TYPE, MetricsOptions, metrics_registry, render_metrics
 from kiln.server.server import Server, ServerOptions
 
 log = logging.getLogger("kiln.service")
@@ -52,6 +51,7 @@ class ServiceOptions:
     repository_poll_secs: float = 15.0
     exit_on_error: bool = True
     model_load_thread_count: int = 4
+    metrics: MetricsOptions = field(default_factory=MetricsOptions)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -87,7 +87,7 @@ class Service:
             loop.add_signal_handler(sig, self._on_signal, sig)
         http = self._uvicorn(build_app(self.server, max_input_size=self.options.http_max_input_size),
                              self.options.http_port) if self.options.allow_http else None
-        metrics = self._uvicorn(_metrics_app(self.server), self.options.metrics_port) \
+        metrics = self._uvicorn(_metrics_app(self.server, self.options.metrics), self.options.metrics_port) \
             if self.options.allow_metrics else None
         tasks = [asyncio.create_task(u.serve()) for u in (http, metrics) if u is not None]
         grpc_server = None
@@ -185,11 +185,11 @@ async def _wait_started(servers: list[_Uvicorn], tasks: list[asyncio.Task[None]]
         await asyncio.sleep(0.01)
 
 
-def _metrics_app(server: Server) -> Starlette:
-    registry = metrics_registry(server)
+def _metrics_app(server: Server, options: MetricsOptions) -> Starlette:
+    registry = metrics_registry(server, options)
 
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(render_metrics(registry), media_type=METRICS_CONTENT_TYPE)
 
     return Starlette(routes=[Route("/metrics", metrics)])
 

@@ -137,3 +137,4 @@ def test_metrics_endpoint(kiln_server: KilnProcess) -> None:
     text = httpx.get(f"http://{kiln_server.metrics_url}/metrics").text
     assert 'nv_inference_count{model="simple",version="1"}' in text
     assert "nv_inference_request_success" in text
+    assert "# TYPE nv_inference_count counter" in text and "nv_inference_count_total" not in text
