@@ -13,10 +13,17 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from kiln.engines.base import Engine
-from kiln.errors import InternalError, KilnError, QueueFullError, RequestTimeoutError, VersionUnloadingError
+from kiln.errors import (
+    CancelledError,
+    InternalError,
+    KilnError,
+    QueueFullError,
+    RequestTimeoutError,
+    VersionUnloadingError,
+)
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
 from kiln.server.scheduler.policy import BatchingPolicy
@@ -93,8 +100,18 @@ class DynamicBatcher:
                 self.model.stats.record_failure(waited_ns, "REJECTED")
                 self._answer(pending, RequestTimeoutError(
                     f"model '{self.model.name}': request timed out after waiting in the queue {waited_ns // 1000} us"))
-            if batch.items:
-                self._execute(engine, batch.items)
+            live = self._drop_cancelled(batch.items)
+            if live:
+                self._execute(engine, live)
+
+    def _drop_cancelled(self, items: list[Pending]) -> list[Pending]:
+        """Requests whose client went away before they ran are not run (counted as CANCELED)."""
+        live = [p for p in items if not p.future.cancelled()]
+        for pending in items:
+            if pending.future.cancelled():
+                self.model.stats.record_failure(self._clock() - pending.enqueued_ns, "CANCELED")
+                self._answer(pending, CancelledError(f"model '{self.model.name}': the request was cancelled"))
+        return live
 
     def _next_batch(self) -> Batch | None:
         with self._cond:
@@ -131,10 +148,14 @@ class DynamicBatcher:
 
 
 def _settle(pending: Pending, outcome: InferResponse | BaseException) -> None:
-    if isinstance(outcome, BaseException):
-        pending.future.set_exception(outcome)
-    else:
-        pending.future.set_result(outcome)
+    """Deliver an answer, unless the client gave up (a cancelled future must not take it, nor kill the worker)."""
+    try:
+        if isinstance(outcome, BaseException):
+            pending.future.set_exception(outcome)
+        else:
+            pending.future.set_result(outcome)
+    except InvalidStateError:
+        pass
 
 
 def _signature(request: InferRequest) -> Hashable:

@@ -158,3 +158,21 @@ def test_close_runs_queued_requests_then_refuses_new_ones() -> None:
     assert all(f.result(5).outputs[0].data.shape == (1, 3) for f in futures)
     with pytest.raises(Exception, match="unloading"):
         batcher.submit_sync(request(9.0), 1)
+
+
+async def test_a_cancelled_client_neither_runs_nor_kills_the_worker() -> None:
+    batcher, (engine,) = make()
+    engine.gate.clear()
+    running = asyncio.ensure_future(batcher.submit(request(1.0), 1))
+    await asyncio.to_thread(engine.started.wait, 5)
+    queued = asyncio.ensure_future(batcher.submit(request(2.0), 1))
+    await asyncio.sleep(0.01)
+    queued.cancel()  # gives up while queued
+    running.cancel()  # gives up while its batch runs
+    await asyncio.sleep(0.01)
+    engine.gate.set()
+    after = await asyncio.wait_for(batcher.submit(request(3.0), 1), 5)
+    assert (after.outputs[0].data == 6.0).all()
+    assert engine.batches == [1, 1]  # the cancelled queued request never ran
+    assert batcher.model.stats.snapshot().failures_by_reason.get("CANCELED") == 1
+    batcher.close()
