@@ -18,6 +18,7 @@ from kiln.config.backends import default_filename, resolve_backend
 from kiln.config.onnx_io import FileIO, FileTensor
 
 DEFAULT_MAX_BATCH_SIZE = 4
+SEQUENCE_IDLE_DEFAULT_US = 1_000_000  # Triton's default max_sequence_idle_microseconds
 
 _Tensors = RepeatedCompositeFieldContainer[pb.ModelInput] | RepeatedCompositeFieldContainer[pb.ModelOutput]
 
@@ -58,6 +59,8 @@ def normalize(config: pb.ModelConfig, folder_name: str, source: str) -> None:
         _normalize_instance_groups(config)
     if config.version_policy.WhichOneof("policy_choice") is None:
         config.version_policy.latest.num_versions = 1
+    if config.HasField("sequence_batching") and not config.sequence_batching.max_sequence_idle_microseconds:
+        config.sequence_batching.max_sequence_idle_microseconds = SEQUENCE_IDLE_DEFAULT_US
 
 
 def _declares_full_rank(config: pb.ModelConfig, file_io: FileIO) -> bool:

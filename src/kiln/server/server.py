@@ -40,6 +40,8 @@ EXTENSIONS = (
     "statistics",
     "binary_tensor_data",
     "parameters",
+    "sequence",
+    "schedule_policy",
 )
 
 

@@ -9,11 +9,16 @@ from kiln.server.scheduler.policy import BatchingPolicy
 
 
 def make_scheduler(model: LoadedModel) -> Scheduler:
-    """The dynamic batcher when the config asks for dynamic_batching, else one request at a time per instance."""
+    """The sequence batcher for sequence_batching, the dynamic batcher for dynamic_batching, else one request at
+    a time per instance."""
+    from kiln.server.scheduler.sequence import SequenceBatcher
+
     choice = model.spec.config.WhichOneof("scheduling_choice")
-    if choice in ("sequence_batching", "ensemble_scheduling"):
+    if choice == "ensemble_scheduling":
         raise UnsupportedError(f"model '{model.name}': {choice} is not supported by this kiln version; "
-                               f"use dynamic_batching or no scheduler")
+                               f"use dynamic_batching, sequence_batching or no scheduler")
+    if choice == "sequence_batching":
+        return SequenceBatcher(model)
     if choice == "dynamic_batching":
         return DynamicBatcher(model, BatchingPolicy.from_config(model.spec.config))
     return DirectScheduler(model)
