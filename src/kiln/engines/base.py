@@ -44,6 +44,9 @@ class EngineOptions:
 class Engine(abc.ABC):
     """A loaded model that runs batches in-process."""
 
+    thread_safe: bool = False
+    """True when ``execute`` may run on several threads at once (the server then may run it inline)."""
+
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
 

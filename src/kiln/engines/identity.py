@@ -11,6 +11,7 @@ from kiln.errors import ConfigError
 
 
 class IdentityEngine(Engine):
+    thread_safe = True
     def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
         super().__init__(spec)
         if len(spec.outputs) > len(spec.inputs):

@@ -27,6 +27,7 @@ _GRAPH_LEVELS = {
 
 
 class OnnxRuntimeEngine(Engine):
+    thread_safe = True  # onnxruntime sessions and pure functions run concurrently
     def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
         super().__init__(spec)
         path = onnx_model_path(model_file)

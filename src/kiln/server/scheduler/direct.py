@@ -14,6 +14,7 @@ from kiln.engines.base import Engine
 from kiln.errors import InternalError, KilnError, VersionUnloadingError
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
+from kiln.server.scheduler.inline import InlineRunner
 
 
 class DirectScheduler:
@@ -25,7 +26,9 @@ class DirectScheduler:
         self._executor = ThreadPoolExecutor(max_workers=len(model.engines),
                                             thread_name_prefix=f"kiln-{model.name}-{model.version}")
         self._inflight = 0
+        self._threaded = 0
         self._closed = False
+        self._inline = InlineRunner(model, 1, lambda request: None)
 
     @property
     def inflight(self) -> int:
@@ -37,7 +40,14 @@ class DirectScheduler:
         loop = asyncio.get_running_loop()
         self._inflight += 1
         try:
-            return await loop.run_in_executor(self._executor, self._run, request, batch_size, time.monotonic_ns())
+            if self._inline.wanted() and not self._threaded:
+                return await self._inline.submit(request, batch_size)
+            self._threaded += 1
+            try:
+                return await loop.run_in_executor(self._executor, self._run, request, batch_size,
+                                                  time.monotonic_ns())
+            finally:
+                self._threaded -= 1
         finally:
             self._inflight -= 1
 
@@ -57,6 +67,7 @@ class DirectScheduler:
             raise InternalError(f"model '{self.model.name}': {type(exc).__name__}: {exc}") from exc
         finally:
             self._free.put(engine)
+        self._inline.observe(times)
         self.model.stats.record_success(times, [enqueued_ns], time.monotonic_ns())
         return responses[0]
 
@@ -64,4 +75,7 @@ class DirectScheduler:
         """Stop taking requests, wait for the in-flight ones, then release the engines."""
         self._closed = True
         self._executor.shutdown(wait=True)
+        deadline = time.monotonic() + 60
+        while self._inflight and time.monotonic() < deadline:  # requests running inline on the event loop
+            time.sleep(0.001)
         self.model.close()

@@ -26,6 +26,7 @@ from kiln.errors import (
 )
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
+from kiln.server.scheduler.inline import InlineRunner
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.server.scheduler.queue import Batch, BatchQueue, Pending
 
@@ -43,6 +44,10 @@ class DynamicBatcher:
         self._inflight = 0
         self._closed = False
         self._release = _OrderedRelease() if policy.preserve_ordering else None
+        self._inline = InlineRunner(model, policy.max_batch_size, _signature)
+        if not _simple(policy):
+            self._inline.mode = "off"  # delays, priorities and queue policies need the real queue
+        self._busy = 0
         self._workers = [threading.Thread(target=self._work, args=(engine,), daemon=True,
                                           name=f"kiln-{model.name}-{model.version}-{index}")
                          for index, engine in enumerate(model.engines)]
@@ -54,6 +59,19 @@ class DynamicBatcher:
         return self._inflight
 
     async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
+        if self._inline.wanted() and not self._busy and not len(self._queue):
+            self.policy.priority_of(self.model.name, request)  # still reject bad parameters
+            with self._cond:
+                if self._closed:
+                    raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is "
+                                                f"unloading")
+                self._inflight += 1
+            try:
+                return await self._inline.submit(request, batch_size)
+            finally:
+                with self._cond:
+                    self._inflight -= 1
+                    self._cond.notify_all()
         return await asyncio.wrap_future(self._enqueue(request, batch_size))
 
     def submit_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
@@ -66,6 +84,8 @@ class DynamicBatcher:
             self._cond.notify_all()
         for worker in self._workers:
             worker.join()
+        with self._cond:  # requests running inline on the event loop finish too
+            self._cond.wait_for(lambda: self._inflight == 0, timeout=60)
         self.model.close()
 
     def _enqueue(self, request: InferRequest, batch_size: int) -> Future[InferResponse]:
@@ -102,7 +122,13 @@ class DynamicBatcher:
                     f"model '{self.model.name}': request timed out after waiting in the queue {waited_ns // 1000} us"))
             live = self._drop_cancelled(batch.items)
             if live:
-                self._execute(engine, live)
+                with self._cond:
+                    self._busy += 1
+                try:
+                    self._execute(engine, live)
+                finally:
+                    with self._cond:
+                        self._busy -= 1
 
     def _drop_cancelled(self, items: list[Pending]) -> list[Pending]:
         """Requests whose client went away before they ran are not run (counted as CANCELED)."""
@@ -134,6 +160,7 @@ class DynamicBatcher:
                 self.model.stats.record_failure(end - pending.enqueued_ns)
                 self._answer(pending, error)
             return
+        self._inline.observe(times)
         self.model.stats.record_success(times, [p.enqueued_ns for p in items], self._clock())
         for pending, response in zip(items, responses, strict=True):
             self._answer(pending, response)
@@ -141,6 +168,7 @@ class DynamicBatcher:
     def _answer(self, pending: Pending, outcome: InferResponse | BaseException) -> None:
         with self._cond:
             self._inflight -= 1
+            self._cond.notify_all()
         if self._release is None:
             _settle(pending, outcome)
         else:
@@ -156,6 +184,12 @@ def _settle(pending: Pending, outcome: InferResponse | BaseException) -> None:
             pending.future.set_result(outcome)
     except InvalidStateError:
         pass
+
+
+def _simple(policy: BatchingPolicy) -> bool:
+    queues = policy.queue_policies.values()
+    return (policy.max_queue_delay_ns == 0 and policy.priority_levels <= 1 and not policy.preferred_batch_sizes
+            and all(q.timeout_us == 0 and q.max_queue_size == 0 for q in queues))
 
 
 def _signature(request: InferRequest) -> Hashable:
