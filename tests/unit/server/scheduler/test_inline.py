@@ -16,7 +16,7 @@ from kiln.engines.base import Array, Engine
 from kiln.errors import InvalidArgumentError
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InputTensor
-from kiln.server.scheduler import DirectScheduler, DynamicBatcher
+from kiln.server.scheduler import DirectScheduler, DynamicBatcher, inline
 from kiln.server.scheduler.inline import MIN_SAMPLES, InlineRunner, inline_mode
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.tensor import DataType
@@ -58,7 +58,8 @@ async def warm_up(scheduler: DynamicBatcher | DirectScheduler) -> None:
         await scheduler.submit(request(), 1)
 
 
-async def test_fast_model_switches_to_inline_and_batches_one_loop_turn() -> None:
+async def test_fast_model_switches_to_inline_and_batches_one_loop_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inline, "FAST_NS", 10**10)  # "fast" must not depend on how busy the test machine is
     loaded, engine = model("dynamic_batching { }")
     batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
     await warm_up(batcher)
@@ -90,7 +91,8 @@ async def test_queue_policies_keep_requests_on_the_worker_queue() -> None:
     batcher.close()
 
 
-async def test_direct_scheduler_runs_inline_when_fast() -> None:
+async def test_direct_scheduler_runs_inline_when_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inline, "FAST_NS", 10**10)
     loaded, engine = model()
     scheduler = DirectScheduler(loaded)
     await warm_up(scheduler)
@@ -107,3 +109,13 @@ def test_modes() -> None:
     assert not InlineRunner(off, 8, lambda r: None).wanted()
     with pytest.raises(InvalidArgumentError, match="'inline_execution' is 'sometimes'"):
         inline_mode(model('parameters { key: "inline_execution" value { string_value: "sometimes" } }')[0])
+
+
+async def test_slow_model_stays_on_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inline, "FAST_NS", 0)  # every execution counts as slow
+    loaded, engine = model("dynamic_batching { }")
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    await warm_up(batcher)
+    await batcher.submit(request(), 1)
+    assert all(name.startswith("kiln-m-1") for name, _ in engine.calls)
+    batcher.close()
