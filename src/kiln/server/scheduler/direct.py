@@ -32,16 +32,16 @@ class DirectScheduler:
 
     @property
     def inflight(self) -> int:
-        return self._inflight
+        return self._inflight + self._inline.inflight
 
     async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
         if self._closed:
             raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is unloading")
+        if self._inline.wanted() and not self._threaded:
+            return await self._inline.submit(request, batch_size)
         loop = asyncio.get_running_loop()
         self._inflight += 1
         try:
-            if self._inline.wanted() and not self._threaded:
-                return await self._inline.submit(request, batch_size)
             self._threaded += 1
             try:
                 return await loop.run_in_executor(self._executor, self._run, request, batch_size,
@@ -76,6 +76,6 @@ class DirectScheduler:
         self._closed = True
         self._executor.shutdown(wait=True)
         deadline = time.monotonic() + 60
-        while self._inflight and time.monotonic() < deadline:  # requests running inline on the event loop
+        while self._inline.inflight and time.monotonic() < deadline:  # requests running inline on the loop
             time.sleep(0.001)
         self.model.close()

@@ -56,22 +56,15 @@ class DynamicBatcher:
 
     @property
     def inflight(self) -> int:
-        return self._inflight
+        return self._inflight + self._inline.inflight
 
     async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
         if self._inline.wanted() and not self._busy and not len(self._queue):
-            self.policy.priority_of(self.model.name, request)  # still reject bad parameters
-            with self._cond:
-                if self._closed:
-                    raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is "
-                                                f"unloading")
-                self._inflight += 1
-            try:
-                return await self._inline.submit(request, batch_size)
-            finally:
-                with self._cond:
-                    self._inflight -= 1
-                    self._cond.notify_all()
+            if self._closed:
+                raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is unloading")
+            if request.parameters:
+                self.policy.priority_of(self.model.name, request)  # still reject bad parameters
+            return await self._inline.submit(request, batch_size)
         return await asyncio.wrap_future(self._enqueue(request, batch_size))
 
     def submit_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
@@ -84,8 +77,9 @@ class DynamicBatcher:
             self._cond.notify_all()
         for worker in self._workers:
             worker.join()
-        with self._cond:  # requests running inline on the event loop finish too
-            self._cond.wait_for(lambda: self._inflight == 0, timeout=60)
+        deadline = time.monotonic() + 60
+        while self._inline.inflight and time.monotonic() < deadline:  # requests running inline on the loop
+            time.sleep(0.001)
         self.model.close()
 
     def _enqueue(self, request: InferRequest, batch_size: int) -> Future[InferResponse]:
@@ -125,10 +119,13 @@ class DynamicBatcher:
                 with self._cond:
                     self._busy += 1
                 try:
-                    self._execute(engine, live)
+                    outcomes = self._execute(engine, live)
                 finally:
                     with self._cond:
                         self._busy -= 1
+                # Answer once the worker counts as idle, so the next request may already run inline.
+                for pending, outcome in outcomes:
+                    self._answer(pending, outcome)
 
     def _drop_cancelled(self, items: list[Pending]) -> list[Pending]:
         """Requests whose client went away before they ran are not run (counted as CANCELED)."""
@@ -150,7 +147,8 @@ class DynamicBatcher:
                 timeout = None if batch.wake_at_ns is None else max(0, batch.wake_at_ns - self._clock()) / 1e9
                 self._cond.wait(timeout)
 
-    def _execute(self, engine: Engine, items: list[Pending]) -> None:
+    def _execute(self, engine: Engine,
+                 items: list[Pending]) -> list[tuple[Pending, InferResponse | BaseException]]:
         try:
             responses, times = self.model.run_batch(engine, [p.request for p in items], [p.rows for p in items])
         except BaseException as exc:  # every request of a failed batch gets the error; the worker lives on
@@ -158,17 +156,14 @@ class DynamicBatcher:
             end = self._clock()
             for pending in items:
                 self.model.stats.record_failure(end - pending.enqueued_ns)
-                self._answer(pending, error)
-            return
+            return [(pending, error) for pending in items]
         self._inline.observe(times)
         self.model.stats.record_success(times, [p.enqueued_ns for p in items], self._clock())
-        for pending, response in zip(items, responses, strict=True):
-            self._answer(pending, response)
+        return list(zip(items, responses, strict=True))
 
     def _answer(self, pending: Pending, outcome: InferResponse | BaseException) -> None:
         with self._cond:
             self._inflight -= 1
-            self._cond.notify_all()
         if self._release is None:
             _settle(pending, outcome)
         else:

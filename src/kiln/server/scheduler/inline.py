@@ -22,6 +22,9 @@ from kiln.server.stats import ExecutionTimes
 PARAMETER = "inline_execution"
 FAST_NS = 300_000  # an execution (batch) this fast runs inline in auto mode
 MIN_SAMPLES = 8  # executions seen before auto mode trusts its estimate
+# While requests keep arriving, wait up to this many more loop turns before running, so that requests from
+# clients that answer in consecutive turns share a batch (a turn costs microseconds; a model call far more).
+MAX_DEFERRALS = 2
 
 _Item = tuple[InferRequest, int, int, "asyncio.Future[InferResponse]", Hashable]
 
@@ -45,7 +48,9 @@ class InlineRunner:
         self._samples = 0
         self._pending: list[_Item] = []
         self._scheduled = False
-        self.running = 0
+        self._deferrals = 0
+        self.inflight = 0  # only touched on the event loop thread
+        self.batching = max_batch_size > 1
 
     def observe(self, times: ExecutionTimes) -> None:
         """Learn how long executions take (called after every batch, from any thread; races only blur it)."""
@@ -64,10 +69,21 @@ class InlineRunner:
         self._pending.append((request, rows, time.monotonic_ns(), future, self._signature(request)))
         if not self._scheduled:
             self._scheduled = True
-            loop.call_soon(self._flush)
-        return await future
+            self._deferrals = 0
+            loop.call_soon(self._flush, len(self._pending), loop)
+        self.inflight += 1
+        try:
+            return await future
+        finally:
+            self.inflight -= 1
 
-    def _flush(self) -> None:
+    def _flush(self, seen: int, loop: asyncio.AbstractEventLoop) -> None:
+        pending_rows = sum(item[1] for item in self._pending)
+        growing = len(self._pending) > seen and pending_rows < self._max_rows
+        if self.batching and growing and self._deferrals < MAX_DEFERRALS:
+            self._deferrals += 1
+            loop.call_soon(self._flush, len(self._pending), loop)
+            return
         self._scheduled = False
         items = [item for item in self._pending if not item[3].done()]
         self._pending = []
@@ -81,7 +97,6 @@ class InlineRunner:
 
     def _run(self, batch: list[_Item]) -> None:
         engine = self.model.engines[0]
-        self.running += 1
         try:
             responses, times = self.model.run_batch(engine, [item[0] for item in batch], [item[1] for item in batch])
         except BaseException as exc:  # each request of the batch gets the error; the loop carries on
@@ -92,8 +107,6 @@ class InlineRunner:
                 if not item[3].done():
                     item[3].set_exception(error)
             return
-        finally:
-            self.running -= 1
         self.observe(times)
         self.model.stats.record_success(times, [item[2] for item in batch], time.monotonic_ns())
         for item, response in zip(batch, responses, strict=True):
