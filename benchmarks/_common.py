@@ -7,6 +7,8 @@ Load generators are compiled Debian tools so that the client takes as little of 
 * ``h2load`` (package ``nghttp2-client``) drives unary gRPC: the body is a gRPC length-prefixed message (1-byte
   compression flag + 4-byte big-endian length + serialized ``ModelInferRequest``), sent with
   ``content-type: application/grpc`` and ``te: trailers``; ``-m 1`` keeps one call in flight per connection.
+  Runs are sized in calls (``-n``, from a probe of the rate) to last about the requested window, so that no
+  call is cut off by the client at the end (see ``run_h2load``).
   h2load sees HTTP status 200 even when a call fails (gRPC puts failures in the trailers), so every run also
   compares the DATA bytes received with ``succeeded x size of the verified response``: a failed call carries
   no response message, so any shortfall is counted as errors and the run is flagged.
@@ -240,8 +242,8 @@ def _machine_ticks() -> tuple[int, int]:
     return busy, busy + idle + iowait
 
 
-def _group_ticks(pgid: int) -> int:
-    """utime + stime jiffies of every live process in process group ``pgid``."""
+def _group_ticks(pgids: Sequence[int]) -> int:
+    """utime + stime jiffies of every live process in the process groups ``pgids``."""
     total = 0
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -250,7 +252,7 @@ def _group_ticks(pgid: int) -> int:
             rest = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(rest[2]) == pgid:
+        if int(rest[2]) in pgids:
             total += int(rest[11]) + int(rest[12])
     return total
 
@@ -258,17 +260,19 @@ def _group_ticks(pgid: int) -> int:
 class CpuMeter:
     """CPU use split into server / load generator (this process's reaped children) / everything else.
 
-    ``server_pgid`` is the server's process group; ``None`` means the server is this very process (direct mode).
+    ``server_pgid`` is the server's process group (or several); ``None`` means the server is this very process
+    (direct mode).
     """
 
-    def __init__(self, server_pgid: int | None) -> None:
+    def __init__(self, server_pgid: int | Sequence[int] | None) -> None:
         self.pgid = server_pgid
+        self._pgids = [server_pgid] if isinstance(server_pgid, int) else list(server_pgid or [])
 
     def _server_seconds(self) -> float:
         if self.pgid is None:
             r = resource.getrusage(resource.RUSAGE_SELF)
             return r.ru_utime + r.ru_stime
-        return _group_ticks(self.pgid) / _CLK_TCK
+        return _group_ticks(self._pgids) / _CLK_TCK
 
     def __enter__(self) -> CpuMeter:
         self.t0 = time.perf_counter()
@@ -295,7 +299,8 @@ class CpuMeter:
         return result
 
 
-def wait_quiet(server_pgid: int | None, max_wait_s: float, threshold: float = 0.15, sample_s: float = 0.5) -> float:
+def wait_quiet(server_pgid: int | Sequence[int] | None, max_wait_s: float, threshold: float = 0.15,
+               sample_s: float = 0.5) -> float:
     """Wait (up to ``max_wait_s``) until processes other than the server use < ``threshold`` cores; return that."""
     deadline = time.monotonic() + max_wait_s
     announced = False
@@ -335,7 +340,7 @@ end
 
 
 def run_wrk(url: str, body: bytes, headers: Mapping[str, str], concurrency: int, duration_s: float,
-            threads: int = 1, server_pgid: int | None = None) -> LoadResult:
+            threads: int = 1, server_pgid: int | Sequence[int] | None = None) -> LoadResult:
     """POST ``body`` to ``url`` from ``concurrency`` keep-alive connections for ``duration_s`` seconds."""
     with tempfile.TemporaryDirectory(prefix="kiln-wrk-") as tmp:
         body_path = Path(tmp, "body.bin")
@@ -348,7 +353,7 @@ def run_wrk(url: str, body: bytes, headers: Mapping[str, str], concurrency: int,
         threads = max(1, min(threads, concurrency))
         cmd = ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{_secs(duration_s)}", "--timeout", "10s",
                "-s", str(script), url]
-        with CpuMeter(server_pgid or -1) as meter:
+        with CpuMeter(server_pgid if server_pgid is not None else -1) as meter:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=duration_s + 60)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("KILN_WRK_JSON ")), None)
     if proc.returncode != 0 or line is None:
@@ -372,17 +377,93 @@ def grpc_frame(message: bytes) -> bytes:
 
 
 def run_h2load(url: str, message: bytes, concurrency: int, duration_s: float, warmup_s: float,
-               expected_response_bytes: int, server_pgid: int | None = None) -> LoadResult:
-    """Unary gRPC calls of ``message`` (a serialized request) for ``duration_s`` after ``warmup_s``.
+               expected_response_bytes: int, server_pgid: int | Sequence[int] | None = None) -> LoadResult:
+    """Unary gRPC calls of ``message`` (a serialized request) for about ``duration_s`` after ``warmup_s``.
+
+    h2load runs with a fixed number of calls (``-n``) sized from the rate of a short probe and of the warm-up,
+    not with ``-D``: at the end of a timed run h2load resets the calls still in flight, i.e. the client cancels
+    them, which exercises the server's cancellation path rather than its throughput (it once killed kiln's
+    dynamic batcher worker, so every later call hung; see README). Every run is bounded by a hard timeout;
+    calls that never complete count as errors.
 
     ``expected_response_bytes`` is the size of the verified response message; each successful call must
-    receive exactly ``5 + expected_response_bytes`` DATA bytes. The warm-up is a separate h2load run, so that
-    the DATA byte count of the measured run covers the measured calls only.
+    receive exactly ``5 + expected_response_bytes`` DATA bytes. Warm-up and probe are separate h2load runs,
+    so the DATA byte count of the measured run covers the measured calls only.
     """
-    if warmup_s > 0:
-        _h2load(url, message, concurrency, warmup_s)
-    with CpuMeter(server_pgid or -1) as meter:
-        out, latencies_us, non200 = _h2load(url, message, concurrency, duration_s)
+    probe = _h2load(url, message, concurrency, max(200, concurrency * 10), timeout_s=30 + duration_s)
+    rate = probe.rate
+    if warmup_s > 0 and rate > 0:
+        warm = _h2load(url, message, concurrency, max(concurrency, round(rate * warmup_s)),
+                       timeout_s=30 + 4 * warmup_s)
+        rate = warm.rate or rate
+    count = max(concurrency * 10, round(rate * duration_s))
+    with CpuMeter(server_pgid if server_pgid is not None else -1) as meter:
+        run = _h2load(url, message, concurrency, count, timeout_s=30 + 4 * duration_s)
+    notes = []
+    per_call = 5 + expected_response_bytes
+    # Calls that returned 200 but carried no (or a different-size) response message are gRPC failures.
+    short = max(0, round((run.succeeded * per_call - run.data_bytes) / per_call))
+    if run.data_bytes != run.succeeded * per_call:
+        notes.append(f"DATA bytes {run.data_bytes} != {run.succeeded} x {per_call}: ~{short} calls without a full "
+                     f"response")
+    if run.non200:
+        notes.append(f"{run.non200} non-200 in log")
+    ok = max(0, run.succeeded - short)
+    errors = run.failed + short + max(0, count - run.done)
+    if run.timed_out:
+        notes.append(f"h2load timed out after {run.duration_s:.0f} s: {count - run.done} of {count} calls never "
+                     f"completed")
+    if ok == 0:
+        errors = max(errors, 1)
+        notes.append(f"no call completed; h2load said: {run.output[-600:]!r}")
+    lat = run.latencies_us
+    if lat.size:
+        p50, p99, mean = (float(np.percentile(lat, 50)) / 1e3, float(np.percentile(lat, 99)) / 1e3,
+                          float(lat.mean()) / 1e3)
+    else:
+        p50 = p99 = mean = float("nan")
+    result = LoadResult("h2load", concurrency, run.duration_s, ok, errors, ok / run.duration_s if run.duration_s else 0,
+                        p50, p99, mean, "; ".join(notes))
+    return meter.apply(result)
+
+
+@dataclasses.dataclass
+class _H2Run:
+    output: str
+    duration_s: float
+    done: int
+    succeeded: int
+    failed: int
+    data_bytes: int
+    latencies_us: np.ndarray
+    non200: int
+    timed_out: bool
+
+    @property
+    def rate(self) -> float:
+        return self.succeeded / self.duration_s if self.duration_s > 0 else 0.0
+
+
+def _h2load(url: str, message: bytes, concurrency: int, count: int, timeout_s: float) -> _H2Run:
+    with tempfile.TemporaryDirectory(prefix="kiln-h2load-") as tmp:
+        body_path = Path(tmp, "body.bin")
+        body_path.write_bytes(grpc_frame(message))
+        log_path = Path(tmp, "requests.tsv")
+        cmd = ["h2load", "-c", str(concurrency), "-m", "1", "-t", "1", "-n", str(count),
+               "-d", str(body_path), "--log-file", str(log_path),
+               "-H", "content-type: application/grpc", "-H", "te: trailers", url + GRPC_INFER_PATH]
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            latencies_us, non200 = _h2load_log(log_path)
+            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            return _H2Run(out, time.perf_counter() - started, int(latencies_us.size), int(latencies_us.size), 0, 0,
+                          latencies_us, non200, True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"h2load failed (rc {proc.returncode}): {proc.stdout[-2000:]} {proc.stderr[-2000:]}")
+        latencies_us, non200 = _h2load_log(log_path)
+    out = proc.stdout
     finished = re.search(r"finished in ([\d.]+)(m?s)", out)
     reqs = re.search(r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, (\d+) failed, "
                      r"(\d+) errored, (\d+) timeout", out)
@@ -390,45 +471,9 @@ def run_h2load(url: str, message: bytes, concurrency: int, duration_s: float, wa
     if finished is None or reqs is None or data is None:
         raise RuntimeError(f"cannot parse h2load output:\n{out}")
     duration = float(finished.group(1)) / (1000.0 if finished.group(2) == "ms" else 1.0)
-    succeeded = int(reqs.group(4))
     failed = int(reqs.group(5)) + int(reqs.group(6)) + int(reqs.group(7))
-    per_call = 5 + expected_response_bytes
-    data_bytes = int(data.group(1))
-    # Calls that returned 200 but carried no (or a different-size) response message are gRPC failures.
-    short = max(0, round((succeeded * per_call - data_bytes) / per_call))
-    notes = []
-    if data_bytes != succeeded * per_call:
-        notes.append(f"DATA bytes {data_bytes} != {succeeded} x {per_call}: ~{short} calls without a full response")
-    if non200:
-        notes.append(f"{non200} non-200 in log")
-    ok = max(0, succeeded - short)
-    errors = failed + short
-    if ok == 0:
-        errors = max(errors, 1)
-        summary = " | ".join(ln.strip() for ln in out.splitlines() if ln.startswith(("requests:", "status codes:")))
-        notes.append(f"no call completed: {summary}; h2load said: {out[-600:]!r}")
-    if latencies_us.size:
-        p50, p99, mean = (float(np.percentile(latencies_us, 50)) / 1e3, float(np.percentile(latencies_us, 99)) / 1e3,
-                          float(latencies_us.mean()) / 1e3)
-    else:
-        p50 = p99 = mean = float("nan")
-    result = LoadResult("h2load", concurrency, duration, ok, errors, ok / duration, p50, p99, mean, "; ".join(notes))
-    return meter.apply(result)
-
-
-def _h2load(url: str, message: bytes, concurrency: int, duration_s: float) -> tuple[str, np.ndarray, int]:
-    with tempfile.TemporaryDirectory(prefix="kiln-h2load-") as tmp:
-        body_path = Path(tmp, "body.bin")
-        body_path.write_bytes(grpc_frame(message))
-        log_path = Path(tmp, "requests.tsv")
-        cmd = ["h2load", "-c", str(concurrency), "-m", "1", "-t", "1", "-D", _secs(duration_s),
-               "-d", str(body_path), "--log-file", str(log_path),
-               "-H", "content-type: application/grpc", "-H", "te: trailers", url + GRPC_INFER_PATH]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=duration_s + 60)
-        if proc.returncode != 0:
-            raise RuntimeError(f"h2load failed (rc {proc.returncode}): {proc.stdout[-2000:]} {proc.stderr[-2000:]}")
-        latencies_us, non200 = _h2load_log(log_path)
-    return proc.stdout, latencies_us, non200
+    return _H2Run(out, duration, int(reqs.group(3)), int(reqs.group(4)), failed, int(data.group(1)), latencies_us,
+                  non200, False)
 
 
 def _h2load_log(path: Path) -> tuple[np.ndarray, int]:

@@ -8,7 +8,10 @@ response, driven by the same load generators and concurrency as the other benchm
 * ``starlette-json``:  as above, plus ``json.loads`` of the request and ``json.dumps`` of a 10-float answer;
 * ``grpc-aio-bytes``:  ``grpc.aio`` generic handler, no protobuf (bytes in, fixed bytes out);
 * ``grpc-aio-pb``:     ``grpc.aio`` with protobuf parse of ModelInferRequest and serialize of the response;
-* ``grpc-sync-pb``:    the synchronous ``grpc.server`` (thread pool) doing the same.
+* ``grpc-sync-pb``:    the synchronous ``grpc.server`` (thread pool) doing the same;
+* ``grpc-aio-pb-ort-asyncio``: the same on asyncio's default event loop instead of uvloop;
+* ``*-ort``:           the minimal correct server: the above plus decoding the input, one onnxruntime
+                       ``session.run`` (1 intra-op thread) on the event loop and encoding the real answer.
 
 The gap between a ceiling and kiln's figure is kiln's own per-request cost; the ceiling itself is the price of
 the framework. Usage: ``.venv/bin/python benchmarks/ceilings.py [--duration 5] [--concurrency 16]``.
@@ -45,8 +48,14 @@ from _common import (
 
 _SERVER = textwrap.dedent('''
     import asyncio, json, sys
-    variant, port, response_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    variant, port, response_path, model_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     RESPONSE = open(response_path, "rb").read()
+    if "-ort" in variant:
+        import numpy as np
+        import onnxruntime as ort
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        SESSION = ort.InferenceSession(model_path, sess_options=options, providers=["CPUExecutionProvider"])
 
     if variant.startswith("grpc"):
         import grpc
@@ -60,6 +69,17 @@ _SERVER = textwrap.dedent('''
             async def infer(request, context):
                 request.raw_input_contents[0]
                 return resp_msg
+            handler = grpc.unary_unary_rpc_method_handler(
+                infer, request_deserializer=pb.ModelInferRequest.FromString,
+                response_serializer=pb.ModelInferResponse.SerializeToString)
+        elif variant.startswith("grpc-aio-pb-ort"):
+            async def infer(request, context):
+                x = np.frombuffer(request.raw_input_contents[0], dtype=np.float32).reshape(request.inputs[0].shape)
+                (y,) = SESSION.run(["OUTPUT0"], {"INPUT0": x})
+                resp = pb.ModelInferResponse(model_name="mlp", model_version="1")
+                resp.outputs.add(name="OUTPUT0", datatype="FP32", shape=y.shape)
+                resp.raw_output_contents.append(y.tobytes())
+                return resp
             handler = grpc.unary_unary_rpc_method_handler(
                 infer, request_deserializer=pb.ModelInferRequest.FromString,
                 response_serializer=pb.ModelInferResponse.SerializeToString)
@@ -87,8 +107,11 @@ _SERVER = textwrap.dedent('''
                 await server.start()
                 print("READY", flush=True)
                 await server.wait_for_termination()
-            import uvloop
-            uvloop.run(main())
+            if variant.endswith("-asyncio"):
+                asyncio.run(main())
+            else:
+                import uvloop
+                uvloop.run(main())
     else:
         import uvicorn
         if variant == "asgi-raw":
@@ -110,6 +133,14 @@ _SERVER = textwrap.dedent('''
             out = json.loads(RESPONSE) if parse else None
             async def infer(request):
                 body = await request.body()
+                if variant == "starlette-json-ort":
+                    doc = json.loads(body)
+                    item = doc["inputs"][0]
+                    x = np.asarray(item["data"], dtype=np.float32).reshape(item["shape"])
+                    (y,) = SESSION.run(["OUTPUT0"], {"INPUT0": x})
+                    answer = {"model_name": "mlp", "model_version": "1", "outputs": [
+                        {"name": "OUTPUT0", "datatype": "FP32", "shape": list(y.shape), "data": y.ravel().tolist()}]}
+                    return Response(json.dumps(answer).encode(), media_type="application/json")
                 if parse:
                     json.loads(body)
                     return Response(json.dumps(out).encode(), media_type="application/json")
@@ -119,8 +150,8 @@ _SERVER = textwrap.dedent('''
                     access_log=False)
 ''')
 
-HTTP_VARIANTS = ("asgi-raw", "starlette", "starlette-json")
-GRPC_VARIANTS = ("grpc-aio-bytes", "grpc-aio-pb", "grpc-sync-pb")
+HTTP_VARIANTS = ("asgi-raw", "starlette", "starlette-json", "starlette-json-ort")
+GRPC_VARIANTS = ("grpc-aio-bytes", "grpc-aio-pb", "grpc-aio-pb-ort", "grpc-aio-pb-ort-asyncio", "grpc-sync-pb")
 
 
 def main() -> int:
@@ -135,7 +166,7 @@ def main() -> int:
     ensure_tools()
     info = machine_info()
     info["command"] = command_line()
-    for line in header_lines("framework ceilings (no model work), mlp-sized request and response", info):
+    for line in header_lines("framework ceilings, mlp-sized request and response", info):
         print(line, flush=True)
 
     rows = []
@@ -156,10 +187,11 @@ def main() -> int:
             is_grpc = variant.startswith("grpc")
             response_file = tmp / f"{variant}.bin"
             response_file.write_bytes(grpc_response if is_grpc else json_response)
-            cmd = [str(PROJECT_PYTHON), str(script), variant, str(port), str(response_file)]
+            cmd = [str(PROJECT_PYTHON), str(script), variant, str(port), str(response_file),
+                   str(tmp / "repo" / "mlp" / "1" / "model.onnx")]
             server = ServerProcess(variant, cmd, tmp / f"{variant}.log", env=project_env())
             with running(server):
-                _wait_ready(server)
+                _wait_ready(server, port)
                 wait_quiet(server.proc.pid, args.max_wait_quiet)
                 if is_grpc:
                     r = run_h2load(f"http://127.0.0.1:{port}", message, args.concurrency, args.duration, args.warmup,
@@ -195,16 +227,20 @@ def _grpc_response(raw: bytes) -> bytes:
     return data
 
 
-def _wait_ready(server: ServerProcess, timeout: float = 60.0) -> None:
+def _wait_ready(server: ServerProcess, port: int, timeout: float = 60.0) -> None:
+    """Until the port accepts a TCP connection."""
+    import socket
     import time
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
             raise RuntimeError(f"{server.name} exited: {server.log_tail()}")
-        if b"READY" in server.log_path.read_bytes() or b"Uvicorn running" in server.log_path.read_bytes():
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
             return
-        time.sleep(0.05)
+        except OSError:
+            time.sleep(0.05)
     raise RuntimeError(f"{server.name} not ready: {server.log_tail()}")
 
 

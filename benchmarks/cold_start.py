@@ -36,6 +36,7 @@ from _common import (
     kiln_serve_cmd,
     machine_info,
     project_env,
+    wait_quiet,
     write_json,
 )
 
@@ -48,6 +49,8 @@ def main() -> int:
     parser.add_argument("--bar", type=float, default=3.0, help="median spawn-to-ready limit, seconds (default 3)")
     parser.add_argument("--interval", type=float, default=0.01, help="poll interval, seconds (default 0.01)")
     parser.add_argument("--timeout", type=float, default=60.0, help="give up on a run after this many seconds")
+    parser.add_argument("--max-wait-quiet", type=float, default=60.0,
+                        help="before each run, wait up to this long for other processes to go idle (default 60)")
     parser.add_argument("--output", type=Path, default=None, help="write all results as JSON here")
     args = parser.parse_args()
 
@@ -67,6 +70,7 @@ def main() -> int:
         build_demo_repo(repo)
         print(f"repository: {repo} ({', '.join(sorted(p.name for p in repo.iterdir()))})")
         for i in range(args.runs):
+            wait_quiet(None, args.max_wait_quiet)
             run = _one_run(tmp, repo, i, args)
             runs.append(run)
             print(f"run {i + 1}: HTTP ready {run['http_s']:.3f} s, gRPC ServerReady {run['grpc_s']:.3f} s, "
