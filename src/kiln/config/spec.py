@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -44,20 +45,33 @@ class ModelSpec:
     def batching(self) -> bool:
         return self.max_batch_size > 0
 
+    # Lookups the request path needs on every request, computed once per spec.
+    @functools.cached_property
+    def input_map(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.inputs}
+
+    @functools.cached_property
+    def output_map(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.outputs}
+
+    @functools.cached_property
+    def request_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {t.name: self.request_shape(t) for t in self.inputs}
+
     def request_shape(self, tensor: TensorSpec) -> tuple[int, ...]:
         """The full shape a request carries for ``tensor``: the batch dimension (-1) first when batching."""
         return ((-1,) + tensor.dims) if self.batching else tensor.dims
 
     def input(self, name: str) -> TensorSpec:
-        for tensor in self.inputs:
-            if tensor.name == name:
-                return tensor
+        tensor = self.input_map.get(name)
+        if tensor is not None:
+            return tensor
         expected = ", ".join(t.name for t in self.inputs)
         raise InvalidArgumentError(f"model '{self.name}' has no input '{name}'; expected one of: {expected}")
 
     def output(self, name: str) -> TensorSpec:
-        for tensor in self.outputs:
-            if tensor.name == name:
-                return tensor
+        tensor = self.output_map.get(name)
+        if tensor is not None:
+            return tensor
         expected = ", ".join(t.name for t in self.outputs)
         raise InvalidArgumentError(f"model '{self.name}' has no output '{name}'; expected one of: {expected}")

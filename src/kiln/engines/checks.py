@@ -43,7 +43,7 @@ def check_outputs(spec: ModelSpec, outputs: Sequence[str] | None) -> list[str]:
 def check_shape(spec: ModelSpec, tensor: TensorSpec, shape: Sequence[int]) -> None:
     """Raise unless ``shape`` (with the batch dimension when batching) fits the tensor's dims."""
     dims = tuple(shape)
-    want = spec.request_shape(tensor)
+    want = spec.request_shapes.get(tensor.name) or spec.request_shape(tensor)
     ok = len(dims) == len(want) and all(w == -1 or w == d for w, d in zip(want, dims, strict=True))
     if ok and spec.batching and not 1 <= dims[0] <= spec.max_batch_size:
         raise InvalidArgumentError(

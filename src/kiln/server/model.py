@@ -29,6 +29,8 @@ class LoadedModel:
         self.engines = engines
         self.stats = stats or StatsRecorder(spec.name, str(version), observers)
         self.labels = {t.name: read_labels(path / t.label_filename) for t in spec.outputs if t.label_filename}
+        self._all_outputs = [t.name for t in spec.outputs]
+        self._version_text = str(version)
 
     @property
     def name(self) -> str:
@@ -54,12 +56,15 @@ class LoadedModel:
         infer_end = time.monotonic_ns()
         responses: list[InferResponse] = []
         offset = 0
+        single = len(requests) == 1
         for request, count in zip(requests, rows, strict=True):
-            wanted = [o.name for o in request.outputs] or [t.name for t in self.spec.outputs]
-            part = {name: results[name][offset:offset + count] if len(requests) > 1 else results[name]
-                    for name in wanted}
-            outputs = [self._output(name, part[name], request) for name in wanted]
-            responses.append(InferResponse(model_name=self.name, model_version=str(self.version), outputs=outputs,
+            if request.outputs:
+                outputs = [self._output(o.name, results[o.name] if single else results[o.name][offset:offset + count],
+                                        o.classification) for o in request.outputs]
+            else:
+                outputs = [self._output(name, results[name] if single else results[name][offset:offset + count], 0)
+                           for name in self._all_outputs]
+            responses.append(InferResponse(model_name=self.name, model_version=self._version_text, outputs=outputs,
                                            id=request.id))
             offset += count
         end = time.monotonic_ns()
@@ -67,14 +72,11 @@ class LoadedModel:
                                infer_end - infer_start, end - infer_end)
         return responses, times
 
-    def _output(self, name: str, data: npt.NDArray[Any], request: InferRequest) -> OutputTensor:
-        spec = self.spec.output(name)
-        wanted = next((o for o in request.outputs if o.name == name), None)
-        if wanted is not None and wanted.classification > 0:
-            classes = classify(self.name, name, data, wanted.classification, self.spec.batching,
-                               self.labels.get(name, []))
+    def _output(self, name: str, data: npt.NDArray[Any], classification: int) -> OutputTensor:
+        if classification > 0:
+            classes = classify(self.name, name, data, classification, self.spec.batching, self.labels.get(name, []))
             return OutputTensor(name, DataType.BYTES, classes.shape, classes)
-        return OutputTensor(name, spec.datatype, tuple(data.shape), data)
+        return OutputTensor(name, self.spec.output_map[name].datatype, data.shape, data)
 
 
 def _concatenate(requests: list[InferRequest]) -> dict[str, npt.NDArray[Any]]:

@@ -12,7 +12,7 @@ from kiln.tensor import element_count
 def validate_request(spec: ModelSpec, request: InferRequest) -> int:
     """Check names, datatypes, shapes, batch sizes and requested outputs. Returns the request's batch size
     (1 for models without batching)."""
-    expected = {t.name: t for t in spec.inputs}
+    expected = spec.input_map
     seen: set[str] = set()
     for tensor in request.inputs:
         spec_tensor = expected.get(tensor.name)
@@ -30,7 +30,8 @@ def validate_request(spec: ModelSpec, request: InferRequest) -> int:
             raise InvalidArgumentError(f"model '{spec.name}': input '{tensor.name}' has {tensor.data.size} "
                                        f"elements but its shape {list(tensor.shape)} needs "
                                        f"{element_count(tensor.shape)}")
-    missing = [t.name for t in spec.inputs if t.name not in seen and not t.optional]
+    missing = [t.name for t in spec.inputs if t.name not in seen and not t.optional] \
+        if len(seen) != len(expected) else []
     if missing:
         raise InvalidArgumentError(f"model '{spec.name}': missing input(s) {', '.join(missing)}; "
                                    f"expected inputs: {', '.join(expected)}")
@@ -39,7 +40,9 @@ def validate_request(spec: ModelSpec, request: InferRequest) -> int:
 
 
 def _check_outputs(spec: ModelSpec, request: InferRequest) -> None:
-    known = {t.name: t for t in spec.outputs}
+    if not request.outputs:
+        return
+    known = spec.output_map
     seen: set[str] = set()
     for output in request.outputs:
         if output.name not in known:
