@@ -123,8 +123,17 @@ class ModelCollector(Collector):
                           stats, lambda s: self._server.pending(s.name, s.version))
         yield self._gauge("nv_model_load_duration_secs", "Model load time in seconds",
                           stats, lambda s: s.load_duration_s)
+        yield self._load_failures()
         if self._latency is not None:
             yield from self._latency.families([(s.name, s.version) for s in stats], listed_ns)
+
+    def _load_failures(self) -> Metric:
+        """kiln's own: failed loads and reloads per model (Triton has no metric for them)."""
+        name = "kiln_model_load_failure_count"
+        family = Metric(name, "Number of failed model loads and reloads since start, per model", "counter")
+        for model, count in sorted(self._server.load_failures().items()):
+            family.add_sample(name, {"model": model}, count)
+        return family
 
     @staticmethod
     def _gauge(name: str, help_text: str, stats: list[ModelStats], read: Callable[[ModelStats], float]) -> Metric:

@@ -29,6 +29,7 @@ from kiln.server.stats import RequestObserver
 log = logging.getLogger("kiln.server")
 
 CONTROL_MODES = ("none", "poll", "explicit")
+_RELOAD_FAILED = "serving; the last reload failed: "
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class RepositoryManager:
         self._lock = threading.RLock()  # one change at a time; requests never take it
         self._threads: int | None = None
         self.retirements = Retirements()
+        self.load_failures: dict[str, int] = {}  # per model, since start; a metric makes failed reloads visible
 
     # -- entry points ----------------------------------------------------------------------------------------
 
@@ -138,6 +140,9 @@ class RepositoryManager:
             for version in [v for v in record.versions if v not in desired]:
                 self._retire(record, version, "no longer selected by the version policy")
             failures = [r.reason for r in record.versions.values() if r.state is not ModelState.READY]
+            failures += [r.reason for r in record.versions.values() if r.reason.startswith(_RELOAD_FAILED)]
+            if failures:
+                self.load_failures[name] = self.load_failures.get(name, 0) + 1
             record.spec, record.path, record.wanted = model_dir.spec, path, True
             record.reason = failures[0] if failures and not record.ready_versions() else ""
             if not desired:
@@ -161,7 +166,7 @@ class RepositoryManager:
             record.versions[version] = VersionRecord(version, ModelState.LOADING, fingerprint=fingerprint)
         fresh = load_version(model_dir, version, fingerprint, self._threads, self._observers)
         if fresh.state is not ModelState.READY and current is not None and current.state is ModelState.READY:
-            current.reason = f"serving; the last reload failed: {fresh.reason}"
+            current.reason = f"{_RELOAD_FAILED}{fresh.reason}"
             record.versions[version] = current
             return
         record.versions[version] = fresh
@@ -171,9 +176,10 @@ class RepositoryManager:
 
     def _keep_serving(self, record: ModelRecord, error: KilnError) -> None:
         log.error("model '%s' failed to load: %s", record.name, error)
+        self.load_failures[record.name] = self.load_failures.get(record.name, 0) + 1
         if record.ready_versions():
             for version in record.versions.values():
-                version.reason = f"serving; the last reload failed: {error}"
+                version.reason = f"{_RELOAD_FAILED}{error}"
             record.fingerprint = ""
         else:
             record.reason = str(error)

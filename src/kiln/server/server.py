@@ -122,6 +122,10 @@ class Server:
         check_model_name(name)
         self._manager.unload(name)
 
+    def load_failures(self) -> dict[str, int]:
+        """Failed (re)loads per model since start, including reloads that left an older version serving."""
+        return dict(self._manager.load_failures)
+
     def wait_unloaded(self, timeout_s: float | None = None) -> bool:
         """Wait until replaced and unloaded versions have released their engines."""
         return self._manager.retirements.wait(timeout_s)

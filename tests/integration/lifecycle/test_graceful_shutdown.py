@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
+import pytest
 
 from kiln.config.spec import ModelSpec
 from kiln.engines import Engine, EngineOptions, register_backend
@@ -61,3 +64,13 @@ async def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
     assert response.json()["outputs"][0]["data"] == [2.0, 3.0]
     assert await asyncio.wait_for(run, 20) == 0
     assert not service.server.live()
+
+
+def test_a_second_signal_exits_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    service = Service(ServiceOptions(repositories=[tmp_path]))
+    service._on_signal(signal.SIGTERM)
+    assert service._stop.is_set() and exits == []
+    service._on_signal(signal.SIGINT)
+    assert exits == [1]

@@ -72,6 +72,10 @@ def test_broken_config_keeps_the_old_version_serving(server: Server, tmp_path: P
     state, reason = index(server)[("adder", "1")]
     assert state == "READY" and "the last reload failed" in reason and "syntax error" in reason
     assert server.ready()
+    assert server.load_failures() == {"adder": 1}
+    from kiln.frontends.metrics import metrics_registry, render_metrics
+
+    assert 'kiln_model_load_failure_count{model="adder"} 1.0' in render_metrics(metrics_registry(server)).decode()
     config.write_text(CONFIG.format(name="adder", count=1))
     server.poll()
     assert index(server)[("adder", "1")] == ("READY", "")
