@@ -1,6 +1,7 @@
 """kiln: deploy neural-network inference directly in-process or behind a Triton-compatible server.
 
-The public API: :func:`load` a model into an :class:`Engine` and call ``engine.infer({name: array})``.
+The public API: :func:`load` a model into an :class:`Engine` and call ``engine.infer({name: array})``; or run the
+protocol-free :class:`Server` over a model repository (what ``kiln serve`` puts behind HTTP and gRPC).
 """
 
 from kiln import errors
@@ -11,4 +12,14 @@ from kiln.tensor import DataType
 
 __version__ = "0.1.0"
 
-__all__ = ["DataType", "Engine", "EngineOptions", "ErrorCode", "KilnError", "__version__", "errors", "load"]
+__all__ = ["DataType", "Engine", "EngineOptions", "ErrorCode", "KilnError", "Server", "ServerOptions", "__version__",
+           "errors", "load"]
+
+
+def __getattr__(name: str) -> object:
+    # The server core loads on first use, so `import kiln` stays light for direct (edge) use.
+    if name in ("Server", "ServerOptions"):
+        from kiln.server import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module 'kiln' has no attribute '{name}'")

@@ -6,7 +6,8 @@ import importlib
 
 import kiln
 
-PUBLIC = ["DataType", "Engine", "EngineOptions", "ErrorCode", "KilnError", "__version__", "errors", "load"]
+PUBLIC = ["DataType", "Engine", "EngineOptions", "ErrorCode", "KilnError", "Server", "ServerOptions", "__version__",
+          "errors", "load"]
 
 
 def test_all_is_pinned() -> None:
@@ -42,3 +43,9 @@ def test_testing_helpers_are_public() -> None:
     assert helpers <= set(kiln.testing.__all__)
     for name in kiln.testing.__all__:
         assert getattr(kiln.testing, name) is not None
+
+
+def test_server_is_the_core_facade() -> None:
+    from kiln.server import server
+
+    assert kiln.Server is server.Server and kiln.ServerOptions is server.ServerOptions
