@@ -163,8 +163,9 @@ def report(results: list[dict[str, Any]], models: list[str], protocols: list[str
         for protocol in protocols:
             for c in concurrencies:
                 on, off = by[(model, protocol, True, c)], by[(model, protocol, False, c)]
-                rows.append([model, protocol, c, f"{off.rps:,.1f}", f"{on.rps:,.1f}", f"{on.rps / off.rps:.2f}x",
-                             f"{off.p50_ms:.2f}", f"{on.p50_ms:.2f}", f"{off.p99_ms:.2f}", f"{on.p99_ms:.2f}"])
+                ratio = f"{on.rps / off.rps:.2f}x" if off.rps else "-"
+                rows.append([model, protocol, c, f"{off.rps:,.1f}", f"{on.rps:,.1f}", ratio, f"{off.p50_ms:.2f}",
+                             f"{on.p50_ms:.2f}", f"{off.p99_ms:.2f}", f"{on.p99_ms:.2f}"])
     lines = ["", *format_table(["model", "protocol", "conc", "req/s off", "req/s on", "on/off", "p50 off ms",
                                 "p50 on ms", "p99 off ms", "p99 on ms"], rows)]
     if "mlp" in models and 16 in concurrencies and 1 in concurrencies:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -77,6 +78,10 @@ class Service:
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         failed = await loop.run_in_executor(None, self.server.start)
+        # Models and frameworks are loaded: move their objects out of the collector's way, so full collections
+        # stay short while requests are being served (they otherwise show up as latency spikes).
+        gc.collect()
+        gc.freeze()
         if failed and self.options.exit_on_error:
             self._log_models()
             log.error("exiting: model(s) %s failed to load (--exit-on-error=true; pass --exit-on-error=false to "
