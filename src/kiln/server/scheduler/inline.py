@@ -22,9 +22,6 @@ from kiln.server.stats import ExecutionTimes
 PARAMETER = "inline_execution"
 FAST_NS = 300_000  # an execution (batch) this fast runs inline in auto mode
 MIN_SAMPLES = 8  # executions seen before auto mode trusts its estimate
-# While requests keep arriving, wait up to this many more loop turns before running, so that requests from
-# clients that answer in consecutive turns share a batch (a turn costs microseconds; a model call far more).
-MAX_DEFERRALS = 2
 
 _Item = tuple[InferRequest, int, int, "asyncio.Future[InferResponse]", Hashable]
 
@@ -48,9 +45,7 @@ class InlineRunner:
         self._samples = 0
         self._pending: list[_Item] = []
         self._scheduled = False
-        self._deferrals = 0
         self.inflight = 0  # only touched on the event loop thread
-        self.batching = max_batch_size > 1
 
     def observe(self, times: ExecutionTimes) -> None:
         """Learn how long executions take (called after every batch, from any thread; races only blur it)."""
@@ -69,21 +64,14 @@ class InlineRunner:
         self._pending.append((request, rows, time.monotonic_ns(), future, self._signature(request)))
         if not self._scheduled:
             self._scheduled = True
-            self._deferrals = 0
-            loop.call_soon(self._flush, len(self._pending), loop)
+            loop.call_soon(self._flush)
         self.inflight += 1
         try:
             return await future
         finally:
             self.inflight -= 1
 
-    def _flush(self, seen: int, loop: asyncio.AbstractEventLoop) -> None:
-        pending_rows = sum(item[1] for item in self._pending)
-        growing = len(self._pending) > seen and pending_rows < self._max_rows
-        if self.batching and growing and self._deferrals < MAX_DEFERRALS:
-            self._deferrals += 1
-            loop.call_soon(self._flush, len(self._pending), loop)
-            return
+    def _flush(self) -> None:
         self._scheduled = False
         items = [item for item in self._pending if not item[3].done()]
         self._pending = []
