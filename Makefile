@@ -32,7 +32,7 @@ typecheck: $(STAMP_DEV)
 	$(BIN)/mypy
 
 unit: $(STAMP_DEV)
-	$(BIN)/python -m pytest -m "not slow and not gpu" -q
+	$(BIN)/python -m pytest -m "not slow" -q
 
 test: lint typecheck unit
 
