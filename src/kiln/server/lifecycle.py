@@ -8,9 +8,11 @@ background thread.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kiln.config.model_dir import ModelDir
 from kiln.engines.base import Engine
@@ -69,12 +71,20 @@ class Retirements:
 
     _threads: list[threading.Thread] = field(default_factory=list)
 
-    def retire(self, record: VersionRecord) -> None:
+    def retire(self, record: VersionRecord, remove_folder: Path | None = None) -> None:
+        """Drain and release ``record`` in the background; then delete ``remove_folder`` (a staged copy that no
+        served version uses any more)."""
         scheduler = record.scheduler
         if scheduler is None:
             return
         record.state = ModelState.UNLOADING
-        thread = threading.Thread(target=scheduler.close, name=f"kiln-retire-{record.version}", daemon=True)
+
+        def release() -> None:
+            scheduler.close()
+            if remove_folder is not None:
+                shutil.rmtree(remove_folder, ignore_errors=True)
+
+        thread = threading.Thread(target=release, name=f"kiln-retire-{record.version}", daemon=True)
         thread.start()
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
 

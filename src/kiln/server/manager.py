@@ -24,6 +24,7 @@ from kiln.server.instances import cpu_thread_share
 from kiln.server.lifecycle import Retirements, load_version, resize_version
 from kiln.server.registry import ModelRecord, ModelState, VersionRecord
 from kiln.server.repository import RepositoryScan, scan_repositories
+from kiln.server.staging import STAGING_FOLDER
 from kiln.server.stats import RequestObserver
 
 log = logging.getLogger("kiln.server")
@@ -159,7 +160,7 @@ class RepositoryManager:
                 return
             if _only_instances_changed(current, model_dir, fingerprint):
                 record.versions[version] = resize_version(current, model_dir, self._threads, self._observers)
-                self.retirements.retire(current)
+                self.retirements.retire(current)  # keeps its files: the resized version uses them
                 log.info("model '%s' version %d: instance count adjusted in place", record.name, version)
                 return
         if current is None or current.state is not ModelState.READY:
@@ -172,7 +173,7 @@ class RepositoryManager:
         record.versions[version] = fresh
         record.unloaded.pop(version, None)
         if current is not None and current is not fresh:
-            self.retirements.retire(current)
+            self.retirements.retire(current, self._unused_staging(record, current))
 
     def _keep_serving(self, record: ModelRecord, error: KilnError) -> None:
         log.error("model '%s' failed to load: %s", record.name, error)
@@ -197,7 +198,17 @@ class RepositoryManager:
     def _retire(self, record: ModelRecord, version: int, why: str) -> None:
         old = record.versions.pop(version)
         record.unloaded[version] = why
-        self.retirements.retire(old)
+        self.retirements.retire(old, self._unused_staging(record, old))
+
+    @staticmethod
+    def _unused_staging(record: ModelRecord, old: VersionRecord) -> Path | None:
+        """The staged copy ``old`` was loaded from, when no version still served comes from it."""
+        folder = old.loaded.path if old.loaded is not None else None
+        if folder is None or STAGING_FOLDER not in folder.parts:
+            return None
+        in_use = any(v.loaded is not None and v.loaded.path == folder for v in record.versions.values())
+        # <model>/.kiln-staging/<n>/<model>: remove the numbered folder.
+        return None if in_use else (folder.parent if folder.parent.parent.name == STAGING_FOLDER else folder)
 
     # -- helpers ---------------------------------------------------------------------------------------------
 

@@ -83,6 +83,19 @@ def test_load_with_staged_files(server: Server, repo: Path) -> None:
     staged = list((repo / "adder" / ".kiln-staging").rglob("model.onnx"))
     assert len(staged) == 1 and staged[0].parent.name == "3"
     assert not (repo / "adder" / "3").exists()  # the repository itself is untouched
+    server.unload_model("adder")
+    assert server.wait_unloaded(30)
+    assert list((repo / "adder" / ".kiln-staging").iterdir()) == []  # the staged copy goes with its version
+
+
+def test_a_newer_staged_load_removes_the_older_copy(server: Server, repo: Path) -> None:
+    server.load_model("adder", files={"file:3/model.onnx": add_model(30.0).SerializeToString()})
+    first = next((repo / "adder" / ".kiln-staging").iterdir())
+    server.load_model("adder", files={"file:3/model.onnx": add_model(31.0).SerializeToString()})
+    assert infer(server) == ("3", 31.0)
+    assert server.wait_unloaded(30)
+    assert not first.exists()
+    assert len(list((repo / "adder" / ".kiln-staging").iterdir())) == 1
 
 
 @pytest.mark.parametrize("key", [
