@@ -70,6 +70,12 @@ class Retirements:
     """Versions being drained and released in the background."""
 
     _threads: list[threading.Thread] = field(default_factory=list)
+    _draining: dict[tuple[str, int], threading.Thread] = field(default_factory=dict)
+
+    def draining(self, model: str, version: int) -> bool:
+        """True while a retired version of ``model`` still finishes its requests (shown as UNLOADING)."""
+        thread = self._draining.get((model, version))
+        return thread is not None and thread.is_alive()
 
     def retire(self, record: VersionRecord, remove_folder: Path | None = None) -> None:
         """Drain and release ``record`` in the background; then delete ``remove_folder`` (a staged copy that no
@@ -87,6 +93,8 @@ class Retirements:
         thread = threading.Thread(target=release, name=f"kiln-retire-{record.version}", daemon=True)
         thread.start()
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        if record.loaded is not None:
+            self._draining[(record.loaded.name, record.version)] = thread
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until every retired version is released; False when the timeout passed first."""

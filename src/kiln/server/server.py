@@ -204,8 +204,9 @@ class Server:
         known = set(self._models)
         for record in self._sorted_records():
             rows = [(v, r.state.value, r.reason) for v, r in record.versions.items()]
-            rows += [(v, ModelState.UNAVAILABLE.value, why) for v, why in record.unloaded.items()
-                     if v not in record.versions]
+            retired = ModelState.UNLOADING.value, ModelState.UNAVAILABLE.value
+            rows += [(v, retired[0] if self._manager.retirements.draining(record.name, v) else retired[1], why)
+                     for v, why in record.unloaded.items() if v not in record.versions]
             if not rows:
                 rows = [(0, ModelState.UNAVAILABLE.value, record.reason)]
             for version, state, reason in sorted(rows):

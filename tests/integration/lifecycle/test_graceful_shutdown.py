@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from kiln.config.spec import ModelSpec
@@ -74,3 +75,29 @@ def test_a_second_signal_exits_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert service._stop.is_set() and exits == []
     service._on_signal(signal.SIGINT)
     assert exits == [1]
+
+
+def test_an_unloading_version_is_listed_as_unloading_until_drained(tmp_path: Path) -> None:
+    from kiln.server import InferRequest, InputTensor, Server, ServerOptions
+    from kiln.tensor import DataType
+
+    register_backend("slow_for_shutdown_test", SlowEngine)
+    (tmp_path / "slow" / "1").mkdir(parents=True)
+    (tmp_path / "slow" / "config.pbtxt").write_text(CONFIG)
+    server = Server(ServerOptions(repositories=[tmp_path], control_mode="explicit", load_models=("slow",)))
+    server.start()
+    GATE.clear()
+    ENTERED.clear()
+    x = np.ones((1, 2), np.float32)
+    worker = threading.Thread(target=server.infer_sync,
+                              args=(InferRequest("slow", [InputTensor("x", DataType.FP32, x.shape, x)]),))
+    worker.start()
+    assert ENTERED.wait(10)
+    server.unload_model("slow")
+    states = {(e.name, e.version): e.state for e in server.repository_index()}
+    assert states[("slow", "1")] == "UNLOADING"
+    GATE.set()
+    worker.join(10)
+    assert server.wait_unloaded(10)
+    assert {(e.name, e.version): e.state for e in server.repository_index()}[("slow", "1")] == "UNAVAILABLE"
+    server.close()
