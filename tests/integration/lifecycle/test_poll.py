@@ -40,6 +40,8 @@ def test_new_version_replaces_the_old_one(server: Server, tmp_path: Path) -> Non
     write_version(tmp_path / "adder", 2)
     assert server.poll() == ["adder"]
     assert infer(server) == ("2", 2.0)
+    assert index(server)[("adder", "1")][1] == "no longer selected by the version policy"
+    assert server.wait_unloaded(30)
     assert index(server)[("adder", "1")] == ("UNAVAILABLE", "no longer selected by the version policy")
     with pytest.raises(ModelNotReadyError, match="version 1 is not available"):
         infer(server, version="1")
