@@ -45,14 +45,19 @@ async def test_version_swaps_under_load_lose_no_request(tmp_path: Path) -> None:
     clients = [asyncio.create_task(client(i)) for i in range(CLIENTS)]
     loop = asyncio.get_running_loop()
     try:
+        deadline = loop.time() + 30
         while len(answers) < 10:
+            assert loop.time() < deadline, "no answers within 30 s"
             await asyncio.sleep(0.001)
         for version in range(2, SWAPS + 2):
-            before = len(answers)
             write_version(model, version)
             changed = await loop.run_in_executor(None, server.poll)
             assert changed == ["adder"]
-            while len(answers) < before + 10:  # traffic keeps flowing between swaps
+            before = len(answers)
+            # Traffic keeps flowing between swaps, and the new version answers before the next swap.
+            deadline = loop.time() + 30
+            while sum(1 for v, _ in answers[before:] if v == version) < 5:
+                assert loop.time() < deadline, f"version {version} answered nothing within 30 s"
                 await asyncio.sleep(0.001)
             assert server.model_metadata("adder").versions == [str(version)]
     finally:
