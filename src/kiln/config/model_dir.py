@@ -11,7 +11,7 @@ from kiln.config.backends import FILE_BACKENDS
 from kiln.config.onnx_io import FileIO, read_onnx_io
 from kiln.config.parse import CONFIG_FILENAME, read_config
 from kiln.config.spec import ModelSpec
-from kiln.config.validate import validate_config
+from kiln.config.validate import check_file_name, validate_config
 from kiln.errors import ConfigError, ModelNotFoundError
 
 
@@ -77,6 +77,7 @@ def open_model_dir(model_path: Path, *, autocomplete: bool = True,
     if not config.backend and not config.platform:
         _infer_backend(config, versions)
     normalize(config, name, source)
+    check_file_name(config.default_model_filename, "default_model_filename", source)  # before anything is read
     file_io = _file_io(config, versions, model_path)
     if file_io is not None and autocomplete:
         complete_from_file(config, file_io, default_max_batch_size)

@@ -6,6 +6,7 @@ Every message names the config file, the field and the value, and says how to fi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import PurePosixPath
 
 from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.autocomplete import sequence_input_names
@@ -28,6 +29,9 @@ def validate_config(config: pb.ModelConfig, folder_name: str, source: str, file_
                           f"set backend: \"onnxruntime\" (or another backend) in the config")
     if config.max_batch_size < 0:
         raise ConfigError(f"{source}: max_batch_size is {config.max_batch_size}; expected 0 (no batching) or more")
+    check_file_name(config.default_model_filename, "default_model_filename", source)
+    for output in config.output:
+        check_file_name(output.label_filename, f"output '{output.name}' label_filename", source)
     _check_scheduling(config, source)
     _check_version_policy(config, source)
     _check_instance_groups(config, source)
@@ -132,6 +136,16 @@ def _check_dims(config: pb.ModelConfig, spec: TensorSpec, tensor: FileTensor, ki
         if theirs != -1 and mine != theirs:
             raise ConfigError(f"{source}: {kind} '{spec.name}' has {field} {list(shape)} but the model file "
                               f"declares {list(file_dims)}; use {field}: {list(file_dims)}")
+
+
+def check_file_name(name: str, field: str, source: str) -> None:
+    """File names in a config name files inside the model's own folder, never elsewhere."""
+    if not name:
+        return
+    path = PurePosixPath(name)
+    if path.is_absolute() or "\\" in name or "\0" in name or any(part == ".." for part in path.parts):
+        raise ConfigError(f"{source}: {field} is '{name}'; it must be a relative file name inside the model "
+                          f"folder (no absolute path, '..' or backslash)")
 
 
 def _check_scheduling(config: pb.ModelConfig, source: str) -> None:

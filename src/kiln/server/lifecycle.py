@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.config.model_dir import ModelDir
-from kiln.engines.base import Engine
+from kiln.engines.base import Engine, create_engine
 from kiln.errors import KilnError
 from kiln.server.instances import create_instances, instance_options
 from kiln.server.model import LoadedModel
@@ -48,21 +48,30 @@ def load_version(model_dir: ModelDir, version: int, fingerprint: str, threads: i
     return VersionRecord(version, ModelState.READY, loaded=loaded, scheduler=scheduler, fingerprint=fingerprint)
 
 
-def resize_version(record: VersionRecord, model_dir: ModelDir, threads: int | None,
+def resize_version(record: VersionRecord, model_dir: ModelDir, fingerprint: str, threads: int | None,
                    observers: list[RequestObserver]) -> VersionRecord:
-    """Same model files, new instance count: keep the running engines, add or drop the difference."""
+    """Same model files, new instance count: keep the running engines, add or drop the difference.
+
+    The old scheduler keeps its engine list while it drains; it is told to release only the surplus."""
     old = record.loaded
     assert old is not None
-    wanted = len(instance_options(model_dir.spec, threads))
-    kept = old.engines[:wanted]
-    added = create_instances(model_dir.spec, model_dir.model_file(record.version), threads)[: wanted - len(kept)]
-    loaded = LoadedModel(model_dir.spec, record.version, model_dir.path, kept + added, observers=observers,
-                         stats=old.stats)
-    scheduler = make_scheduler(loaded)
-    # The old scheduler releases only the engines that are no longer used.
-    old.engines = old.engines[wanted:]
+    options = instance_options(model_dir.spec, threads)
+    kept = old.engines[:len(options)]
+    added: list[Engine] = []
+    try:
+        for engine_options in options[len(kept):]:
+            added.append(create_engine(model_dir.spec, model_dir.model_file(record.version), engine_options))
+        warm_up(model_dir.spec, model_dir.path, added)
+        loaded = LoadedModel(model_dir.spec, record.version, model_dir.path, kept + added, observers=observers,
+                             stats=old.stats)
+        scheduler = make_scheduler(loaded)
+    except BaseException:
+        for engine in added:
+            engine.close()
+        raise
+    old.release_only = old.engines[len(options):]
     return VersionRecord(record.version, ModelState.READY, loaded=loaded, scheduler=scheduler,
-                         fingerprint=record.fingerprint)
+                         fingerprint=fingerprint)
 
 
 @dataclass

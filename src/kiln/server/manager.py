@@ -92,7 +92,7 @@ class RepositoryManager:
                     changed.append(name)
                     self._apply(name, path, None)
             for name in sorted(set(self.models) - set(scan.models) - set(scan.duplicates)):
-                if self.models[name].versions or self.models[name].reason:
+                if self.models[name].versions or self.models[name].wanted:
                     changed.append(name)
                     self._unload(name, "removed from the model repository")
             return changed
@@ -109,6 +109,10 @@ class RepositoryManager:
             record = self.models[name]
             if record.reason and not record.ready_versions():
                 raise InvalidArgumentError(f"failed to load '{name}': {record.reason}")
+            failed = [v.reason for v in record.versions.values() if v.reason.startswith(_RELOAD_FAILED)]
+            if failed:
+                raise InvalidArgumentError(f"failed to load '{name}' (the previous version keeps serving): "
+                                           f"{failed[0][len(_RELOAD_FAILED):]}")
 
     def unload(self, name: str) -> None:
         self._require_explicit("unload", name)
@@ -159,7 +163,12 @@ class RepositoryManager:
                 current.reason = ""
                 return
             if _only_instances_changed(current, model_dir, fingerprint):
-                record.versions[version] = resize_version(current, model_dir, self._threads, self._observers)
+                try:
+                    resized = resize_version(current, model_dir, fingerprint, self._threads, self._observers)
+                except (KilnError, OSError) as exc:
+                    current.reason = f"{_RELOAD_FAILED}{exc}"
+                    return
+                record.versions[version] = resized
                 self.retirements.retire(current)  # keeps its files: the resized version uses them
                 log.info("model '%s' version %d: instance count adjusted in place", record.name, version)
                 return

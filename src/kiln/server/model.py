@@ -30,6 +30,8 @@ class LoadedModel:
         self.stats = stats or StatsRecorder(spec.name, str(version), observers)
         self.labels = {t.name: read_labels(path / t.label_filename) for t in spec.outputs if t.label_filename}
         self._all_outputs = [t.name for t in spec.outputs]
+        # Set when instances are resized in place: close() releases only these (the rest live on).
+        self.release_only: list[Engine] | None = None
         self._version_text = str(version)
 
     @property
@@ -37,7 +39,7 @@ class LoadedModel:
         return self.spec.name
 
     def close(self) -> None:
-        for engine in self.engines:
+        for engine in self.engines if self.release_only is None else self.release_only:
             engine.close()
 
     def run_batch(self, engine: Engine, requests: list[InferRequest],

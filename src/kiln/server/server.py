@@ -7,6 +7,7 @@ its model's spec, and hands it to that version's scheduler.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,7 +115,16 @@ class Server:
                                          f"model repositories")
             staged = stage_files(folder, name, override, files)
             override = None
-        self._manager.load(name, override, staged)
+        try:
+            self._manager.load(name, override, staged)
+        finally:
+            if staged is not None and not self._serves_from(name, staged):
+                shutil.rmtree(staged.parent, ignore_errors=True)
+
+    def _serves_from(self, name: str, folder: Path) -> bool:
+        record = self._models.get(name)
+        return record is not None and any(v.loaded is not None and v.loaded.path == folder
+                                          for v in record.versions.values())
 
     def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         """Explicit mode: stop serving a model; its versions finish their in-flight requests first.

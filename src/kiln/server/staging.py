@@ -1,14 +1,14 @@
 """Explicit loads that bring their own files (``file:<version>/<name>`` parameters) or a config override.
 
-Files are written into a fresh staging folder under the model's own folder (``<model>/.kiln-staging/<n>/``,
+Files are written into a fresh staging folder under the model's own folder (``<model>/.kiln-staging/<unique>/``,
 ignored by repository scans), never anywhere else: names that are absolute, contain ``..``, backslashes or NUL,
 or resolve outside the staging folder are rejected before anything is written.
 """
 
 from __future__ import annotations
 
-import itertools
 import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 
@@ -19,7 +19,6 @@ from kiln.config.parse import CONFIG_FILENAME, config_to_text
 from kiln.errors import InvalidArgumentError
 
 STAGING_FOLDER = ".kiln-staging"
-_counter = itertools.count(1)
 
 
 def check_model_name(name: str) -> None:
@@ -59,10 +58,12 @@ def stage_files(model_path: Path, model: str, config: pb.ModelConfig | None, fil
     """Write the given files (and the config) into a new staging folder named after the model; return it."""
     relatives = {safe_relative_path(model, key): data for key, data in files.items()}
     staging_root = model_path / STAGING_FOLDER
-    staging = staging_root / str(next(_counter)) / model
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
+    if staging_root.is_symlink():
+        raise InvalidArgumentError(f"failed to load '{model}': {staging_root} is a symbolic link; remove it")
+    staging_root.mkdir(exist_ok=True)
+    # A fresh folder per load (unique across processes sharing the repository), never one that exists.
+    staging = Path(tempfile.mkdtemp(dir=staging_root)) / model
+    staging.mkdir()
     resolved_root = staging.resolve()
     for relative, data in relatives.items():
         target = (staging / relative).resolve()

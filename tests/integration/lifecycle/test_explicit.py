@@ -116,3 +116,22 @@ def test_bad_model_names_are_rejected(server: Server, name: str) -> None:
         server.load_model(name)
     with pytest.raises(InvalidArgumentError, match="invalid model name"):
         server.unload_model(name)
+
+
+def test_a_failed_staged_reload_is_an_error_and_leaves_nothing_behind(server: Server, repo: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="failed to load 'adder'"):
+        server.load_model("adder", files={"file:1/model.onnx": b"not an onnx model"})
+    assert infer(server) == ("1", 1.0)  # the previous version keeps serving
+    staging = repo / "adder" / ".kiln-staging"
+    assert not staging.exists() or list(staging.iterdir()) == []
+
+
+def test_config_file_names_cannot_leave_the_model_folder(server: Server) -> None:
+    config = {"name": "adder", "backend": "onnxruntime", "max_batch_size": 8,
+              "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [4], "label_filename": "/etc/hostname"}]}
+    with pytest.raises(InvalidArgumentError, match="label_filename is '/etc/hostname'"):
+        server.load_model("adder", config=json.dumps(config))
+    config["output"][0]["label_filename"] = ""  # type: ignore[index]
+    config["default_model_filename"] = "../../other.onnx"
+    with pytest.raises(InvalidArgumentError, match="default_model_filename is '../../other.onnx'"):
+        server.load_model("adder", config=json.dumps(config))

@@ -91,6 +91,7 @@ def test_new_and_removed_model_folders(server: Server, tmp_path: Path) -> None:
 
     shutil.rmtree(tmp_path / "second")
     assert server.poll() == ["second"]
+    assert server.poll() == []  # reported once
     with pytest.raises(ModelNotReadyError, match="removed from the model repository"):
         infer(server, "second")
     assert server.ready()  # a removed model is no longer awaited
@@ -114,3 +115,21 @@ def test_api_load_and_unload_need_explicit_mode(server: Server) -> None:
     unknown = Server(ServerOptions(repositories=[], control_mode="poll"))
     with pytest.raises(ModelNotFoundError):
         unknown.infer_sync(InferRequest("nope", []))
+
+
+def test_instance_count_can_go_up_and_back_down_without_leaking_engines(server: Server, tmp_path: Path) -> None:
+    first = server._models["adder"].versions[1].loaded
+    assert first is not None
+    original = first.engines[0]
+    config = tmp_path / "adder" / "config.pbtxt"
+    config.write_text(CONFIG.format(name="adder", count=3))
+    assert server.poll() == ["adder"]
+    grown = server._models["adder"].versions[1].loaded
+    assert grown is not None and len(grown.engines) == 3 and grown.engines[0] is original
+    config.write_text(CONFIG.format(name="adder", count=1))
+    assert server.poll() == ["adder"]
+    assert server.wait_unloaded(30)
+    shrunk = server._models["adder"].versions[1].loaded
+    assert shrunk is not None and shrunk.engines == [original]
+    assert [e._session is None for e in grown.engines] == [False, True, True]  # type: ignore[attr-defined]
+    assert infer(server) == ("1", 1.0)

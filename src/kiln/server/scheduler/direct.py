@@ -44,8 +44,13 @@ class DirectScheduler:
         try:
             self._threaded += 1
             try:
-                return await loop.run_in_executor(self._executor, self._run, request, batch_size,
+                try:
+                    future = loop.run_in_executor(self._executor, self._run, request, batch_size,
                                                   time.monotonic_ns())
+                except RuntimeError:  # the executor shut down since the check above: the replacement takes it
+                    raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is "
+                                                f"unloading") from None
+                return await future
             finally:
                 self._threaded -= 1
         finally:
@@ -74,8 +79,6 @@ class DirectScheduler:
     def close(self) -> None:
         """Stop taking requests, wait for the in-flight ones, then release the engines."""
         self._closed = True
+        self._inline.close()  # refuse inline admissions, wait for the admitted ones
         self._executor.shutdown(wait=True)
-        deadline = time.monotonic() + 60
-        while self._inline.inflight and time.monotonic() < deadline:  # requests running inline on the loop
-            time.sleep(0.001)
         self.model.close()

@@ -60,8 +60,6 @@ class DynamicBatcher:
 
     async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
         if self._inline.wanted() and not self._busy and not len(self._queue):
-            if self._closed:
-                raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is unloading")
             if request.parameters:
                 self.policy.priority_of(self.model.name, request)  # still reject bad parameters
             return await self._inline.submit(request, batch_size)
@@ -77,9 +75,7 @@ class DynamicBatcher:
             self._cond.notify_all()
         for worker in self._workers:
             worker.join()
-        deadline = time.monotonic() + 60
-        while self._inline.inflight and time.monotonic() < deadline:  # requests running inline on the loop
-            time.sleep(0.001)
+        self._inline.close()  # requests admitted to run inline on the event loop finish too
         self.model.close()
 
     def _enqueue(self, request: InferRequest, batch_size: int) -> Future[InferResponse]:

@@ -11,10 +11,11 @@ Per model: ``parameters { key: "inline_execution" value { string_value: "auto" |
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Hashable
 
-from kiln.errors import InternalError, InvalidArgumentError, KilnError
+from kiln.errors import InternalError, InvalidArgumentError, KilnError, VersionUnloadingError
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
 from kiln.server.stats import ExecutionTimes
@@ -45,7 +46,9 @@ class InlineRunner:
         self._samples = 0
         self._pending: list[_Item] = []
         self._scheduled = False
-        self.inflight = 0  # only touched on the event loop thread
+        self._gate = threading.Lock()  # admission against close(), which runs on another thread
+        self._closed = False
+        self.inflight = 0
 
     def observe(self, times: ExecutionTimes) -> None:
         """Learn how long executions take (called after every batch, from any thread; races only blur it)."""
@@ -59,17 +62,29 @@ class InlineRunner:
         return self.mode == "on" or (self._samples >= MIN_SAMPLES and self._ewma_ns < FAST_NS)
 
     async def submit(self, request: InferRequest, rows: int) -> InferResponse:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[InferResponse] = loop.create_future()
-        self._pending.append((request, rows, time.monotonic_ns(), future, self._signature(request)))
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._flush)
-        self.inflight += 1
+        with self._gate:
+            if self._closed:
+                raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is unloading")
+            self.inflight += 1
         try:
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[InferResponse] = loop.create_future()
+            self._pending.append((request, rows, time.monotonic_ns(), future, self._signature(request)))
+            if not self._scheduled:
+                self._scheduled = True
+                loop.call_soon(self._flush)
             return await future
         finally:
-            self.inflight -= 1
+            with self._gate:
+                self.inflight -= 1
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Refuse new requests, then wait (from another thread) for the admitted ones to finish."""
+        with self._gate:
+            self._closed = True
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def _flush(self) -> None:
         self._scheduled = False
@@ -84,8 +99,8 @@ class InlineRunner:
             self._run(batch)
 
     def _run(self, batch: list[_Item]) -> None:
-        engine = self.model.engines[0]
         try:
+            engine = self.model.engines[0]
             responses, times = self.model.run_batch(engine, [item[0] for item in batch], [item[1] for item in batch])
         except BaseException as exc:  # each request of the batch gets the error; the loop carries on
             error = exc if isinstance(exc, KilnError) else InternalError(f"model '{self.model.name}': {exc}")
