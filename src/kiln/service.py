@@ -156,7 +156,8 @@ class Service:
         while self.server.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.get_running_loop().run_in_executor(None, self.server.close)
+        remaining = max(0.0, deadline - time.monotonic())
+        await asyncio.get_running_loop().run_in_executor(None, self.server.close, remaining)
         log.info("stopped")
 
     def _record_ports(self, http: _Uvicorn | None, metrics: _Uvicorn | None) -> None:

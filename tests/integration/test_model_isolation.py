@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -80,5 +81,40 @@ def test_thread_budget_is_shared_between_models(tmp_path: Path) -> None:
             assert record.loaded is not None
             session = record.loaded.engines[0]._session  # type: ignore[attr-defined]
             assert session.get_session_options().intra_op_num_threads == 2
+    finally:
+        server.close()
+
+
+class SlowLoadingEngine(Engine):
+    """Records how many instances are being constructed at the same time."""
+
+    lock = threading.Lock()
+    loading = 0
+    most = 0
+
+    def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
+        super().__init__(spec)
+        cls = SlowLoadingEngine
+        with cls.lock:
+            cls.loading += 1
+            cls.most = max(cls.most, cls.loading)
+        time.sleep(0.3)
+        with cls.lock:
+            cls.loading -= 1
+
+    def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
+        return {outputs[0]: inputs["x"]}
+
+
+def test_models_load_in_parallel(tmp_path: Path) -> None:
+    register_backend("slow_loading_for_isolation_test", SlowLoadingEngine)
+    for index in range(4):
+        (tmp_path / f"m{index}" / "1").mkdir(parents=True)
+        (tmp_path / f"m{index}" / "config.pbtxt").write_text(CONFIG.format(backend="slow_loading_for_isolation_test"))
+    server = Server(ServerOptions(repositories=[tmp_path], model_load_thread_count=4))
+    server.start()
+    try:
+        assert SlowLoadingEngine.most >= 2
+        assert server.ready()
     finally:
         server.close()

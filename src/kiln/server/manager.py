@@ -50,7 +50,8 @@ class RepositoryManager:
         self.options = options
         self.models = models  # shared with the Server, which reads it on the request path
         self._observers = observers
-        self._lock = threading.RLock()  # one change at a time; requests never take it
+        self._lock = threading.RLock()  # API calls and polls one at a time; requests never take it
+        self._model_locks: dict[str, threading.Lock] = {}  # one change per model at a time; models load in parallel
         self._threads: int | None = None
         self.retirements = Retirements()
         self.load_failures: dict[str, int] = {}  # per model, since start; a metric makes failed reloads visible
@@ -121,17 +122,17 @@ class RepositoryManager:
                 raise ModelNotFoundError(f"failed to unload '{name}': the model is not loaded")
             self._unload(name, "unloaded")
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         with self._lock:
             for name in list(self.models):
                 self._unload(name, "the server is shutting down")
-        self.retirements.wait()
+        self.retirements.wait(timeout_s)
 
     # -- the one change path -------------------------------------------------------------------------------
 
     def _apply(self, name: str, path: Path, opened: ModelDir | KilnError | None,
                config: pb.ModelConfig | None = None, force: bool = False) -> None:
-        with self._lock:
+        with self._model_locks.setdefault(name, threading.Lock()):
             record = self.models.get(name) or ModelRecord(name=name, path=path)
             self.models.setdefault(name, record)
             fingerprint = model_fingerprint(path)

@@ -140,10 +140,11 @@ class Server:
         """Wait until replaced and unloaded versions have released their engines."""
         return self._manager.retirements.wait(timeout_s)
 
-    def close(self) -> None:
-        """Stop taking requests and release every model after its in-flight requests finish."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop taking requests and release every model after its in-flight requests finish (waiting at most
+        ``timeout_s`` for them)."""
         self._stopping = True
-        self._manager.close()
+        self._manager.close(timeout_s)
         self._live = False
 
     def begin_shutdown(self) -> None:
