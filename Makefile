@@ -16,8 +16,12 @@ $(STAMP_SERVE): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[server]'
 	touch $@
 
+# torch is pinned to a CPU build first: an open range would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
 $(STAMP_DEV): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet '$(TORCH_SPEC)'
+	$(BIN)/python -m pip install --quiet -e '.[dev,torch]'
 	touch $@ $(STAMP_SERVE)
 
 serve: $(STAMP_SERVE)

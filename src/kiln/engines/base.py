@@ -89,6 +89,9 @@ EngineFactory = Callable[[ModelSpec, Path, EngineOptions], Engine]
 _BUILTIN: dict[str, str] = {
     "onnxruntime": "kiln.engines.onnxruntime:OnnxRuntimeEngine",
     "identity": "kiln.engines.identity:IdentityEngine",
+    "pytorch": "kiln.engines.torch:TorchEngine",
+    "tensorrt": "kiln.engines.tensorrt:TensorRTEngine",
+    "python": "kiln.engines.python:PythonEngine",
 }
 _REGISTRY: dict[str, EngineFactory] = {}
 
