@@ -1,0 +1,167 @@
+"""``kiln.build``: pre-flight, build, verify, then publish a version folder into a model repository.
+
+A build happens in a hidden staging folder next to the output; only a build that passes verification is moved
+into the repository (one rename), so a server watching the repository never sees a half-written or inaccurate
+version.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kiln.build import calibration, output
+from kiln.build.backends import BACKEND_BUILDERS, BuildContext
+from kiln.build.progress import Progress
+from kiln.build.report import REPORT_FILENAME, BuildReport, VerificationError
+from kiln.build.verify import DEFAULT_TOLERANCES, Tolerances, compare, time_both
+from kiln.config.onnx_io import FileIO, read_onnx_io
+from kiln.config.parse import CONFIG_FILENAME
+from kiln.direct import load
+from kiln.engines.base import Engine
+from kiln.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from kiln.build.shapes import ShapeRange
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+DEFAULT_MAX_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Everything ``kiln build`` accepts; see docs/build.md for each field."""
+
+    precision: str = "fp32"
+    backend: str = "onnxruntime"
+    version: int | None = None
+    calibration_data: Path | None = None
+    calibration_method: str = "minmax"
+    samples: int = 32
+    max_batch_size: int | None = None
+    shapes: Mapping[str, ShapeRange] = field(default_factory=dict)
+    device: str = "cpu"
+    int8_types: str | None = None
+    torch_format: str = "torchscript"
+    atol: float | None = None
+    rtol: float | None = None
+    min_top1: float | None = None
+    seed: int = 0
+    progress: bool = True
+
+    def tolerances(self) -> Tolerances:
+        default = DEFAULT_TOLERANCES[self.precision]
+        return Tolerances(atol=self.atol if self.atol is not None else default.atol,
+                          rtol=self.rtol if self.rtol is not None else default.rtol,
+                          min_top1=self.min_top1 if self.min_top1 is not None else default.min_top1)
+
+
+def build(model: str | Path, output_dir: str | Path, options: BuildOptions | None = None) -> BuildReport:
+    """Build ``model`` (an ONNX file) into ``output_dir`` (``<repository>/<model name>``) as a new version.
+
+    Raises VerificationError (with the report) when the built engine misses a tolerance; nothing is published
+    then. Returns the report, also written to ``<version>/build_report.json``.
+    """
+    options = options or BuildOptions()
+    source, model_dir = Path(model), Path(output_dir)
+    _check_options(options, source)
+    builder = BACKEND_BUILDERS[options.backend]
+    progress = Progress(options.progress)
+    with progress.step("preflight", f"pre-flight check for the {options.backend} backend"):
+        builder.preflight(source, options)
+    file_io = read_onnx_io(source)
+    max_batch = _max_batch_size(file_io, options)
+    version = output.choose_version(model_dir, options.version)
+    samples = _samples(file_io, options, progress)
+    staging_root = model_dir.parent / f".kiln-build-{model_dir.name}-{secrets.token_hex(4)}"
+    staging = staging_root / model_dir.name
+    try:
+        version_dir = staging / str(version)
+        version_dir.mkdir(parents=True)
+        report = BuildReport(model=model_dir.name, source=str(source), output=str(model_dir / str(version)),
+                             version=version, backend=options.backend, precision=options.precision)
+        context = BuildContext(source=source, version_dir=version_dir, options=options, file_io=file_io,
+                               samples=samples, max_batch_size=max_batch, progress=progress, report=report)
+        result = builder.build(context)
+        _stage_config(model_dir, staging, result.config_for(model_dir.name, file_io, max_batch))
+        _verify(source, staging, version, samples, options, progress, report)
+        report.timings_s = dict(progress.timings)
+        report.write(version_dir / REPORT_FILENAME)
+        if not report.passed:
+            raise VerificationError(
+                f"{model_dir.name}: the built engine failed verification: {'; '.join(report.accuracy.failures)}"
+                if report.accuracy else f"{model_dir.name}: verification failed", report)
+        if not (model_dir / CONFIG_FILENAME).is_file():
+            model_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(staging / CONFIG_FILENAME, model_dir / CONFIG_FILENAME)
+        output.publish(version_dir, model_dir, version)
+        return report
+    finally:
+        shutil.rmtree(staging_root, ignore_errors=True)
+
+
+def _check_options(options: BuildOptions, source: Path) -> None:
+    if options.precision not in PRECISIONS:
+        raise InvalidArgumentError(f"--precision is '{options.precision}'; expected one of {', '.join(PRECISIONS)}")
+    if options.backend not in BACKEND_BUILDERS:
+        raise InvalidArgumentError(f"--backend is '{options.backend}'; expected one of "
+                                   f"{', '.join(BACKEND_BUILDERS)}")
+    if options.device not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"device is '{options.device}'; expected 'cpu' or 'cuda'")
+    if options.samples < 1:
+        raise InvalidArgumentError(f"samples is {options.samples}; expected at least 1")
+    if not source.is_file() or source.suffix != ".onnx":
+        raise InvalidArgumentError(f"{source}: kiln build reads an ONNX file (.onnx); no such file")
+
+
+def _max_batch_size(file_io: FileIO, options: BuildOptions) -> int:
+    batchable = file_io.supports_batching()
+    if options.max_batch_size is None:
+        return DEFAULT_MAX_BATCH_SIZE if batchable else 0
+    if options.max_batch_size < 0:
+        raise InvalidArgumentError(f"--max-batch-size is {options.max_batch_size}; expected 0 or more")
+    if options.max_batch_size > 0 and not batchable:
+        fixed = [f"{t.name} {list(t.dims)}" for t in file_io.inputs + file_io.outputs if not t.dims or t.dims[0] != -1]
+        raise InvalidArgumentError(f"--max-batch-size {options.max_batch_size} needs a dynamic first dimension on "
+                                   f"every input and output; these have none: {', '.join(fixed)}")
+    return options.max_batch_size
+
+
+def _samples(file_io: FileIO, options: BuildOptions, progress: Progress) -> calibration.Samples:
+    if options.calibration_data is not None:
+        with progress.step("read_samples", f"reading samples from {options.calibration_data}"):
+            return calibration.load_samples(options.calibration_data, file_io.inputs)
+    opt_shapes = {name: tuple(r.opt[1:]) for name, r in options.shapes.items()}
+    return calibration.generate_samples(file_io.inputs, options.samples, opt_shapes, options.seed)
+
+
+def _stage_config(model_dir: Path, staging: Path, generated: str) -> None:
+    """Verification loads the version through the config the server will use: the existing one if there is one."""
+    existing = model_dir / CONFIG_FILENAME
+    if existing.is_file():
+        shutil.copy2(existing, staging / CONFIG_FILENAME)
+    else:
+        (staging / CONFIG_FILENAME).write_text(generated)
+
+
+def _verify(source: Path, staging: Path, version: int, samples: calibration.Samples, options: BuildOptions,
+            progress: Progress, report: BuildReport) -> None:
+    kind = "gpu" if options.device == "cuda" else "cpu"
+    with load(source) as reference, load(staging, version=version, kind=kind) as built:
+        max_batch = built.spec.max_batch_size  # the config the server will use, which may be an existing one
+        batch = max(1, min(max_batch, 8))
+        with progress.step("verify", f"verifying against the FP32 reference on {calibration.sample_count(samples)} "
+                                     f"samples"):
+            report.accuracy = compare(reference, built, samples, batch, options.tolerances())
+        with progress.step("time", "timing reference and built engine"):
+            sizes = sorted({1, max_batch} - {0})
+            report.speed = [time_both(reference, built, samples, size) for size in sizes if _fits(reference, size)]
+
+
+def _fits(engine: Engine, batch: int) -> bool:
+    """A reference with a fixed batch dimension can only be timed at that size."""
+    return all(not t.dims or t.dims[0] in (-1, batch) for t in engine.inputs)

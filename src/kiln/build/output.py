@@ -1,0 +1,59 @@
+"""Where a build writes: a version folder in a Triton-layout model folder, and the config.pbtxt beside it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import cast
+
+from kiln.config._generated import model_config_pb2 as pb
+from kiln.config.model_dir import version_folders
+from kiln.config.onnx_io import FileIO
+from kiln.config.parse import CONFIG_FILENAME, config_to_text
+from kiln.errors import AlreadyExistsError, InvalidArgumentError
+
+
+def choose_version(model_dir: Path, version: int | None) -> int:
+    existing = version_folders(model_dir) if model_dir.is_dir() else {}
+    if version is None:
+        return max(existing, default=0) + 1
+    if version < 1:
+        raise InvalidArgumentError(f"--version is {version}; expected a version number >= 1")
+    if version in existing:
+        raise AlreadyExistsError(f"{existing[version]} already exists; choose another --version or remove it")
+    return version
+
+
+def make_config(name: str, backend: str, platform: str, file_io: FileIO, max_batch_size: int, *,
+                gpu: bool, parameters: dict[str, str]) -> pb.ModelConfig:
+    """A complete config: tensors from the model file (batch dimension left out when batching), dynamic batching
+    when batches are allowed, one instance of the kind the engine was built for."""
+    config = pb.ModelConfig(name=name, backend=backend, platform=platform, max_batch_size=max_batch_size)
+    skip = 1 if max_batch_size > 0 else 0
+    for tensor in file_io.inputs:
+        config.input.add(name=tensor.name, data_type=cast("pb.DataType", tensor.datatype.config_number),
+                         dims=tensor.dims[skip:])
+    for tensor in file_io.outputs:
+        config.output.add(name=tensor.name, data_type=cast("pb.DataType", tensor.datatype.config_number),
+                          dims=tensor.dims[skip:])
+    if max_batch_size > 1:
+        config.dynamic_batching.SetInParent()
+    config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU if gpu else pb.ModelInstanceGroup.KIND_CPU,
+                              count=1)
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+    return config
+
+
+def write_config(model_dir: Path, config: pb.ModelConfig) -> None:
+    (model_dir / CONFIG_FILENAME).write_text(config_to_text(config))
+
+
+def publish(staging_version: Path, model_dir: Path, version: int) -> Path:
+    """Move a verified version folder into place (one rename: a polling server never sees half of it)."""
+    target = model_dir / str(version)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        raise AlreadyExistsError(f"{target} appeared while building; nothing was replaced")
+    shutil.move(str(staging_version), str(target))
+    return target
