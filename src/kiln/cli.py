@@ -60,9 +60,15 @@ def _add_build(build: argparse.ArgumentParser) -> None:
     build.add_argument("--samples", type=int, default=32, help="random samples when no data is given (default 32)")
     build.add_argument("--int8-types", choices=["u8s8", "s8s8"], default=None,
                        help="INT8 activation/weight types (default: what fuses on this CPU)")
-    build.add_argument("--torch-format", choices=["torchscript", "export", "aoti"], default="torchscript",
-                       help="torch backend: model.pt (TorchScript), model.pt2 (torch.export), or model.pt2 "
-                            "compiled by AOTInductor")
+    build.add_argument("--torch-format", choices=["export", "aoti", "torchscript"], default="export",
+                       help="torch backend: model.pt2 (torch.export, default), model.pt2 compiled by AOTInductor, "
+                            "or model.pt (TorchScript, deprecated by PyTorch; what Triton's PyTorch backend loads)")
+    build.add_argument("--channels-last", action="store_true", help="torch backend: NHWC memory layout (GPU convs)")
+    build.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                       help="torch backend: one CUDA graph per batch size (default: on with --device cuda)")
+    build.add_argument("--compile-mode", default="none",
+                       choices=["none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
+                       help="torch backend: torch.compile mode applied when the engine loads")
     build.add_argument("--max-batch-size", type=int, default=None, help="default: 8 when the model has a dynamic "
                        "batch dimension, else 0")
     build.add_argument("--shapes", default=None, metavar="NAME:MIN/OPT/MAX,...",
@@ -88,7 +94,8 @@ def _build(args: argparse.Namespace) -> int:
         precision=args.precision, backend=args.backend, version=args.version,
         calibration_data=args.calibration_data, calibration_method=args.calibration_method, samples=args.samples,
         max_batch_size=args.max_batch_size, shapes=shapes,
-        device=device, int8_types=args.int8_types, torch_format=args.torch_format, atol=args.atol,
+        device=device, int8_types=args.int8_types, torch_format=args.torch_format, channels_last=args.channels_last,
+        cuda_graphs=args.cuda_graphs, compile_mode=args.compile_mode, atol=args.atol,
         rtol=args.rtol, min_top1=args.min_top1, seed=args.seed, progress=not args.quiet,
     )
     try:

@@ -123,4 +123,11 @@ def _warn_unfused(report: BuildReport) -> None:
         report.warnings.append(f"after quantization ONNX Runtime still runs {listed} in floating point on this CPU")
 
 
-BACKEND_BUILDERS: dict[str, BackendBuilder] = {"onnxruntime": OnnxRuntimeBuilder()}
+def _builders() -> dict[str, BackendBuilder]:
+    from kiln.build.tensorrt_backend import TensorRTBuilder
+    from kiln.build.torch_build import TorchBuilder
+
+    return {"onnxruntime": OnnxRuntimeBuilder(), "torch": TorchBuilder(), "tensorrt": TensorRTBuilder()}
+
+
+BACKEND_BUILDERS: dict[str, BackendBuilder] = _builders()

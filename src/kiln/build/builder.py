@@ -46,7 +46,10 @@ class BuildOptions:
     shapes: Mapping[str, ShapeRange] = field(default_factory=dict)
     device: str = "cpu"
     int8_types: str | None = None
-    torch_format: str = "torchscript"
+    torch_format: str = "export"
+    channels_last: bool = False
+    cuda_graphs: bool | None = None
+    compile_mode: str = "none"
     atol: float | None = None
     rtol: float | None = None
     min_top1: float | None = None

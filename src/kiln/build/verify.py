@@ -94,19 +94,22 @@ def compare(reference: Engine, built: Engine, samples: Samples, batch_size: int,
 
 
 def time_both(reference: Engine, built: Engine, samples: Samples, batch_size: int, *,
-              budget_s: float = 1.0) -> Timing:
-    """Median latency of each engine at ``batch_size``, measured alternately so both see the same machine state."""
+              budget_s: float = 1.0, rounds: int = 3) -> Timing:
+    """Median latency of each engine at ``batch_size``. The engines take turns in blocks of calls, a few rounds
+    each, so both see the same machine state while neither pays for waking the other's thread pool on every call."""
     feed = _batch_of(samples, batch_size)
+    times: dict[int, list[float]] = {id(reference): [], id(built): []}
     for engine in (reference, built):  # warm up: first runs allocate and pick kernels
-        for _ in range(2):
-            engine.infer(feed)
-    ref_times: list[float] = []
-    built_times: list[float] = []
-    deadline = time.perf_counter() + 2 * budget_s
-    while len(ref_times) < 5 or (time.perf_counter() < deadline and len(ref_times) < 200):
-        ref_times.append(_time_once(reference, feed))
-        built_times.append(_time_once(built, feed))
-    return Timing(batch_size, statistics.median(ref_times), statistics.median(built_times))
+        engine.infer(feed)
+        times[id(engine)].append(_time_once(engine, feed))
+    per_call_s = max(sum(times[id(e)]) for e in (reference, built)) / 1000
+    block = max(1, min(50, int(budget_s / (2 * rounds * max(per_call_s, 1e-6)))))
+    times = {id(reference): [], id(built): []}
+    for _ in range(rounds):
+        for engine in (reference, built):
+            engine.infer(feed)  # first call after the other engine ran wakes this one's threads: not counted
+            times[id(engine)] += [_time_once(engine, feed) for _ in range(block)]
+    return Timing(batch_size, statistics.median(times[id(reference)]), statistics.median(times[id(built)]))
 
 
 def _batch_of(samples: Samples, batch_size: int) -> dict[str, Array]:

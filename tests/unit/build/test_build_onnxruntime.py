@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 import kiln
 from kiln.build import BuildOptions, VerificationError, build
@@ -17,32 +17,7 @@ from kiln.build.progress import Progress
 from kiln.cli import main
 from kiln.demo.models import build_mlp
 from kiln.errors import AlreadyExistsError, InvalidArgumentError, UnsupportedError
-
-
-def small_cnn(seed: int = 0) -> onnx.ModelProto:
-    """Conv-Relu-Conv-Relu-GlobalAveragePool-Flatten-Gemm on [N, 3, 16, 16]: a classifier INT8 can fuse."""
-    rng = np.random.default_rng(seed)
-
-    def weight(name: str, *shape: int) -> onnx.TensorProto:
-        fan_in = int(np.prod(shape[1:])) or 1
-        return numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32), name)
-
-    nodes = [
-        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
-        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
-        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
-        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
-        helper.make_node("GlobalAveragePool", ["r2"], ["g"], name="pool"),
-        helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
-        helper.make_node("Gemm", ["f", "w3", "b3"], ["logits"], name="fc", transB=1),
-    ]
-    inits = [weight("w1", 16, 3, 3, 3), weight("b1", 16), weight("w2", 16, 16, 3, 3), weight("b2", 16),
-             weight("w3", 10, 16), weight("b3", 10)]
-    graph = helper.make_graph(
-        nodes, "small_cnn",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+from kiln.testing.models import small_cnn
 
 
 @pytest.fixture
@@ -207,3 +182,23 @@ def test_cli_builds_and_reports(mlp_file: Path, tmp_path: Path, capsys: pytest.C
                  "--rtol", "0", "--min-top1", "0"]) == 1
     captured = capsys.readouterr()
     assert "FAILED: mlp version 2" in captured.err and "kiln: error: mlp: the built engine failed" in captured.err
+
+
+def test_tensorrt_needs_the_gpu_and_tensorrt(mlp_file: Path, tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedError, match="use --device cuda"):
+        build(mlp_file, tmp_path / "m", BuildOptions(backend="tensorrt", progress=False))
+    with pytest.raises(UnsupportedError, match="'percentile' is not available with TensorRT"):
+        build(mlp_file, tmp_path / "m", BuildOptions(backend="tensorrt", device="cuda", precision="int8",
+                                                     calibration_method="percentile", progress=False))
+
+
+def test_tensorrt_calibration_batches_have_the_opt_batch_size() -> None:
+    from kiln.build.shapes import ShapeRange
+    from kiln.build.tensorrt_backend import opt_batches
+
+    samples = {"x": np.arange(10, dtype=np.float32).reshape(10, 1)}
+    ranges = {"x": ShapeRange((1, 1), (4, 1), (8, 1))}
+    got = [b["x"][:, 0].tolist() for b in opt_batches(samples, ranges)]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    few = [b["x"][:, 0].tolist() for b in opt_batches({"x": samples["x"][:3]}, ranges)]
+    assert few == [[0, 1, 2, 0]]

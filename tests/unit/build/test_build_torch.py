@@ -1,0 +1,123 @@
+"""kiln build --backend torch: ONNX -> kiln's converter -> TorchScript / torch.export / AOTInductor, verified."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import kiln
+from kiln.build import BuildOptions, build
+from kiln.cli import main
+from kiln.demo.models import build_mlp
+from kiln.errors import UnsupportedError
+from kiln.testing.models import small_cnn
+
+torch = pytest.importorskip("torch")
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def cnn_file(tmp_path: Path) -> Path:
+    path = tmp_path / "cnn.onnx"
+    onnx.save(small_cnn(), str(path))
+    return path
+
+
+def quiet(**fields: object) -> BuildOptions:
+    return BuildOptions(backend="torch", progress=False, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("torch_format", "filename", "platform"),
+                         [("torchscript", "model.pt", "pytorch_libtorch"), ("export", "model.pt2", "torch_aoti")])
+def test_fp32_build_matches_onnxruntime_and_loads(cnn_file: Path, tmp_path: Path, torch_format: str,
+                                                  filename: str, platform: str) -> None:
+    out = tmp_path / "repo" / "cnn"
+    report = build(cnn_file, out, quiet(torch_format=torch_format))
+    assert report.passed and (out / "1" / filename).is_file()
+    assert report.details["torch"]["format"] == torch_format
+    x = np.random.default_rng(5).standard_normal((5, 3, 16, 16)).astype(np.float32)
+    with kiln.load(out) as built, kiln.load(cnn_file) as reference:
+        assert built.spec.platform == platform and built.spec.max_batch_size == 8
+        np.testing.assert_allclose(built.infer({"x": x})["logits"], reference.infer({"x": x})["logits"],
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_build_writes_the_precision_parameter_and_meets_its_tolerance(tmp_path: Path) -> None:
+    source = tmp_path / "mlp.onnx"
+    onnx.save(build_mlp(0), str(source))
+    out = tmp_path / "mlp"
+    report = build(source, out, quiet(precision="bf16"))
+    assert report.passed and report.accuracy is not None
+    assert 0 < report.accuracy.outputs[0].max_abs_error < 5e-2, "bf16 differs from fp32, within tolerance"
+    assert 'key: "precision"' in (out / "config.pbtxt").read_text()
+    saved = json.loads((out / "1" / "build_report.json").read_text())
+    assert saved["details"]["torch"]["parameters"] == {"precision": "bf16"}
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"precision": "int8"}, "int8 is not available for the torch backend"),
+    ({"precision": "fp16"}, "fp16 with the torch backend needs --device cuda"),
+    ({"cuda_graphs": True}, "--cuda-graphs needs --device cuda"),
+])
+def test_refused_combinations(cnn_file: Path, tmp_path: Path, fields: dict[str, object], message: str) -> None:
+    with pytest.raises(UnsupportedError, match=message):
+        build(cnn_file, tmp_path / "cnn", quiet(**fields))
+    assert not (tmp_path / "cnn").exists()
+
+
+def test_preflight_names_the_nodes_the_converter_cannot_run(tmp_path: Path) -> None:
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="fine"),
+             helper.make_node("NonMaxSuppression", ["a", "a"], ["b"], name="nms_1"),
+             helper.make_node("TopK", ["b", "k"], ["y", "i"], name="topk_2", axis=-1)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2]),
+         helper.make_tensor_value_info("i", TensorProto.INT64, ["N", 2])],
+        [helper.make_tensor("k", TensorProto.INT64, [1], [2])])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    with pytest.raises(UnsupportedError) as failure:
+        build(path, tmp_path / "m", quiet())
+    message = str(failure.value)
+    assert "the torch backend cannot run 2 node(s)" in message
+    assert "NonMaxSuppression (node 'nms_1')" in message and "TopK (node 'topk_2')" in message
+
+
+def test_cli_torch_build(cnn_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cnn"
+    assert main(["build", str(cnn_file), "-o", str(out), "--backend", "torch", "--quiet", "--max-batch-size", "4"]) == 0
+    assert "built: cnn version 1 (torch, fp32)" in capsys.readouterr().out
+    assert (out / "1" / "model.pt2").is_file()
+
+
+@pytest.mark.slow
+def test_aoti_package_on_cpu(cnn_file: Path, tmp_path: Path) -> None:
+    report = build(cnn_file, tmp_path / "cnn", quiet(torch_format="aoti", max_batch_size=4))
+    assert report.passed and (tmp_path / "cnn" / "1" / "model.pt2").is_file()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp16_cuda_graph_build_on_gpu(cnn_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cnn"
+    report = build(cnn_file, out, quiet(precision="fp16", device="cuda", torch_format="export", channels_last=True,
+                                        compile_mode="default", max_batch_size=16))
+    assert report.passed
+    parameters = report.details["torch"]["parameters"]
+    assert parameters == {"precision": "fp16", "channels_last": "true", "cuda_graphs": "true",
+                          "compile_mode": "default"}
+    assert {t.batch_size for t in report.speed} == {1, 16}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_aoti_fp16_package_on_gpu(cnn_file: Path, tmp_path: Path) -> None:
+    report = build(cnn_file, tmp_path / "cnn", quiet(precision="fp16", device="cuda", torch_format="aoti",
+                                                     cuda_graphs=False, max_batch_size=8))
+    assert report.passed
