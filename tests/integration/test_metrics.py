@@ -174,8 +174,8 @@ def test_counters_match_the_statistics(server: Server) -> None:
         server.infer_sync(mlp_request(batch))
     scrape = Scrape(registry)
     stats = server.model_statistics()
-    assert {(s.name, s.version) for s in stats} == {("simple", "1"), ("mlp", "1"), ("gated", "1"),
-                                                    ("bucketed", "1")}
+    assert {(s.name, s.version) for s in stats} == {("simple", "1"), ("mlp", "1"), ("simple_string", "1"),
+                                                    ("gated", "1"), ("bucketed", "1")}
     for s in stats:
         labels = {"model": s.name, "version": s.version}
         assert scrape.value("nv_inference_request_success", **labels) == s.success.count

@@ -10,6 +10,7 @@ from kiln.config.autocomplete import DEFAULT_MAX_BATCH_SIZE, complete_from_file,
 from kiln.config.backends import FILE_BACKENDS
 from kiln.config.onnx_io import FileIO, read_onnx_io
 from kiln.config.parse import CONFIG_FILENAME, read_config
+from kiln.config.python_autocomplete import complete_python_config
 from kiln.config.spec import ModelSpec
 from kiln.config.validate import check_file_name, validate_config
 from kiln.errors import ConfigError, ModelNotFoundError
@@ -81,6 +82,8 @@ def open_model_dir(model_path: Path, *, autocomplete: bool = True,
     file_io = _file_io(config, versions, model_path)
     if file_io is not None and autocomplete:
         complete_from_file(config, file_io, default_max_batch_size)
+    if autocomplete and config.backend == "python":
+        complete_python_config(config, _newest_model_file(config, versions, model_path))
     spec = validate_config(config, name, source, file_io)
     return ModelDir(name=name, path=model_path, spec=spec, versions=versions)
 
@@ -103,9 +106,13 @@ def _file_io(config: pb.ModelConfig, versions: dict[int, Path], model_path: Path
     """The tensors the newest served version's file declares (ONNX only; other backends describe themselves)."""
     if config.backend != "onnxruntime":
         return None
+    return read_onnx_io(_newest_model_file(config, versions, model_path))
+
+
+def _newest_model_file(config: pb.ModelConfig, versions: dict[int, Path], model_path: Path) -> Path:
     served = select_versions(config.version_policy, versions) or sorted(versions)
     model_file = versions[served[-1]] / config.default_model_filename
     if not model_file.exists():
         raise ConfigError(f"{model_path}: version {served[-1]} has no {config.default_model_filename}; "
                           f"expected {model_file}")
-    return read_onnx_io(model_file)
+    return model_file

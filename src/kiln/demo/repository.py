@@ -1,4 +1,8 @@
-"""Write the demo model repository (Triton layout: ``<name>/config.pbtxt`` and ``<name>/1/model.onnx``)."""
+"""Write the demo model repository (Triton layout: ``<name>/config.pbtxt`` and ``<name>/1/model.onnx``).
+
+``simple_string`` is a Python-backend model (``<name>/1/model.py``): Triton's string example, written against
+Triton's Python-backend API.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import os
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import onnx
@@ -41,6 +46,21 @@ _MLP = _DemoModel(
 )
 _RESNET50 = _DemoModel("resnet50", build_resnet50, max_batch_size=16, extra_config="dynamic_batching { }\n")
 
+SIMPLE_STRING = "simple_string"
+# Triton's simple_string example: integers as strings in, their sum and difference as strings out.
+_SIMPLE_STRING_CONFIG = """name: "simple_string"
+backend: "python"
+max_batch_size: 8
+input [
+  { name: "INPUT0" data_type: TYPE_STRING dims: [ 16 ] },
+  { name: "INPUT1" data_type: TYPE_STRING dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 16 ] },
+  { name: "OUTPUT1" data_type: TYPE_STRING dims: [ 16 ] }
+]
+"""
+
 
 def build_demo_repository(path: str | os.PathLike[str], *, include_resnet50: bool = False, seed: int = 0) -> list[str]:
     """Build the demo models under ``path`` and return the names written.
@@ -53,10 +73,14 @@ def build_demo_repository(path: str | os.PathLike[str], *, include_resnet50: boo
         raise ValueError(f"seed must be >= 0, got {seed}")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    demos = [_SIMPLE, _MLP, *([_RESNET50] if include_resnet50 else [])]
-    for demo in demos:
+    for demo in (_SIMPLE, _MLP):
         _write_demo(root / demo.name, demo, seed)
-    return [demo.name for demo in demos]
+    _write_simple_string(root / SIMPLE_STRING)
+    names = [_SIMPLE.name, _MLP.name, SIMPLE_STRING]
+    if include_resnet50:
+        _write_demo(root / _RESNET50.name, _RESNET50, seed)
+        names.append(_RESNET50.name)
+    return names
 
 
 def _write_demo(folder: Path, demo: _DemoModel, seed: int) -> None:
@@ -66,6 +90,13 @@ def _write_demo(folder: Path, demo: _DemoModel, seed: int) -> None:
     # The model first: a server that sees the config should find the model it names.
     _write_atomic(folder / "1" / "model.onnx", model.SerializeToString(deterministic=True))
     _write_atomic(folder / "config.pbtxt", render_config(demo.name, model, demo.max_batch_size, demo.extra_config))
+
+
+def _write_simple_string(folder: Path) -> None:
+    source = resources.files("kiln.demo").joinpath("simple_string_model.py").read_bytes()
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    _write_atomic(folder / "1" / "model.py", source)
+    _write_atomic(folder / "config.pbtxt", _SIMPLE_STRING_CONFIG.encode())
 
 
 def render_config(name: str, model: onnx.ModelProto, max_batch_size: int, extra_config: str = "") -> bytes:

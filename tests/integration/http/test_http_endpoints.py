@@ -88,7 +88,7 @@ async def test_a_failed_model_makes_the_server_not_ready(broken_server: Server) 
         broken = next(entry for entry in index if entry["name"] == "broken")
         assert broken["state"] == "UNAVAILABLE" and "TYPE_NOPE" in broken["reason"]
         ready = (await http.post("/v2/repository/index", json={"ready": True})).json()
-        assert [entry["name"] for entry in ready] == ["mlp", "simple"]
+        assert [entry["name"] for entry in ready] == ["mlp", "simple", "simple_string"]
 
 
 async def test_server_metadata(client: httpx.AsyncClient) -> None:
@@ -159,7 +159,7 @@ async def test_statistics_count_inferences(client: httpx.AsyncClient) -> None:
 
 async def test_statistics_for_all_models_and_errors(client: httpx.AsyncClient) -> None:
     doc = (await client.get("/v2/models/stats")).json()
-    assert [s["name"] for s in doc["model_stats"]] == ["mlp", "simple"]
+    assert [s["name"] for s in doc["model_stats"]] == ["mlp", "simple", "simple_string"]
     assert _error(await client.get("/v2/models/nope/stats"), 404).startswith("Request for unknown model")
 
 
@@ -168,7 +168,8 @@ async def test_statistics_for_all_models_and_errors(client: httpx.AsyncClient) -
 
 async def test_repository_index(client: httpx.AsyncClient) -> None:
     expected = [{"name": "mlp", "version": "1", "state": "READY", "reason": ""},
-                {"name": "simple", "version": "1", "state": "READY", "reason": ""}]
+                {"name": "simple", "version": "1", "state": "READY", "reason": ""},
+                {"name": "simple_string", "version": "1", "state": "READY", "reason": ""}]
     assert (await client.post("/v2/repository/index")).json() == expected
     assert (await client.post("/v2/repository/index", json={"ready": True})).json() == expected
     assert (await client.post("/v2/repository/models/index", json={"ready": False})).json() == expected

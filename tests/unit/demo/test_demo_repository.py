@@ -14,7 +14,8 @@ from onnx import numpy_helper
 from kiln.demo import build_demo_repository
 from kiln.demo.resnet import build_resnet50
 
-DEMO_NAMES = ["simple", "mlp"]
+ONNX_DEMOS = ["simple", "mlp"]
+DEMO_NAMES = [*ONNX_DEMOS, "simple_string"]
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +41,10 @@ def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 def test_layout_and_names(tmp_path: Path) -> None:
     root = tmp_path / "models"  # does not exist yet: the builder creates it
     assert build_demo_repository(root) == DEMO_NAMES
-    expected = {f"{name}/{leaf}" for name in DEMO_NAMES for leaf in ("config.pbtxt", "1/model.onnx")}
+    expected = {f"{name}/{leaf}" for name in ONNX_DEMOS for leaf in ("config.pbtxt", "1/model.onnx")}
+    expected |= {"simple_string/config.pbtxt", "simple_string/1/model.py"}
     assert set(_files(root)) == expected  # and no temp files left behind
-    for name in DEMO_NAMES:
+    for name in ONNX_DEMOS:
         model = onnx.load(root / name / "1" / "model.onnx")
         onnx.checker.check_model(model)
         assert (model.producer_name, model.producer_version, model.ir_version) == ("kiln-demo", "1", 8)
