@@ -95,4 +95,6 @@ def _normalize_instance_groups(config: pb.ModelConfig) -> None:
             group.count = 1
         if group.kind == pb.ModelInstanceGroup.KIND_AUTO:
             # KIND_AUTO means GPU when the listed GPUs exist; kiln's default engines run on the CPU unless asked.
-            group.kind = pb.ModelInstanceGroup.KIND_GPU if group.gpus else pb.ModelInstanceGroup.KIND_CPU
+            # A TensorRT plan only runs on a GPU.
+            gpu = bool(group.gpus) or config.backend == "tensorrt"
+            group.kind = pb.ModelInstanceGroup.KIND_GPU if gpu else pb.ModelInstanceGroup.KIND_CPU
