@@ -7,10 +7,10 @@ from pathlib import Path
 
 from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.autocomplete import DEFAULT_MAX_BATCH_SIZE, complete_from_file, normalize
+from kiln.config.backend_autocomplete import complete_with_backend, has_config_completer
 from kiln.config.backends import FILE_BACKENDS
 from kiln.config.onnx_io import FileIO, read_onnx_io
 from kiln.config.parse import CONFIG_FILENAME, read_config
-from kiln.config.python_autocomplete import complete_python_config
 from kiln.config.spec import ModelSpec
 from kiln.config.validate import check_file_name, validate_config
 from kiln.errors import ConfigError, ModelNotFoundError
@@ -82,8 +82,8 @@ def open_model_dir(model_path: Path, *, autocomplete: bool = True,
     file_io = _file_io(config, versions, model_path)
     if file_io is not None and autocomplete:
         complete_from_file(config, file_io, default_max_batch_size)
-    if autocomplete and config.backend == "python":
-        complete_python_config(config, _newest_model_file(config, versions, model_path))
+    if autocomplete and has_config_completer(config.backend):
+        complete_with_backend(config, _newest_model_file(config, versions, model_path))
     spec = validate_config(config, name, source, file_io)
     return ModelDir(name=name, path=model_path, spec=spec, versions=versions)
 

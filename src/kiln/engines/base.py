@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kiln.config.backend_autocomplete import register_config_completer
 from kiln.config.backends import register_backend_name
 from kiln.config.spec import ModelSpec, TensorSpec
 from kiln.engines.checks import check_inputs, check_outputs
@@ -94,6 +95,16 @@ _BUILTIN: dict[str, str] = {
     "python": "kiln.engines.python:PythonEngine",
 }
 _REGISTRY: dict[str, EngineFactory] = {}
+
+
+def _python_auto_complete(config: dict[str, Any], model_file: Path) -> dict[str, Any] | None:
+    from kiln.engines.python.autocomplete import run_auto_complete
+
+    return run_auto_complete(config, model_file)
+
+
+# Reading a Python model's folder runs its auto_complete_config, as Triton does.
+register_config_completer("python", _python_auto_complete)
 
 
 def register_backend(name: str, factory: EngineFactory, default_filename: str = "") -> None:
