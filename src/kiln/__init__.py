@@ -13,11 +13,15 @@ from kiln.tensor import DataType
 __version__ = "0.1.0"
 
 __all__ = ["DataType", "Engine", "EngineOptions", "ErrorCode", "KilnError", "Server", "ServerOptions", "__version__",
-           "errors", "load"]
+           "build", "errors", "load"]
 
 
 def __getattr__(name: str) -> object:
     # The server core loads on first use, so `import kiln` stays light for direct (edge) use.
+    if name == "build":  # the builder loads on first use too; the package itself is callable: kiln.build(...)
+        import importlib
+
+        return importlib.import_module("kiln.build")
     if name in ("Server", "ServerOptions"):
         from kiln.server import server
 

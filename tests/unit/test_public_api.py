@@ -7,7 +7,7 @@ import importlib
 import kiln
 
 PUBLIC = ["DataType", "Engine", "EngineOptions", "ErrorCode", "KilnError", "Server", "ServerOptions", "__version__",
-          "errors", "load"]
+          "build", "errors", "load"]
 
 
 def test_all_is_pinned() -> None:
@@ -33,6 +33,8 @@ def test_names_are_the_real_objects() -> None:
     assert kiln.ErrorCode is errors.ErrorCode
     assert kiln.KilnError is errors.KilnError
     assert kiln.errors is errors
+    builder = importlib.import_module("kiln.build.builder")
+    assert callable(kiln.build) and kiln.build.BuildOptions is builder.BuildOptions
     assert isinstance(kiln.__version__, str) and kiln.__version__.count(".") == 2
 
 

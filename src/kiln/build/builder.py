@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kiln.build import calibration, output
 from kiln.build.backends import BACKEND_BUILDERS, BuildContext
@@ -63,13 +63,16 @@ class BuildOptions:
                           min_top1=self.min_top1 if self.min_top1 is not None else default.min_top1)
 
 
-def build(model: str | Path, output_dir: str | Path, options: BuildOptions | None = None) -> BuildReport:
+def build(model: str | Path, output_dir: str | Path, options: BuildOptions | None = None,
+          **fields: Any) -> BuildReport:
     """Build ``model`` (an ONNX file) into ``output_dir`` (``<repository>/<model name>``) as a new version.
+
+    Options come as a :class:`BuildOptions` or as its fields by keyword (``precision="int8"``), not both.
 
     Raises VerificationError (with the report) when the built engine misses a tolerance; nothing is published
     then. Returns the report, also written to ``<version>/build_report.json``.
     """
-    options = options or BuildOptions()
+    options = _options(options, fields)
     source, model_dir = Path(model), Path(output_dir)
     _check_options(options, source)
     builder = BACKEND_BUILDERS[options.backend]
@@ -105,6 +108,19 @@ def build(model: str | Path, output_dir: str | Path, options: BuildOptions | Non
         return report
     finally:
         shutil.rmtree(staging_root, ignore_errors=True)
+
+
+def _options(options: BuildOptions | None, fields: dict[str, Any]) -> BuildOptions:
+    if options is not None and fields:
+        raise InvalidArgumentError("pass build options either as BuildOptions or as keywords, not both")
+    known = BuildOptions.__dataclass_fields__
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise InvalidArgumentError(f"unknown build option(s) {', '.join(unknown)}; expected: {', '.join(known)}")
+    for key in ("calibration_data",):
+        if isinstance(fields.get(key), str):
+            fields[key] = Path(fields[key])
+    return options or BuildOptions(**fields)
 
 
 def _check_options(options: BuildOptions, source: Path) -> None:

@@ -202,3 +202,14 @@ def test_tensorrt_calibration_batches_have_the_opt_batch_size() -> None:
     assert got == [[0, 1, 2, 3], [4, 5, 6, 7]]
     few = [b["x"][:, 0].tolist() for b in opt_batches({"x": samples["x"][:3]}, ranges)]
     assert few == [[0, 1, 2, 0]]
+
+
+def test_kiln_build_is_callable_with_keyword_options(mlp_file: Path, tmp_path: Path) -> None:
+    import kiln.build
+
+    report = kiln.build(mlp_file, tmp_path / "mlp", precision="fp16", progress=False)
+    assert report.precision == "fp16" and report.passed
+    with pytest.raises(InvalidArgumentError, match="unknown build option\\(s\\) precison"):
+        kiln.build(mlp_file, tmp_path / "mlp", precison="fp16")
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        kiln.build(mlp_file, tmp_path / "mlp", BuildOptions(), precision="fp16")
