@@ -14,6 +14,7 @@ from kiln.build.output import make_config
 from kiln.build.preflight import onnxruntime_unsupported, raise_if_unsupported
 from kiln.build.progress import Progress
 from kiln.build.report import BuildReport
+from kiln.build.sources import ModuleSource, OnnxSource
 from kiln.config.onnx_io import FileIO
 from kiln.config.parse import config_to_text
 from kiln.errors import UnsupportedError
@@ -26,7 +27,7 @@ CALIBRATION_BATCH = 8
 
 @dataclass
 class BuildContext:
-    source: Path
+    source: OnnxSource | ModuleSource
     version_dir: Path
     options: BuildOptions
     file_io: FileIO
@@ -51,7 +52,7 @@ class BuildResult:
 
 
 class BackendBuilder(Protocol):
-    def preflight(self, source: Path, options: BuildOptions) -> None: ...
+    def preflight(self, source: OnnxSource | ModuleSource, options: BuildOptions) -> None: ...
 
     def build(self, context: BuildContext) -> BuildResult: ...
 
@@ -59,30 +60,32 @@ class BackendBuilder(Protocol):
 class OnnxRuntimeBuilder:
     """ONNX in, ONNX out: optimized (fp32), converted (fp16) or quantized (int8) for ONNX Runtime."""
 
-    def preflight(self, source: Path, options: BuildOptions) -> None:
+    def preflight(self, source: OnnxSource | ModuleSource, options: BuildOptions) -> None:
+        path = onnx_path(source, "onnxruntime")
         if options.precision == "bf16":
             raise UnsupportedError("--precision bf16 is not available for the onnxruntime backend (its CPU kernels "
                                    "are FP32/INT8); use --backend torch for bf16")
-        raise_if_unsupported("onnxruntime", source, onnxruntime_unsupported(source))
+        raise_if_unsupported("onnxruntime", path, onnxruntime_unsupported(path))
 
     def build(self, context: BuildContext) -> BuildResult:
+        source = onnx_path(context.source, "onnxruntime")
         precision = context.options.precision
         target = context.version_dir / "model.onnx"
         report = context.report
-        report.details["nodes_in_source"] = len(onnx.load(str(context.source), load_external_data=False).graph.node)
+        report.details["nodes_in_source"] = len(onnx.load(str(source), load_external_data=False).graph.node)
         if precision == "fp32":
             with context.progress.step("optimize", "optimizing the graph (ONNX Runtime, extended level)"):
-                ort_build.optimize(context.source, target)
+                ort_build.optimize(source, target)
             report.steps.append("graph optimization (ORT_ENABLE_EXTENDED), saved as the built model")
         elif precision == "fp16":
             with context.progress.step("fp16", "converting weights and activations to FP16"):
-                ort_build.convert_fp16(context.source, target)
+                ort_build.convert_fp16(source, target)
             report.steps.append("FP16 conversion, FP32 inputs and outputs kept")
             if context.options.device == "cpu":
                 report.warnings.append("FP16 does not speed up the ONNX Runtime CPU execution provider (it computes "
                                        "most operators in FP32 and adds casts); FP16 pays off on GPUs")
         else:
-            self._quantize(context, target)
+            self._quantize(context, source, target)
         with context.progress.step("inspect", "counting the operators ONNX Runtime runs"):
             report.details["runtime_ops"] = ort_build.runtime_op_counts(target)
         if precision == "int8":
@@ -91,7 +94,7 @@ class OnnxRuntimeBuilder:
         gpu = context.options.device == "cuda"
         return BuildResult(backend="onnxruntime", platform="onnxruntime_onnx", gpu=gpu)
 
-    def _quantize(self, context: BuildContext, target: Path) -> None:
+    def _quantize(self, context: BuildContext, source: Path, target: Path) -> None:
         options, report = context.options, context.report
         default_types, default_reduce = ort_build.default_int8_types()
         types = options.int8_types or default_types
@@ -102,7 +105,7 @@ class OnnxRuntimeBuilder:
         total = -(-sample_count(context.samples) // CALIBRATION_BATCH)
         title = f"calibrating ({options.calibration_method}) and quantizing to INT8 ({types.upper()})"
         with context.progress.step("calibrate", title, total=total) as advance:
-            info = ort_build.quantize_int8(context.source, target, context.samples, CALIBRATION_BATCH,
+            info = ort_build.quantize_int8(source, target, context.samples, CALIBRATION_BATCH,
                                            method=options.calibration_method, types=types,
                                            reduce_range=reduce_range, on_batch=advance)
         report.steps.append(f"INT8 static quantization: QDQ, per-channel weights, {types.upper()}, "
@@ -112,6 +115,13 @@ class OnnxRuntimeBuilder:
             "calibration_method": info.method, "calibration_batches": info.batches,
             "symbolic_shape_inference": info.symbolic_shape_inference,
         }
+
+
+def onnx_path(source: OnnxSource | ModuleSource, backend: str) -> Path:
+    if not isinstance(source, OnnxSource):
+        raise UnsupportedError(f"the {backend} backend builds from an ONNX file; a torch module builds with the "
+                               f"torch backend")
+    return source.path
 
 
 def _warn_unfused(report: BuildReport) -> None:

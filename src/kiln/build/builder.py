@@ -18,15 +18,20 @@ from kiln.build import calibration, output
 from kiln.build.backends import BACKEND_BUILDERS, BuildContext
 from kiln.build.progress import Progress
 from kiln.build.report import REPORT_FILENAME, BuildReport, VerificationError
+from kiln.build.sources import ModuleSource, OnnxSource
 from kiln.build.verify import DEFAULT_TOLERANCES, Tolerances, compare, time_both
-from kiln.config.onnx_io import FileIO, read_onnx_io
+from kiln.config.onnx_io import FileIO
 from kiln.config.parse import CONFIG_FILENAME
 from kiln.direct import load
 from kiln.engines.base import Engine
 from kiln.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
+    import torch
+
     from kiln.build.shapes import ShapeRange
+
+Source = OnnxSource | ModuleSource
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -63,23 +68,26 @@ class BuildOptions:
                           min_top1=self.min_top1 if self.min_top1 is not None else default.min_top1)
 
 
-def build(model: str | Path, output_dir: str | Path, options: BuildOptions | None = None,
-          **fields: Any) -> BuildReport:
-    """Build ``model`` (an ONNX file) into ``output_dir`` (``<repository>/<model name>``) as a new version.
+def build(model: str | Path | torch.nn.Module, output_dir: str | Path, options: BuildOptions | None = None, *,
+          example_inputs: Any = None, **fields: Any) -> BuildReport:
+    """Build ``model`` into ``output_dir`` (``<repository>/<model name>``) as a new version.
 
-    Options come as a :class:`BuildOptions` or as its fields by keyword (``precision="int8"``), not both.
+    ``model`` is an ONNX file, or a ``torch.nn.Module`` with ``example_inputs`` (a tensor or a tuple of tensors,
+    batch dimension first) for the torch backend. Options come as a :class:`BuildOptions` or as its fields by
+    keyword (``precision="int8"``), not both.
 
     Raises VerificationError (with the report) when the built engine misses a tolerance; nothing is published
     then. Returns the report, also written to ``<version>/build_report.json``.
     """
     options = _options(options, fields)
-    source, model_dir = Path(model), Path(output_dir)
-    _check_options(options, source)
+    model_dir = Path(output_dir)
+    _check_options(options)
+    source = _source(model, example_inputs, options)
     builder = BACKEND_BUILDERS[options.backend]
     progress = Progress(options.progress)
     with progress.step("preflight", f"pre-flight check for the {options.backend} backend"):
         builder.preflight(source, options)
-    file_io = read_onnx_io(source)
+    file_io = source.file_io()
     max_batch = _max_batch_size(file_io, options)
     version = output.choose_version(model_dir, options.version)
     samples = _samples(file_io, options, progress)
@@ -88,7 +96,7 @@ def build(model: str | Path, output_dir: str | Path, options: BuildOptions | Non
     try:
         version_dir = staging / str(version)
         version_dir.mkdir(parents=True)
-        report = BuildReport(model=model_dir.name, source=str(source), output=str(model_dir / str(version)),
+        report = BuildReport(model=model_dir.name, source=source.description, output=str(model_dir / str(version)),
                              version=version, backend=options.backend, precision=options.precision)
         context = BuildContext(source=source, version_dir=version_dir, options=options, file_io=file_io,
                                samples=samples, max_batch_size=max_batch, progress=progress, report=report)
@@ -123,7 +131,25 @@ def _options(options: BuildOptions | None, fields: dict[str, Any]) -> BuildOptio
     return options or BuildOptions(**fields)
 
 
-def _check_options(options: BuildOptions, source: Path) -> None:
+def _source(model: Any, example_inputs: Any, options: BuildOptions) -> Source:
+    if isinstance(model, (str, Path)):
+        path = Path(model)
+        if not path.is_file() or path.suffix != ".onnx":
+            raise InvalidArgumentError(f"{path}: kiln build reads an ONNX file (.onnx); no such file")
+        if example_inputs is not None:
+            raise InvalidArgumentError("example_inputs go with a torch module; an ONNX file declares its inputs")
+        return OnnxSource(path)
+    if type(model).__module__.startswith("torch") or hasattr(model, "forward"):
+        if options.backend != "torch":
+            raise InvalidArgumentError(f"a torch module builds with backend 'torch', not '{options.backend}'")
+        if example_inputs is None:
+            raise InvalidArgumentError("a torch module needs example_inputs (a tensor or a tuple of tensors)")
+        return ModuleSource(model, example_inputs)
+    raise InvalidArgumentError(f"kiln build takes an ONNX file path or a torch.nn.Module, not "
+                               f"{type(model).__name__}")
+
+
+def _check_options(options: BuildOptions) -> None:
     if options.precision not in PRECISIONS:
         raise InvalidArgumentError(f"--precision is '{options.precision}'; expected one of {', '.join(PRECISIONS)}")
     if options.backend not in BACKEND_BUILDERS:
@@ -133,8 +159,6 @@ def _check_options(options: BuildOptions, source: Path) -> None:
         raise InvalidArgumentError(f"device is '{options.device}'; expected 'cpu' or 'cuda'")
     if options.samples < 1:
         raise InvalidArgumentError(f"samples is {options.samples}; expected at least 1")
-    if not source.is_file() or source.suffix != ".onnx":
-        raise InvalidArgumentError(f"{source}: kiln build reads an ONNX file (.onnx); no such file")
 
 
 def _max_batch_size(file_io: FileIO, options: BuildOptions) -> int:
@@ -167,10 +191,10 @@ def _stage_config(model_dir: Path, staging: Path, generated: str) -> None:
         (staging / CONFIG_FILENAME).write_text(generated)
 
 
-def _verify(source: Path, staging: Path, version: int, samples: calibration.Samples, options: BuildOptions,
+def _verify(source: Source, staging: Path, version: int, samples: calibration.Samples, options: BuildOptions,
             progress: Progress, report: BuildReport) -> None:
     kind = "gpu" if options.device == "cuda" else "cpu"
-    with load(source) as reference, load(staging, version=version, kind=kind) as built:
+    with source.reference() as reference, load(staging, version=version, kind=kind) as built:
         max_batch = built.spec.max_batch_size  # the config the server will use, which may be an existing one
         batch = max(1, min(max_batch, 8))
         with progress.step("verify", f"verifying against the FP32 reference on {calibration.sample_count(samples)} "

@@ -12,6 +12,7 @@ import numpy as np
 from kiln.build.calibration import Samples, sample_count
 from kiln.build.preflight import UnsupportedNode, raise_if_unsupported
 from kiln.build.shapes import ShapeRange, resolve_shapes
+from kiln.build.sources import ModuleSource, OnnxSource
 from kiln.engines.base import Array
 from kiln.errors import UnsupportedError
 
@@ -21,18 +22,20 @@ if TYPE_CHECKING:
 
 
 class TensorRTBuilder:
-    def preflight(self, source: Path, options: BuildOptions) -> None:
+    def preflight(self, source: OnnxSource | ModuleSource, options: BuildOptions) -> None:
+        from kiln.build.backends import onnx_path
         from kiln.build.tensorrt import check_build_options, unsupported_nodes
 
+        path = onnx_path(source, "tensorrt")
         if options.device != "cuda":
             raise UnsupportedError("--backend tensorrt builds plans for the GPU: use --device cuda")
         check_build_options(options.precision, options.calibration_method, 1 << 30, 3)
-        found = unsupported_nodes(source)  # UnavailableError with the install hint when TensorRT is missing
-        raise_if_unsupported("tensorrt", source, [UnsupportedNode(n.op_type, n.node_name, "", n.reason)
+        found = unsupported_nodes(path)  # UnavailableError with the install hint when TensorRT is missing
+        raise_if_unsupported("tensorrt", path, [UnsupportedNode(n.op_type, n.node_name, "", n.reason)
                                                   for n in found])
 
     def build(self, context: BuildContext) -> BuildResult:
-        from kiln.build.backends import BuildResult
+        from kiln.build.backends import BuildResult, onnx_path
         from kiln.build.tensorrt import build_plan
 
         options = context.options
@@ -40,8 +43,8 @@ class TensorRTBuilder:
         ranges = resolve_shapes({t.name: t.dims for t in context.file_io.inputs}, options.shapes, max_batch)
         batches = list(opt_batches(context.samples, ranges)) if options.precision == "int8" else None
         with context.progress.step("tensorrt", f"building a TensorRT plan ({options.precision})"):
-            info = build_plan(context.source, context.version_dir / "model.plan", precision=options.precision,
-                              shapes=options.shapes or None, max_batch_size=max_batch,
+            info = build_plan(onnx_path(context.source, "tensorrt"), context.version_dir / "model.plan",
+                              precision=options.precision, shapes=options.shapes or None, max_batch_size=max_batch,
                               calibration_batches=batches, calibration_method=options.calibration_method)
         context.report.steps.append(f"TensorRT {info.tensorrt_version} plan, flags {', '.join(info.builder_flags)}"
                                     f"{', strongly typed (Q/DQ)' if info.strongly_typed else ''}")

@@ -18,6 +18,7 @@ import onnx
 
 from kiln.build.calibration import Samples
 from kiln.build.preflight import UnsupportedNode, raise_if_unsupported
+from kiln.build.sources import ModuleSource, OnnxSource
 from kiln.errors import InvalidArgumentError, UnavailableError, UnsupportedError
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ EXAMPLE_BATCH = 2  # not 1: a size-1 example lets tracing and export specialise 
 
 
 class TorchBuilder:
-    def preflight(self, source: Path, options: BuildOptions) -> None:
+    def preflight(self, source: OnnxSource | ModuleSource, options: BuildOptions) -> None:
         if importlib.util.find_spec("torch") is None:
             raise UnavailableError("the torch backend needs PyTorch: pip install 'kiln[torch]'")
         import torch
@@ -50,11 +51,13 @@ class TorchBuilder:
                                        f"{', '.join(FORMATS)}")
         if options.cuda_graphs and options.device != "cuda":
             raise UnsupportedError("--cuda-graphs needs --device cuda")
+        if not isinstance(source, OnnxSource):
+            return  # a module is already PyTorch
         from kiln.build.torch_convert import unsupported_nodes
 
-        found = unsupported_nodes(onnx.load(str(source), load_external_data=True))
-        raise_if_unsupported("torch", source, [UnsupportedNode(n.op_type, n.name or f"#{n.index}", n.domain, n.reason)
-                                               for n in found])
+        found = unsupported_nodes(onnx.load(str(source.path), load_external_data=True))
+        listed = [UnsupportedNode(n.op_type, n.name or f"#{n.index}", n.domain, n.reason) for n in found]
+        raise_if_unsupported("torch", source.path, listed)
 
     def build(self, context: BuildContext) -> BuildResult:
         import torch
@@ -65,8 +68,14 @@ class TorchBuilder:
         options = context.options
         filename, platform = FORMATS[options.torch_format]
         target = context.version_dir / filename
-        with context.progress.step("convert", "converting the ONNX graph to PyTorch"):
-            module = convert(onnx.load(str(context.source))).eval()
+        source = context.source
+        module: torch.nn.Module
+        if isinstance(source, OnnxSource):
+            with context.progress.step("convert", "converting the ONNX graph to PyTorch"):
+                module = convert(onnx.load(str(source.path))).eval()
+            origin = "ONNX -> PyTorch (kiln converter)"
+        else:
+            module, origin = source.module, "torch module"
         batch = min(EXAMPLE_BATCH, context.max_batch_size) if context.max_batch_size else None
         example = _example(context.samples, [t.name for t in context.file_io.inputs], batch)
         with torch.inference_mode(False), torch.no_grad(), _torch_deprecations_silenced():
@@ -74,18 +83,18 @@ class TorchBuilder:
                 with context.progress.step("trace", "tracing to TorchScript"):
                     traced = torch.jit.trace(module, example, check_trace=False)  # type: ignore[no-untyped-call]
                     traced.save(str(target))
-                context.report.steps.append("ONNX -> PyTorch (kiln converter) -> TorchScript (torch.jit.trace)")
+                context.report.steps.append(f"{origin} -> TorchScript (torch.jit.trace)")
                 context.report.warnings.append("TorchScript is deprecated in PyTorch; it is kept for Triton's "
                                                "PyTorch backend, prefer --torch-format export for kiln")
             else:
-                self._export(context, module, example, batch is not None, target)
+                self._export(context, module, example, batch is not None, target, origin)
         parameters = _engine_parameters(options)
         context.report.details["torch"] = {"format": options.torch_format, "torch_version": torch.__version__,
                                            "parameters": parameters}
         return BuildResult(backend="pytorch", platform=platform, gpu=options.device == "cuda", parameters=parameters)
 
     def _export(self, context: BuildContext, module: torch.nn.Module, example: tuple[torch.Tensor, ...],
-                dynamic_batch: bool, target: Path) -> None:
+                dynamic_batch: bool, target: Path, origin: str) -> None:
         import torch
 
         options = context.options
@@ -99,11 +108,11 @@ class TorchBuilder:
             program = torch.export.export(module, example, dynamic_shapes=dynamic)
         if options.torch_format == "export":
             torch.export.save(program, str(target))
-            context.report.steps.append("ONNX -> PyTorch (kiln converter) -> torch.export program (model.pt2)")
+            context.report.steps.append(f"{origin} -> torch.export program (model.pt2)")
             return
         with context.progress.step("compile", f"compiling with AOTInductor for {options.device}"):
             torch._inductor.aoti_compile_and_package(program, package_path=str(target))
-        context.report.steps.append(f"ONNX -> PyTorch (kiln converter) -> torch.export -> AOTInductor package for "
+        context.report.steps.append(f"{origin} -> torch.export -> AOTInductor package for "
                                     f"{options.device}, {options.precision}")
 
 

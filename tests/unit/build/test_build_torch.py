@@ -121,3 +121,45 @@ def test_aoti_fp16_package_on_gpu(cnn_file: Path, tmp_path: Path) -> None:
     report = build(cnn_file, tmp_path / "cnn", quiet(precision="fp16", device="cuda", torch_format="aoti",
                                                      cuda_graphs=False, max_batch_size=8))
     assert report.passed
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU())
+        self.head_a = torch.nn.Linear(16, 3)
+        self.head_b = torch.nn.Linear(16, 2)
+
+    def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.body(features)
+        return self.head_a(hidden), self.head_b(hidden)
+
+
+def test_build_from_a_torch_module_with_example_inputs(tmp_path: Path) -> None:
+    import kiln.build
+
+    torch.manual_seed(0)
+    module = TwoHeads()
+    out = tmp_path / "heads"
+    report = kiln.build(module, out, example_inputs=(torch.randn(2, 6),), backend="torch", max_batch_size=4,
+                        progress=False)
+    assert report.passed and report.source == "torch module TwoHeads"
+    assert report.steps[0] == "torch module -> torch.export program (model.pt2)"
+    x = np.random.default_rng(2).standard_normal((3, 6)).astype(np.float32)
+    with kiln.load(out) as built, torch.no_grad():
+        assert [t.name for t in built.inputs] == ["features"]
+        assert [t.name for t in built.outputs] == ["output__0", "output__1"]
+        got = built.infer({"features": x})
+        want_a, want_b = module(torch.from_numpy(x))
+        np.testing.assert_allclose(got["output__0"], want_a.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["output__1"], want_b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_module_sources_need_examples_and_the_torch_backend(tmp_path: Path) -> None:
+    import kiln.build
+    from kiln.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="needs example_inputs"):
+        kiln.build(TwoHeads(), tmp_path / "m", backend="torch", progress=False)
+    with pytest.raises(InvalidArgumentError, match="builds with backend 'torch', not 'onnxruntime'"):
+        kiln.build(TwoHeads(), tmp_path / "m", example_inputs=torch.randn(2, 6), progress=False)
