@@ -1,0 +1,255 @@
+"""The PyTorch engine: TorchScript (``model.pt``) and PT2 archives (``model.pt2``: AOTInductor packages and
+exported programs), on the CPU or one CUDA device, with optional fp16/bf16, channels_last, torch.compile and one
+CUDA graph per batch size. See docs/pytorch-backend.md.
+
+Thread safety: a plain module runs on several threads at once (torch releases the GIL, and a forward pass keeps no
+state). A compiled module does not (``thread_safe`` is False): dynamo and inductor are not thread-safe
+(pytorch/pytorch#118260, #123177), so calls into any compiled module of the process also take one process-wide
+lock. CUDA graphs replay shared static buffers, so replays of one engine take turns under the graphs' lock; the GPU
+runs one replay at a time on the stream anyway, and per-thread graphs would multiply the graph memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.config.spec import ModelSpec, TensorSpec
+from kiln.engines.base import Array, Engine, EngineOptions
+from kiln.engines.torch.cuda_graphs import CudaGraphs
+from kiln.engines.torch.loading import LoadedModel, ModelFormat, detect_format, load_model
+from kiln.engines.torch.naming import input_positions, output_positions, select_outputs
+from kiln.engines.torch.options import (
+    CHANNELS_LAST,
+    COMPILE_MODE,
+    CUDA_GRAPHS,
+    TorchSettings,
+    read_settings,
+)
+from kiln.engines.torch.tensors import host_tensor, to_device, to_numpy, torch_dtype
+from kiln.errors import ConfigError, InternalError, KilnError, UnavailableError
+
+_COMPILED_CALLS = threading.Lock()
+
+Tensors = Sequence[torch.Tensor | None]
+
+
+class TorchEngine(Engine):
+    thread_safe = True
+
+    def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
+        super().__init__(spec)
+        # Mistakes in the config and the file are reported first, whatever machine this runs on.
+        self.settings = read_settings(spec, options)
+        self.format = detect_format(spec, model_file)
+        _check_format(spec, self.format, self.settings)
+        self._input_dtypes = {t.name: torch_dtype(spec, t, "input") for t in spec.inputs}
+        self._output_dtypes = {t.name: torch_dtype(spec, t, "output") for t in spec.outputs}
+        if self.settings.cuda_graphs:
+            _check_static(spec)
+        self.device = _device(spec, options)
+        _apply_threads(self.settings, options)
+        loaded = load_model(spec, model_file, self.format, self.device, single_threaded=self.settings.cuda_graphs)
+        _check_device(spec, loaded, self.device)
+        self._dict_input = loaded.dict_input
+        self._order = _argument_order(spec, loaded)
+        self._output_positions = output_positions(spec)
+        self._compiled = self.settings.compile_mode != "none"
+        self.thread_safe = not self._compiled
+        self._function: Callable[..., Any] | None = _prepare(loaded, self.settings)
+        self._graphs: CudaGraphs | None = None
+        if self.settings.cuda_graphs:
+            self._graphs = CudaGraphs(spec.name, self.device, self._call)
+            self._capture_listed()
+
+    @property
+    def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
+        """Batch sizes with a captured CUDA graph (0 stands for a model without a batch dimension)."""
+        return self._graphs.batch_sizes if self._graphs is not None else ()
+
+    def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
+        if self._function is None:
+            raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
+        try:
+            with torch.inference_mode(), self._on_device():
+                if self._graphs is not None:
+                    return self._execute_graph(self._graphs, inputs, outputs)
+                tensors = [self._input(name, inputs.get(name)) for name in self._order]
+                return self._collect(self._call(tensors), outputs)
+        except KilnError:
+            raise
+        except Exception as exc:  # anything torch raises while running the model
+            raise InternalError(f"model '{self.spec.name}': PyTorch failed: {exc}") from exc
+
+    def close(self) -> None:
+        if self._graphs is not None:
+            self._graphs.close()
+            self._graphs = None
+        self._function = None
+        if self.device.type == "cuda":
+            # Hand the blocks the weights and graphs held back to the driver, for other models and processes.
+            torch.cuda.empty_cache()
+
+    def _call(self, tensors: Tensors) -> object:
+        function = self._function
+        if function is None:
+            raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
+        lock = _COMPILED_CALLS if self._compiled else contextlib.nullcontext()
+        with lock:
+            if self._dict_input:
+                return function({name: t for name, t in zip(self._order, tensors, strict=True) if t is not None})
+            return function(*tensors)
+
+    def _input(self, name: str, array: Array | None) -> torch.Tensor | None:
+        if array is None:  # an optional input the request left out
+            return None
+        return self._convert(to_device(host_tensor(self._to_model_shape(name, array)), self.device))
+
+    def _convert(self, tensor: torch.Tensor) -> torch.Tensor:
+        dtype = self.settings.compute_dtype
+        if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        if self.settings.channels_last and tensor.dim() == 4:
+            tensor = tensor.contiguous(memory_format=torch.channels_last)
+        return tensor
+
+    def _to_model_shape(self, name: str, array: Array) -> Array:
+        reshape = self.spec.input(name).reshape
+        if reshape is None:
+            return array
+        lead = (array.shape[0],) if self.spec.batching else ()
+        return array.reshape(lead + reshape)
+
+    def _collect(self, result: object, wanted: Sequence[str]) -> dict[str, Array]:
+        selected = select_outputs(self.spec, result, self._output_positions, wanted)
+        arrays: dict[str, Array] = {}
+        for name, value in selected.items():
+            tensor = self.spec.output(name)
+            array = to_numpy(self.spec, tensor, value, self._output_dtypes[name])
+            if tensor.reshape is not None:
+                lead = (array.shape[0],) if self.spec.batching else ()
+                array = array.reshape(lead + tensor.dims)
+            arrays[name] = array
+        return arrays
+
+    def _execute_graph(self, graphs: CudaGraphs, inputs: Mapping[str, Array],
+                       outputs: Sequence[str]) -> dict[str, Array]:
+        hosts = [host_tensor(self._to_model_shape(name, inputs[name])).pin_memory() for name in self._order]
+        batch = hosts[0].shape[0] if self.spec.batching and hosts else 0
+        with graphs.lock:
+            captured = graphs.get(batch, functools.partial(self._static_inputs, batch))
+            # The outputs are overwritten by the next replay: copy them out before letting it start.
+            return self._collect(graphs.replay(captured, hosts), outputs)
+
+    def _static_inputs(self, batch: int) -> list[torch.Tensor]:
+        tensors: list[torch.Tensor] = []
+        for name in self._order:
+            tensor = self.spec.input(name)
+            shape = _model_dims(tensor)
+            full = (batch, *shape) if self.spec.batching else shape
+            zeros = torch.zeros(full, dtype=self._input_dtypes[name], device=self.device)
+            tensors.append(self._convert(zeros))
+        return tensors
+
+    def _capture_listed(self) -> None:
+        assert self._graphs is not None
+        sizes = self.settings.cuda_graph_batch_sizes if self.spec.batching else (0,)
+        with torch.inference_mode(), self._on_device(), self._graphs.lock:
+            for batch in sizes:
+                self._graphs.get(batch, functools.partial(self._static_inputs, batch))
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        if self.device.type != "cuda":
+            yield
+            return
+        with torch.cuda.device(self.device):
+            yield
+
+
+def _device(spec: ModelSpec, options: EngineOptions) -> torch.device:
+    if options.kind != "gpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UnavailableError(f"model '{spec.name}': a GPU instance was requested, but this PyTorch "
+                               f"({torch.__version__}) sees no CUDA device; install a CUDA build of torch on a "
+                               f"machine with a GPU, or use KIND_CPU")
+    count = torch.cuda.device_count()
+    if not 0 <= options.device_id < count:
+        raise UnavailableError(f"model '{spec.name}': GPU {options.device_id} was requested, but PyTorch sees "
+                               f"{count} GPU(s) (0..{count - 1}); fix the instance group's gpus")
+    return torch.device("cuda", options.device_id)
+
+
+def _check_format(spec: ModelSpec, found: ModelFormat, settings: TorchSettings) -> None:
+    name = spec.name
+    if settings.compile_mode != "none" and found is ModelFormat.TORCHSCRIPT:
+        raise ConfigError(f"model '{name}': parameter '{COMPILE_MODE}' is '{settings.compile_mode}', but "
+                          f"torch.compile cannot compile TorchScript; export the model with torch.export.save "
+                          f"(model.pt2, platform torch_aoti), or set {COMPILE_MODE}: none")
+    if settings.compile_mode != "none" and found is ModelFormat.AOTI:
+        raise ConfigError(f"model '{name}': parameter '{COMPILE_MODE}' is '{settings.compile_mode}', but the model "
+                          f"is an AOTInductor package, compiled ahead of time already; set {COMPILE_MODE}: none")
+    if settings.channels_last and found is ModelFormat.AOTI:
+        raise ConfigError(f"model '{name}': parameter '{CHANNELS_LAST}' is 'true', but an AOTInductor package's "
+                          f"memory layouts are fixed when it is compiled; compile it from a channels_last module "
+                          f"and inputs instead, and set {CHANNELS_LAST}: false")
+
+
+def _check_static(spec: ModelSpec) -> None:
+    for tensor in spec.inputs:
+        if tensor.optional:
+            raise ConfigError(f"model '{spec.name}': input '{tensor.name}' is optional, but '{CUDA_GRAPHS}' is "
+                              f"'true'; a CUDA graph needs every input on every run (make it required or turn "
+                              f"CUDA graphs off)")
+        dims = _model_dims(tensor)
+        if any(d < 1 for d in dims):
+            raise ConfigError(f"model '{spec.name}': input '{tensor.name}' has variable dims {list(dims)}, but "
+                              f"'{CUDA_GRAPHS}' is 'true'; a CUDA graph has fixed shapes, so every dim but the "
+                              f"batch dimension must be fixed")
+
+
+def _model_dims(tensor: TensorSpec) -> tuple[int, ...]:
+    return tensor.reshape if tensor.reshape is not None else tensor.dims
+
+
+def _argument_order(spec: ModelSpec, loaded: LoadedModel) -> list[str]:
+    """The config's input names in the order forward() takes them (config order for one dict argument)."""
+    if loaded.dict_input:
+        return [t.name for t in spec.inputs]
+    positions = input_positions(spec, loaded)
+    return sorted(positions, key=positions.__getitem__)
+
+
+def _check_device(spec: ModelSpec, loaded: LoadedModel, device: torch.device) -> None:
+    if loaded.device_key and loaded.device_key != device.type:
+        raise ConfigError(f"model '{spec.name}': the AOTInductor package was compiled for '{loaded.device_key}', "
+                          f"but this instance runs on '{device.type}'; compile a package for that device or change "
+                          f"the instance group's kind")
+
+
+def _apply_threads(settings: TorchSettings, options: EngineOptions) -> None:
+    """torch.set_num_threads is process-wide: the last engine loaded sets it for every CPU model of the process."""
+    threads = options.intra_op_threads or settings.num_threads
+    if options.kind != "gpu" and threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def _prepare(loaded: LoadedModel, settings: TorchSettings) -> Callable[..., Any]:
+    module = loaded.module
+    if module is None:  # an AOTInductor package: dtype and layout were fixed when it was compiled
+        return loaded.function
+    if settings.compute_dtype is not None:
+        module = module.to(settings.compute_dtype)
+    if settings.channels_last:
+        # Module.to accepts memory_format at run time; torch's overloads do not list it.
+        module = module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    if settings.compile_mode != "none":
+        return torch.compile(module, mode=settings.compile_mode)
+    return module

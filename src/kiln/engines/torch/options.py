@@ -1,0 +1,134 @@
+"""The PyTorch backend's config parameters (``parameters { key: ... value: { string_value: ... } }``), validated once.
+
+Keys: ``precision`` (fp32 | fp16 | bf16), ``channels_last`` (true | false), ``cuda_graphs`` (true | false),
+``cuda_graph_batch_sizes`` ("1,2,4,8"), ``compile_mode`` (none | default | reduce-overhead | max-autotune |
+max-autotune-no-cudagraphs) and ``num_threads`` (CPU intra-op threads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.config.spec import ModelSpec
+from kiln.engines.base import EngineOptions
+from kiln.errors import ConfigError
+
+PRECISION = "precision"
+CHANNELS_LAST = "channels_last"
+CUDA_GRAPHS = "cuda_graphs"
+CUDA_GRAPH_BATCH_SIZES = "cuda_graph_batch_sizes"
+COMPILE_MODE = "compile_mode"
+NUM_THREADS = "num_threads"
+
+PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Inductor records CUDA graphs itself in these modes; a second, manual capture around them is refused.
+GRAPH_CAPTURING_MODES = ("reduce-overhead", "max-autotune")
+_BOOLEANS = {"true": True, "false": False}
+
+
+@dataclass(frozen=True)
+class TorchSettings:
+    """What a model's parameters ask of the PyTorch engine; the defaults run the module as it was saved."""
+
+    precision: str = "fp32"
+    channels_last: bool = False
+    cuda_graphs: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] = ()
+    compile_mode: str = "none"
+    num_threads: int | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The floating dtype inputs and weights are cast to, or None to leave them as they are (fp32)."""
+        return None if self.precision == "fp32" else PRECISIONS[self.precision]
+
+
+def read_settings(spec: ModelSpec, options: EngineOptions) -> TorchSettings:
+    """Parse and cross-check the parameters; raise ConfigError naming the model, key, value and what is accepted."""
+    precision = _choice(spec, PRECISION, tuple(PRECISIONS), "fp32")
+    compile_mode = _choice(spec, COMPILE_MODE, COMPILE_MODES, "none")
+    settings = TorchSettings(
+        precision=precision,
+        channels_last=_boolean(spec, CHANNELS_LAST),
+        cuda_graphs=_boolean(spec, CUDA_GRAPHS),
+        cuda_graph_batch_sizes=_batch_sizes(spec),
+        compile_mode=compile_mode,
+        num_threads=_positive_int(spec, NUM_THREADS),
+    )
+    _check_combinations(spec, settings, options)
+    return settings
+
+
+def _check_combinations(spec: ModelSpec, settings: TorchSettings, options: EngineOptions) -> None:
+    name = spec.name
+    on_cpu = options.kind != "gpu"
+    if on_cpu and settings.precision == "fp16":
+        raise ConfigError(f"model '{name}': parameter '{PRECISION}' is 'fp16', but this instance runs on the CPU, "
+                          f"where fp16 kernels are missing or slow; use bf16 or fp32 on the CPU, or a KIND_GPU "
+                          f"instance for fp16")
+    if on_cpu and settings.cuda_graphs:
+        raise ConfigError(f"model '{name}': parameter '{CUDA_GRAPHS}' is 'true', but this instance runs on the "
+                          f"CPU; CUDA graphs need a KIND_GPU instance (set it to false for CPU instances)")
+    if settings.cuda_graph_batch_sizes and not settings.cuda_graphs:
+        raise ConfigError(f"model '{name}': parameter '{CUDA_GRAPH_BATCH_SIZES}' is set, but '{CUDA_GRAPHS}' is "
+                          f"not 'true'; set {CUDA_GRAPHS}: true or remove {CUDA_GRAPH_BATCH_SIZES}")
+    if settings.cuda_graphs and settings.compile_mode in GRAPH_CAPTURING_MODES:
+        raise ConfigError(f"model '{name}': parameter '{COMPILE_MODE}' is '{settings.compile_mode}', which records "
+                          f"CUDA graphs itself, and '{CUDA_GRAPHS}' is 'true'; use one of the two (for example "
+                          f"{COMPILE_MODE}: max-autotune-no-cudagraphs with {CUDA_GRAPHS}: true)")
+
+
+def _raw(spec: ModelSpec, key: str) -> str | None:
+    value = spec.parameters.get(key)
+    return None if value is None or value.strip() == "" else value.strip()
+
+
+def _choice(spec: ModelSpec, key: str, accepted: tuple[str, ...], default: str) -> str:
+    value = _raw(spec, key)
+    if value is None:
+        return default
+    if value.lower() not in accepted:
+        raise ConfigError(f"model '{spec.name}': parameter '{key}' is '{value}'; expected one of: "
+                          f"{', '.join(accepted)}")
+    return value.lower()
+
+
+def _boolean(spec: ModelSpec, key: str) -> bool:
+    value = _raw(spec, key)
+    if value is None:
+        return False
+    if value.lower() not in _BOOLEANS:
+        raise ConfigError(f"model '{spec.name}': parameter '{key}' is '{value}'; expected true or false")
+    return _BOOLEANS[value.lower()]
+
+
+def _positive_int(spec: ModelSpec, key: str) -> int | None:
+    value = _raw(spec, key)
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
+        raise ConfigError(f"model '{spec.name}': parameter '{key}' is '{value}'; expected a whole number of "
+                          f"1 or more")
+    return int(value)
+
+
+def _batch_sizes(spec: ModelSpec) -> tuple[int, ...]:
+    value = _raw(spec, CUDA_GRAPH_BATCH_SIZES)
+    if value is None:
+        return ()
+    if not spec.batching:
+        raise ConfigError(f"model '{spec.name}': parameter '{CUDA_GRAPH_BATCH_SIZES}' is '{value}', but the model "
+                          f"has no batch dimension (max_batch_size: 0); its one CUDA graph is captured at load, so "
+                          f"remove the parameter")
+    sizes: list[int] = []
+    for part in value.split(","):
+        part = part.strip()
+        if not (part.isascii() and part.isdigit()) or not 1 <= int(part) <= spec.max_batch_size:
+            raise ConfigError(f"model '{spec.name}': parameter '{CUDA_GRAPH_BATCH_SIZES}' is '{value}'; expected "
+                              f"comma-separated batch sizes from 1 to {spec.max_batch_size} (max_batch_size), "
+                              f"e.g. \"1,2,4,8\"")
+        sizes.append(int(part))
+    return tuple(sorted(set(sizes)))
