@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kiln.advise.cli import add_advise_arguments, run_advise
 from kiln.errors import InvalidArgumentError, KilnError
 
 
@@ -42,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_serve(commands.add_parser("serve", help="serve model repositories over HTTP and gRPC (default: the demo)"))
     _add_build(commands.add_parser("build", help="build an ONNX model into an optimized, verified model version"))
+    advise = commands.add_parser("advise", help="direct engine, server or both: the decision rules, with measured "
+                                                "evidence")
+    add_advise_arguments(advise)
+    advise.set_defaults(run=run_advise)
     return parser
 
 
