@@ -18,11 +18,11 @@ import numpy as np
 import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, header_lines, machine_info, write_json  # noqa: E402
+from _common import command_line, header_lines, machine_info, write_json
 
-import kiln  # noqa: E402
-from kiln.build import BuildOptions, build  # noqa: E402
-from kiln.demo.resnet import build_resnet50  # noqa: E402
+import kiln
+from kiln.build import BuildOptions, build
+from kiln.demo.resnet import build_resnet50
 
 
 def main() -> int:

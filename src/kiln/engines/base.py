@@ -48,6 +48,9 @@ class Engine(abc.ABC):
     thread_safe: bool = False
     """True when ``execute`` may run on several threads at once (the server then may run it inline)."""
 
+    accepts_torch_tensors: bool = False
+    """True when ``infer`` takes torch tensors as they are (a CUDA tensor stays on the GPU); others get numpy."""
+
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
 
@@ -65,7 +68,7 @@ class Engine(abc.ABC):
 
     def infer(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None = None) -> dict[str, Array]:
         """Run one batch. Raises InvalidArgumentError naming the tensor and what was expected."""
-        arrays = check_inputs(self.spec, inputs)
+        arrays = check_inputs(self.spec, inputs, keep_torch_tensors=self.accepts_torch_tensors)
         names = check_outputs(self.spec, outputs)
         return self.execute(arrays, names)
 

@@ -13,7 +13,9 @@ from kiln.errors import InvalidArgumentError
 from kiln.tensor import DataType
 
 
-def check_inputs(spec: ModelSpec, inputs: Mapping[str, npt.ArrayLike]) -> dict[str, npt.NDArray[Any]]:
+def check_inputs(spec: ModelSpec, inputs: Mapping[str, npt.ArrayLike], *,
+                 keep_torch_tensors: bool = False) -> dict[str, npt.NDArray[Any]]:
+    """Checked inputs as numpy arrays; torch tensors stay tensors (on their device) when ``keep_torch_tensors``."""
     expected = {t.name: t for t in spec.inputs}
     unknown = [name for name in inputs if name not in expected]
     if unknown:
@@ -23,7 +25,8 @@ def check_inputs(spec: ModelSpec, inputs: Mapping[str, npt.ArrayLike]) -> dict[s
     if missing:
         raise InvalidArgumentError(f"model '{spec.name}': missing input '{missing[0]}' "
                                    f"({_describe(spec, expected[missing[0]])})")
-    arrays = {name: _check_array(spec, expected[name], value) for name, value in inputs.items()}
+    arrays = {name: _check_torch_tensor(spec, expected[name], value) if keep_torch_tensors and _is_torch(value)
+              else _check_array(spec, expected[name], value) for name, value in inputs.items()}
     if spec.batching:
         _check_same_batch(spec, arrays)
     return arrays
@@ -68,6 +71,21 @@ def _check_array(spec: ModelSpec, tensor: TensorSpec, value: npt.ArrayLike) -> n
         )
     check_shape(spec, tensor, array.shape)
     return array
+
+
+def _is_torch(value: object) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "device")
+
+
+def _check_torch_tensor(spec: ModelSpec, tensor: TensorSpec, value: Any) -> Any:
+    """A torch tensor checked like an array (dtype by name, shape), left where it is: a GPU input costs no copy."""
+    dtype = str(value.dtype).removeprefix("torch.")
+    if tensor.datatype is DataType.BYTES or dtype != tensor.datatype.numpy_dtype.name:
+        raise InvalidArgumentError(
+            f"model '{spec.name}': input '{tensor.name}' is a torch tensor of dtype {value.dtype}; expected "
+            f"{tensor.datatype.wire_name} (torch.{tensor.datatype.numpy_dtype.name})")
+    check_shape(spec, tensor, tuple(value.shape))
+    return value
 
 
 def _check_same_batch(spec: ModelSpec, arrays: Mapping[str, npt.NDArray[Any]]) -> None:

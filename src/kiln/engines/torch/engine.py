@@ -42,6 +42,7 @@ Tensors = Sequence[torch.Tensor | None]
 
 class TorchEngine(Engine):
     thread_safe = True
+    accepts_torch_tensors = True
 
     def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
         super().__init__(spec)
@@ -109,7 +110,16 @@ class TorchEngine(Engine):
     def _input(self, name: str, array: Array | None) -> torch.Tensor | None:
         if array is None:  # an optional input the request left out
             return None
+        if isinstance(array, torch.Tensor):  # a caller's tensor (infer() keeps them): no host round trip
+            return self._convert(self._tensor_shape(name, array).to(self.device, non_blocking=True))
         return self._convert(to_device(host_tensor(self._to_model_shape(name, array)), self.device))
+
+    def _tensor_shape(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        reshape = self.spec.input(name).reshape
+        if reshape is None:
+            return tensor
+        lead = (tensor.shape[0],) if self.spec.batching else ()
+        return tensor.reshape(lead + reshape)
 
     def _convert(self, tensor: torch.Tensor) -> torch.Tensor:
         dtype = self.settings.compute_dtype
@@ -140,7 +150,8 @@ class TorchEngine(Engine):
 
     def _execute_graph(self, graphs: CudaGraphs, inputs: Mapping[str, Array],
                        outputs: Sequence[str]) -> dict[str, Array]:
-        hosts = [host_tensor(self._to_model_shape(name, inputs[name])).pin_memory() for name in self._order]
+        hosts = [self._tensor_shape(name, value) if isinstance(value := inputs[name], torch.Tensor)
+                 else host_tensor(self._to_model_shape(name, value)).pin_memory() for name in self._order]
         batch = hosts[0].shape[0] if self.spec.batching and hosts else 0
         with graphs.lock:
             captured = graphs.get(batch, functools.partial(self._static_inputs, batch))

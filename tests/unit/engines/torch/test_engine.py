@@ -236,3 +236,31 @@ def test_served_by_kiln_server(tmp_path: Path, files: dict[str, Path]) -> None:
             np.testing.assert_allclose(response.outputs[0].data, eager_two_heads(X, Y)[1], rtol=1e-6)
     finally:
         server.close()
+
+
+def test_infer_takes_torch_tensors_as_they_are(tmp_path: Path) -> None:
+    import torch
+
+    import kiln
+    from kiln.errors import InvalidArgumentError
+
+    class Double(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    folder = tmp_path / "double"
+    (folder / "1").mkdir(parents=True)
+    program = torch.export.export(Double(), (torch.ones(2, 3),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=8)},))
+    torch.export.save(program, str(folder / "1" / "model.pt2"))
+    (folder / "config.pbtxt").write_text(
+        'platform: "torch_aoti"\nmax_batch_size: 8\n'
+        'input [{ name: "x" data_type: TYPE_FP32 dims: [3] }]\n'
+        'output [{ name: "output__0" data_type: TYPE_FP32 dims: [3] }]\n')
+    with kiln.load(folder) as engine:
+        got = engine.infer({"x": torch.arange(6, dtype=torch.float32).reshape(2, 3)})["output__0"]
+        np.testing.assert_array_equal(got, np.arange(6, dtype=np.float32).reshape(2, 3) * 2)
+        with pytest.raises(InvalidArgumentError, match="torch tensor of dtype torch.float64; expected FP32"):
+            engine.infer({"x": torch.zeros(2, 3, dtype=torch.float64)})
+        with pytest.raises(InvalidArgumentError, match=r"has shape \[2, 4\]"):
+            engine.infer({"x": torch.zeros(2, 4)})
