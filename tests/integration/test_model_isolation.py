@@ -73,7 +73,7 @@ def test_thread_budget_is_shared_between_models(tmp_path: Path) -> None:
     from kiln.demo import build_demo_repository
 
     build_demo_repository(tmp_path)
-    server = Server(ServerOptions(repositories=[tmp_path], cpu_threads=4))
+    server = Server(ServerOptions(repositories=[tmp_path], cpu_threads=6))  # three CPU models: 2 threads each
     server.start()
     try:
         for name in ("simple", "mlp"):

@@ -9,8 +9,8 @@ from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.spec import ModelSpec
 from kiln.engines.base import Engine, EngineOptions, create_engine
 
-# Config parameters with which a model sets its own thread counts (Triton's onnxruntime backend keys).
-_THREAD_PARAMETERS = ("intra_op_thread_count", "inter_op_thread_count")
+# Config parameters with which a model sets its own thread counts (onnxruntime and PyTorch backends).
+_THREAD_PARAMETERS = ("intra_op_thread_count", "inter_op_thread_count", "num_threads")
 
 
 def cpu_instance_count(spec: ModelSpec) -> int:
