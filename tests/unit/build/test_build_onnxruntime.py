@@ -213,3 +213,20 @@ def test_kiln_build_is_callable_with_keyword_options(mlp_file: Path, tmp_path: P
         kiln.build(mlp_file, tmp_path / "mlp", precison="fp16")
     with pytest.raises(InvalidArgumentError, match="not both"):
         kiln.build(mlp_file, tmp_path / "mlp", BuildOptions(), precision="fp16")
+
+
+def test_shapes_give_dynamic_dimensions_for_generated_samples(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "seq",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "L"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "L"])])
+    path = tmp_path / "seq.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    with pytest.raises(InvalidArgumentError, match=r"input 'x' has dynamic dimensions \[-1, -1\]; give its shape "
+                                                   r"with --shapes"):
+        build(path, tmp_path / "seq", quiet())
+    assert main(["build", str(path), "-o", str(tmp_path / "seq"), "--quiet",
+                 "--shapes", "x:1x4/2x8/4x16"]) == 0
+    saved = json.loads((tmp_path / "seq" / "1" / "build_report.json").read_text())
+    assert saved["passed"] and saved["accuracy"]["samples"] == 32
+    capsys.readouterr()
