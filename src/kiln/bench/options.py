@@ -1,0 +1,178 @@
+"""What a bench run measures, and the parsers for the range and shape arguments (perf_analyzer's spellings)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.errors import InvalidArgumentError
+
+TARGETS = ("direct", "inprocess", "http", "grpc")
+DISTRIBUTIONS = ("constant", "poisson")
+TENSOR_FORMATS = ("binary", "json")
+
+DEFAULT_MEASUREMENT_INTERVAL_MS = 2000
+"""perf_analyzer measures 5000 ms windows. A level needs at least 3 windows to be called stable, so 2000 ms keeps a
+level at >= 6 s instead of 15 s (a four-level sweep in about half a minute) while a window of a model answering in
+a few milliseconds still holds hundreds of requests; pass --measurement-interval 5000 for perf_analyzer's windows."""
+MAX_SWEEP_LEVELS = 1024
+"""A range whose end is 0 (sweep until --latency-threshold) stops here at the latest."""
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """One ``kiln bench`` run. Exactly one of ``concurrency`` / ``request_rates`` drives the load.
+
+    ``model`` is a model name; for the direct target without ``model_repository`` it may also be a model file
+    or folder path. ``url`` is ``host:port`` (or an ``http://`` URL); http and grpc start their own ``kiln serve``
+    over ``model_repository`` when no URL is given.
+    """
+
+    model: str
+    target: str = "direct"
+    url: str | None = None
+    model_repository: Path | None = None
+    model_version: str = ""
+    concurrency: tuple[int, ...] = ()  # neither this nor request_rates: concurrency 1
+    request_rates: tuple[float, ...] = ()
+    request_distribution: str = "constant"
+    latency_threshold_ms: float | None = None  # stop the sweep after the first level whose avg latency exceeds it
+    measurement_interval_ms: int = DEFAULT_MEASUREMENT_INTERVAL_MS
+    stability_percentage: float = 10.0
+    max_trials: int = 10
+    batch_size: int = 1
+    input_data: str = "random"  # random | zero | path to .npz or perf_analyzer JSON
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    input_tensor_format: str = "binary"  # http only
+    output_tensor_format: str = "binary"  # http only
+    max_outstanding: int = 64  # request-rate mode: sends beyond this many in flight are dropped
+    server_pid: int | None = None
+    device: str = "cpu"  # direct: EngineOptions.kind
+    intra_op_threads: int | None = None  # direct: EngineOptions.intra_op_threads
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("--target", self.target, TARGETS)
+        _check_choice("--request-distribution", self.request_distribution, DISTRIBUTIONS)
+        _check_choice("--input-tensor-format", self.input_tensor_format, TENSOR_FORMATS)
+        _check_choice("--output-tensor-format", self.output_tensor_format, TENSOR_FORMATS)
+        _check_choice("--device", self.device, ("cpu", "gpu"))
+        if not self.model:
+            raise InvalidArgumentError("-m/--model is required: the name of the model to measure")
+        if self.request_rates and self.concurrency:
+            raise InvalidArgumentError("give either a concurrency (--concurrency-range / --concurrency) or a "
+                                       "request rate (--request-rate-range), not both")
+        if any(c < 1 for c in self.concurrency):
+            raise InvalidArgumentError(f"concurrency levels must be >= 1, got {list(self.concurrency)}")
+        if any(r <= 0 for r in self.request_rates):
+            raise InvalidArgumentError(f"request rates must be > 0 requests/s, got {list(self.request_rates)}")
+        if self.latency_threshold_ms is not None and self.latency_threshold_ms <= 0:
+            raise InvalidArgumentError(f"--latency-threshold must be > 0 ms, got {self.latency_threshold_ms}")
+        _check_positive("--measurement-interval", self.measurement_interval_ms)
+        _check_positive("--max-trials", self.max_trials)
+        _check_positive("-b/--batch-size", self.batch_size)
+        _check_positive("--max-outstanding", self.max_outstanding)
+        if self.stability_percentage <= 0:
+            raise InvalidArgumentError(f"--stability-percentage must be > 0, got {self.stability_percentage}")
+        if self.target in ("http", "grpc") and self.url is None and self.model_repository is None:
+            raise InvalidArgumentError(f"target '{self.target}' needs -u/--url (a running server) or "
+                                       f"--model-repository (kiln bench then starts `kiln serve` itself)")
+        if self.target == "inprocess" and self.model_repository is None:
+            raise InvalidArgumentError("target 'inprocess' needs --model-repository: the repository the in-process "
+                                       "kiln.Server serves")
+
+    @property
+    def request_rate_mode(self) -> bool:
+        return bool(self.request_rates)
+
+    def levels(self) -> list[float]:
+        """The load levels in sweep order: concurrencies or request rates."""
+        if self.request_rates:
+            return list(self.request_rates)
+        return [float(c) for c in self.concurrency or (1,)]
+
+    def describe(self) -> dict[str, object]:
+        """The measurement settings, as written into the JSON result."""
+        return {
+            "measurement_interval_ms": self.measurement_interval_ms,
+            "stability_percentage": self.stability_percentage,
+            "max_trials": self.max_trials,
+            "request_distribution": self.request_distribution if self.request_rates else None,
+            "input_data": self.input_data,
+            "shapes": {name: list(dims) for name, dims in self.shapes.items()},
+            "input_tensor_format": self.input_tensor_format if self.target == "http" else None,
+            "output_tensor_format": self.output_tensor_format if self.target == "http" else None,
+            "latency_threshold_ms": self.latency_threshold_ms,
+        }
+
+
+def _check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise InvalidArgumentError(f"{flag} is '{value}'; expected one of: {', '.join(choices)}")
+
+
+def _check_positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise InvalidArgumentError(f"{flag} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A parsed ``start:end:step``. ``open_ended`` is perf_analyzer's end of 0: step until the latency threshold."""
+
+    start: float
+    end: float
+    step: float
+    open_ended: bool = False
+
+    def values(self) -> list[float]:
+        if self.open_ended:
+            return [self.start + i * self.step for i in range(MAX_SWEEP_LEVELS)]
+        count = int((self.end - self.start) / self.step + 1e-9) + 1
+        return [self.start + i * self.step for i in range(count)]
+
+
+def parse_range(text: str, flag: str, integer: bool) -> Sweep:
+    """``start[:end[:step]]`` as perf_analyzer reads it: end defaults to start, step to 1; end 0 is open-ended."""
+    parts = text.split(":")
+    if not 1 <= len(parts) <= 3 or not all(parts):
+        raise InvalidArgumentError(f"{flag} is '{text}'; expected start[:end[:step]], e.g. 1:8:1")
+    try:
+        numbers = [int(p) if integer else float(p) for p in parts]
+    except ValueError:
+        kind = "integers" if integer else "numbers"
+        raise InvalidArgumentError(f"{flag} is '{text}'; start, end and step must be {kind}") from None
+    start = numbers[0]
+    end = numbers[1] if len(numbers) > 1 else start
+    step = numbers[2] if len(numbers) > 2 else 1
+    if start <= 0 or step <= 0:
+        raise InvalidArgumentError(f"{flag} is '{text}'; start and step must be > 0")
+    if end != 0 and end < start:
+        raise InvalidArgumentError(f"{flag} is '{text}'; end ({end}) is below start ({start}) (0 = no end)")
+    return Sweep(float(start), float(end), float(step), open_ended=end == 0)
+
+
+def parse_list(text: str, flag: str) -> tuple[int, ...]:
+    """``1,2,4,8``: explicit concurrency levels, run in the given order."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise InvalidArgumentError(f"{flag} is '{text}'; expected comma-separated integers, e.g. 1,2,4,8") from None
+    if any(v < 1 for v in values):
+        raise InvalidArgumentError(f"{flag} is '{text}'; every level must be >= 1")
+    return values
+
+
+def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
+    """``NAME:d1,d2,...``: an input's dims without the batch dimension (perf_analyzer's --shape)."""
+    name, sep, dims = text.rpartition(":")
+    if not sep or not name or not dims:
+        raise InvalidArgumentError(f"--shape is '{text}'; expected NAME:d1,d2,... e.g. INPUT0:3,224,224")
+    try:
+        shape = tuple(int(d) for d in dims.split(","))
+    except ValueError:
+        raise InvalidArgumentError(f"--shape is '{text}'; dimensions must be integers, e.g. INPUT0:3,224,224") from None
+    if any(d < 0 for d in shape):
+        raise InvalidArgumentError(f"--shape is '{text}'; dimensions must be >= 0")
+    return name, shape

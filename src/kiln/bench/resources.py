@@ -1,0 +1,206 @@
+"""Memory of the process under test: RSS through psutil, GPU memory through NVML or torch.cuda; idle before a
+level's load starts, peak while it runs (sampled every 100 ms by a background thread).
+
+The process under test is the server for http and grpc (``--server-pid``, the ``kiln serve`` kiln bench started,
+or the local process listening on the URL's port) and this very process for direct and inprocess. RSS sums the
+process and its children. GPU memory is NVML's per-process figure (``nvidia-ml-py``) when the process shows up in
+NVML's list; otherwise, for direct and inprocess, the used memory of the GPUs torch sees, once torch has a CUDA
+context in this process (it is never created just to measure). Figures that cannot be read are None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+log = logging.getLogger("kiln.bench")
+
+MIB = 1024 * 1024
+SAMPLE_INTERVAL_S = 0.1
+
+ByteReader = Callable[[], "int | None"]
+
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    """Memory in MiB (2**20 bytes): before the level's load started and the highest sample during it."""
+
+    rss_idle: float | None = None
+    rss_peak: float | None = None
+    gpu_idle: float | None = None
+    gpu_peak: float | None = None
+
+
+class _Process(Protocol):
+    pid: int
+
+    def memory_info(self) -> Any: ...
+
+    def children(self, recursive: bool = False) -> list[Any]: ...
+
+
+def rss_reader(pid: int | None) -> ByteReader | None:
+    """Resident memory of ``pid`` and its children, or None without psutil or without that process."""
+    if pid is None:
+        return None
+    try:
+        import psutil
+    except ImportError:
+        log.warning("psutil is not installed: RSS is not measured (pip install psutil)")
+        return None
+    try:
+        process: _Process = psutil.Process(pid)
+    except psutil.Error:
+        log.warning("process %d does not exist: its RSS is not measured", pid)
+        return None
+
+    def read() -> int | None:
+        try:
+            tree = [process, *process.children(recursive=True)]
+        except psutil.Error:
+            return None
+        total = 0
+        for member in tree:
+            with contextlib.suppress(psutil.Error):
+                total += int(member.memory_info().rss)
+        return total
+
+    return read
+
+
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and its descendants (just ``pid`` without psutil)."""
+    try:
+        import psutil
+
+        return {pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))}
+    except Exception:  # psutil missing or the process gone: the pid alone still identifies it in NVML
+        return {pid}
+
+
+def import_nvml() -> Any | None:
+    """pynvml (package nvidia-ml-py) when installed, initialized, with at least one GPU; else None."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the deprecated `pynvml` shim package warns on import
+            nvml = importlib.import_module("pynvml")
+        nvml.nvmlInit()
+        return nvml if nvml.nvmlDeviceGetCount() > 0 else None
+    except Exception:  # no library, no driver, no GPU: GPU memory is simply not measured
+        return None
+
+
+def nvml_process_reader(nvml: Any, pid: int) -> ByteReader:
+    """GPU memory NVML attributes to ``pid`` and its children, over every GPU; None when NVML lists none of them
+    (a process without a CUDA context, or a container whose PIDs NVML cannot see)."""
+
+    def read() -> int | None:
+        pids = process_tree(pid)
+        total, seen = 0, False
+        try:
+            for index in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if proc.pid in pids and proc.usedGpuMemory is not None:
+                        total += int(proc.usedGpuMemory)
+                        seen = True
+        except nvml.NVMLError:
+            return None
+        return total if seen else None
+
+    return read
+
+
+def torch_device_reader() -> ByteReader | None:
+    """Used memory (total - free) of the GPUs torch sees, when torch already runs CUDA in this process."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+
+    def read() -> int | None:
+        used = 0
+        for device in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(device)
+            used += int(total - free)
+        return used
+
+    return read
+
+
+def gpu_reader(pid: int | None, in_process: bool, nvml: Any | None = None) -> tuple[ByteReader | None, str | None]:
+    """The best GPU memory reader for the process under test and a word on what it measures."""
+    nvml = nvml if nvml is not None else import_nvml()
+    if nvml is not None and pid is not None:
+        reader = nvml_process_reader(nvml, pid)
+        if reader() is not None:
+            return reader, "nvml (process)"
+    torch_reader = torch_device_reader() if in_process else None
+    if torch_reader is not None:
+        return torch_reader, "torch.cuda (device used)"
+    return None, None
+
+
+class MemorySampler:
+    """Idle and peak memory per level; samples in a background thread while a level runs."""
+
+    def __init__(self, rss: ByteReader | None, gpu: ByteReader | None,
+                 interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        self._rss = rss
+        self._gpu = gpu
+        self._interval_s = interval_s
+        self._idle: tuple[int | None, int | None] = (None, None)
+        self._peak: list[int | None] = [None, None]
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start_level(self) -> None:
+        rss, gpu = self._read()
+        self._idle = (rss, gpu)
+        self._peak = [rss, gpu]
+        if self._rss is None and self._gpu is None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kiln-bench-memory", daemon=True)
+        self._thread.start()
+
+    def sample(self) -> None:
+        readings = self._read()
+        with self._lock:
+            self._peak = [_max(old, new) for old, new in zip(self._peak, readings, strict=True)]
+
+    def stop_level(self) -> MemoryFigures:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        self.sample()
+        with self._lock:
+            peak = list(self._peak)
+        return MemoryFigures(rss_idle=_mib(self._idle[0]), rss_peak=_mib(peak[0]),
+                             gpu_idle=_mib(self._idle[1]), gpu_peak=_mib(peak[1]))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.sample()
+
+    def _read(self) -> tuple[int | None, int | None]:
+        return (self._rss() if self._rss is not None else None, self._gpu() if self._gpu is not None else None)
+
+
+def _max(old: int | None, new: int | None) -> int | None:
+    if old is None:
+        return new
+    return old if new is None else max(old, new)
+
+
+def _mib(value: int | None) -> float | None:
+    return None if value is None else round(value / MIB, 3)
+

@@ -1,0 +1,57 @@
+"""``kiln.bench.run``: open the target, check one request, measure every load level in turn, collect the results."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from kiln.bench.data import build_requests
+from kiln.bench.machine import machine_info
+from kiln.bench.measure import Settings, measure_level
+from kiln.bench.options import BenchOptions
+from kiln.bench.progress import Progress
+from kiln.bench.records import Level
+from kiln.bench.resources import MemorySampler, gpu_reader, rss_reader
+from kiln.bench.result import BenchResult, LevelResult
+from kiln.bench.targets import create_target
+
+
+def run(options: BenchOptions, progress: Progress | None = None,
+        on_level: Callable[[LevelResult], None] | None = None) -> BenchResult:
+    """Measure ``options.model`` on ``options.target`` at every load level. ``on_level`` sees each level's result
+    as soon as it is measured; ``progress`` (default: silent) shows each window."""
+    progress = progress if progress is not None else Progress(enabled=False)
+    settings = Settings(interval_ns=options.measurement_interval_ms * 1_000_000,
+                        stability_percentage=options.stability_percentage, max_trials=options.max_trials)
+    with create_target(options) as target:
+        progress.note(f"opening target {options.target} for model '{options.model}'")
+        model = target.open()
+        target.prepare(build_requests(model, options.input_data, options.batch_size, options.shapes, options.seed))
+        pid = target.process_id()
+        gpu, gpu_source = gpu_reader(pid, target.in_process)
+        sampler = MemorySampler(rss_reader(pid), gpu)
+        results: list[LevelResult] = []
+        for value in options.levels():
+            level = _level(options, value)
+            measured = measure_level(target, level, settings, sampler,
+                                     on_window=functools.partial(progress.window, level))
+            progress.end_level()
+            result = LevelResult.from_measurement(measured, options.batch_size)
+            results.append(result)
+            if on_level is not None:
+                on_level(result)
+            threshold = options.latency_threshold_ms
+            if threshold is not None and result.latency_ms.avg > threshold:
+                progress.note(f"average latency {result.latency_ms.avg:.3f} ms exceeds --latency-threshold "
+                              f"{threshold:g} ms: the sweep stops here")
+                break
+        return BenchResult(model=options.model, target=options.target, url=target.url,
+                           batch_size=options.batch_size, machine=machine_info(gpu_source), results=results,
+                           options=options.describe())
+
+
+def _level(options: BenchOptions, value: float) -> Level:
+    if options.request_rate_mode:
+        return Level(request_rate=value, distribution=options.request_distribution,
+                     max_outstanding=options.max_outstanding, seed=options.seed)
+    return Level(concurrency=int(value), seed=options.seed)

@@ -1,0 +1,84 @@
+"""Memory sampling: idle and peak per level, RSS of a real process, and NVML's per-process attribution."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+from kiln.bench.resources import MIB, MemorySampler, gpu_reader, nvml_process_reader, rss_reader
+
+
+def test_idle_is_read_before_the_level_and_peak_is_the_highest_sample() -> None:
+    rss = itertools.chain([100 * MIB, 180 * MIB, 150 * MIB], itertools.repeat(120 * MIB))
+    gpu = iter([10 * MIB] + [None] * 100)  # a reader that fails later keeps the peak it saw
+    sampler = MemorySampler(lambda: next(rss), lambda: next(gpu), interval_s=3600)  # samples only when asked
+    sampler.start_level()
+    sampler.sample()
+    sampler.sample()
+    figures = sampler.stop_level()
+    assert (figures.rss_idle, figures.rss_peak) == (100.0, 180.0)
+    assert (figures.gpu_idle, figures.gpu_peak) == (10.0, 10.0)
+
+
+def test_nothing_to_read_gives_no_figures() -> None:
+    sampler = MemorySampler(None, None)
+    sampler.start_level()
+    figures = sampler.stop_level()
+    assert figures.rss_idle is None and figures.rss_peak is None and figures.gpu_peak is None
+
+
+def test_rss_of_this_process_is_read_through_psutil() -> None:
+    reader = rss_reader(os.getpid())
+    assert reader is not None
+    value = reader()
+    assert value is not None and 10 * MIB < value < 64 * 1024 * MIB
+    assert rss_reader(None) is None
+
+
+def test_rss_of_a_process_that_does_not_exist_is_not_measured() -> None:
+    assert rss_reader(2**22 + 12345) is None
+
+
+@dataclass
+class ProcessInfo:
+    pid: int
+    usedGpuMemory: int | None  # NVML's field name
+
+
+class FakeNvml:
+    """NVML's process listing for two GPUs; NVML cannot run on a machine without an NVIDIA driver."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, processes: list[list[ProcessInfo]]) -> None:
+        self.processes = processes
+
+    def nvmlDeviceGetCount(self) -> int:  # NVML's names
+        return len(self.processes)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[ProcessInfo]:
+        return self.processes[handle]
+
+
+def test_nvml_memory_of_the_process_is_summed_over_gpus() -> None:
+    me = os.getpid()
+    nvml = FakeNvml([[ProcessInfo(me, 300 * MIB), ProcessInfo(1, 999 * MIB)], [ProcessInfo(me, 100 * MIB)]])
+    assert nvml_process_reader(nvml, me)() == 400 * MIB
+    reader, source = gpu_reader(me, in_process=False, nvml=nvml)
+    assert reader is not None and source == "nvml (process)"
+
+
+def test_a_process_nvml_does_not_list_has_no_gpu_figure() -> None:
+    nvml = FakeNvml([[ProcessInfo(1, 999 * MIB), ProcessInfo(os.getpid(), None)]])
+    assert nvml_process_reader(nvml, os.getpid())() is None
+    assert gpu_reader(os.getpid(), in_process=False, nvml=nvml) == (None, None)
+
+
+def test_without_nvml_or_a_cuda_context_gpu_memory_is_absent() -> None:
+    # this machine has no NVIDIA driver; torch, when imported, has no CUDA context here
+    assert gpu_reader(os.getpid(), in_process=True) == (None, None)
