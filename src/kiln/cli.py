@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.advise.cli import add_advise_arguments, run_advise
+from kiln.bench.cli import add_bench_arguments, run_bench
 from kiln.errors import InvalidArgumentError, KilnError
 
 
@@ -43,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_serve(commands.add_parser("serve", help="serve model repositories over HTTP and gRPC (default: the demo)"))
     _add_build(commands.add_parser("build", help="build an ONNX model into an optimized, verified model version"))
+    bench = commands.add_parser("bench", help="measure a model: throughput, latency percentiles, server breakdown, "
+                                              "memory")
+    add_bench_arguments(bench)
+    bench.set_defaults(run=run_bench)
     advise = commands.add_parser("advise", help="direct engine, server or both: the decision rules, with measured "
                                                 "evidence")
     add_advise_arguments(advise)
