@@ -1,0 +1,410 @@
+"""``kiln bench compare``: the reference experiment on one model, direct vs served vs served beside other models.
+
+Scenarios, each swept over the same concurrency levels:
+
+- ``direct``: ``kiln.load`` in a child process of its own, N threads calling the engine, so its memory is the
+  direct process's and not this one's.
+- ``served``: a ``kiln serve`` whose temporary repository holds only the model (its files linked, its config
+  rewritten), with and without ``dynamic_batching``.
+- ``served_with_others``: the same plus N copies of the model under other names (``<model>_peer1`` ...); while the
+  model is measured at concurrency C, one load process per copy keeps C requests outstanding on it.
+
+Every process started here (the direct child, servers, peer load generators) runs in a session of its own and is
+stopped in ``finally`` (SIGTERM to its process group, SIGKILL after a grace period), Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.bench.data import build_requests
+from kiln.bench.machine import machine_info
+from kiln.bench.options import BenchOptions
+from kiln.bench.records import Level, Recorder
+from kiln.bench.resources import MIB, rss_reader
+from kiln.bench.result import BenchResult, LevelResult
+from kiln.bench.runner import run
+from kiln.bench.targets import create_target
+from kiln.config._generated import model_config_pb2 as pb
+from kiln.config.model_dir import open_model_dir
+from kiln.config.parse import CONFIG_FILENAME, config_to_text, read_config
+from kiln.errors import InvalidArgumentError, UnavailableError
+from kiln.testing.serve import free_port, wait_ready
+
+PROTOCOLS = ("http", "grpc")
+STOP_GRACE_S = 10.0
+READY_TIMEOUT_S = 120.0
+SCENARIOS = ("direct", "served", "served_with_others")
+
+Note = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    """One comparison. ``models`` counts the other models loaded beside the measured one."""
+
+    model: str
+    model_repository: Path
+    concurrency: tuple[int, ...] = (1, 8, 16)
+    models: int = 3
+    protocol: str = "http"
+    batching: tuple[bool, ...] = (False, True)
+    measurement_interval_ms: int = 1000
+    max_trials: int = 5
+    stability_percentage: float = 10.0
+    device: str = "cpu"
+    seed: int = 0
+    work_dir: Path | None = None  # where temporary repositories and logs go (default: a fresh temporary folder)
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise InvalidArgumentError(f"--protocol is '{self.protocol}'; expected one of: {', '.join(PROTOCOLS)}")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise InvalidArgumentError(f"--concurrency levels must be >= 1, got {list(self.concurrency)}")
+        if self.models < 1:
+            raise InvalidArgumentError(f"--models must be >= 1 (the other models beside '{self.model}'), "
+                                       f"got {self.models}")
+        if not self.batching:
+            raise InvalidArgumentError("at least one batching variant (with or without) must be measured")
+        if not (self.model_repository / self.model).is_dir():
+            raise InvalidArgumentError(f"model '{self.model}' has no folder in --model-repository "
+                                       f"{self.model_repository} (expected {self.model_repository / self.model})")
+
+    def bench_options(self, **changes: Any) -> BenchOptions:
+        settings: dict[str, Any] = {"model": self.model, "measurement_interval_ms": self.measurement_interval_ms,
+                                    "max_trials": self.max_trials, "seed": self.seed,
+                                    "stability_percentage": self.stability_percentage}
+        settings.update(changes)
+        return BenchOptions(**settings)
+
+
+# -- processes ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Child:
+    """A process this comparison started, in its own session so its whole group can be stopped."""
+
+    role: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, chars: int = 2000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        """SIGTERM to the process group, SIGKILL once the grace period is over; always reaps the process."""
+        if self.process.poll() is None:
+            _signal_group(self.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.pid, signal.SIGKILL)  # stragglers the leader left behind
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass
+class Processes:
+    """Starts children and stops every one of them on exit, in reverse order."""
+
+    log_dir: Path
+    started: list[Child] = field(default_factory=list)
+
+    def start(self, role: str, command: Sequence[str], pipes: bool = False) -> Child:
+        log_path = self.log_dir / f"{role}.log"
+        with open(log_path, "wb") as log:
+            pipe = subprocess.PIPE if pipes else subprocess.DEVNULL
+            process = subprocess.Popen(list(command), stdin=pipe, stdout=pipe if pipes else log, stderr=log,
+                                       start_new_session=True)
+        child = Child(role, process, log_path)
+        self.started.append(child)
+        return child
+
+    def stop_all(self) -> None:
+        for child in reversed(self.started):
+            child.stop()
+
+
+def read_line(child: Child, timeout_s: float) -> str:
+    """The child's next stdout line; UnavailableError when it exits or stays silent past the timeout."""
+    stdout = child.process.stdout
+    assert stdout is not None
+    ready, _, _ = select.select([stdout], [], [], timeout_s)
+    line = stdout.readline().decode().strip() if ready else ""
+    if not line:
+        state = "exited" if child.process.poll() is not None else f"said nothing for {timeout_s:.0f} s"
+        raise UnavailableError(f"kiln bench compare: the {child.role} process {state}\n{child.log_tail()}")
+    return line
+
+
+def _module_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kiln.bench.compare", *args]
+
+
+# -- repositories ------------------------------------------------------------------------------------------------
+
+
+def base_config(model_path: Path) -> pb.ModelConfig:
+    """The model's config.pbtxt as written, or its auto-completed config when the folder has none."""
+    config = read_config(model_path)
+    return config if config is not None else open_model_dir(model_path).spec.config
+
+
+def write_repository(root: Path, source: Path, config: pb.ModelConfig, names: Sequence[str], batching: bool) -> Path:
+    """A repository holding ``source`` under each name: its files linked, its config renamed and with or without
+    ``dynamic_batching`` (max_batch_size kept)."""
+    root.mkdir(parents=True)
+    for name in names:
+        folder = root / name
+        folder.mkdir()
+        for entry in source.iterdir():
+            if entry.name != CONFIG_FILENAME:
+                (folder / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+        variant = pb.ModelConfig()
+        variant.CopyFrom(config)
+        variant.name = name
+        if batching:
+            variant.dynamic_batching.SetInParent()
+        else:
+            variant.ClearField("dynamic_batching")
+        (folder / CONFIG_FILENAME).write_text(config_to_text(variant), encoding="utf-8")
+    return root
+
+
+# -- the comparison ----------------------------------------------------------------------------------------------
+
+
+class Comparison:
+    """Runs the scenarios of :class:`CompareOptions`; ``pids`` lists every process it started."""
+
+    def __init__(self, options: CompareOptions, note: Note | None = None) -> None:
+        self.options = options
+        self.note = note if note is not None else (lambda _text: None)
+        self.pids: list[int] = []
+        self.notes: list[str] = []
+
+    def run(self) -> dict[str, Any]:
+        opts = self.options
+        config = base_config(opts.model_repository / opts.model)
+        batching = list(opts.batching)
+        if config.max_batch_size == 0 and True in batching:
+            batching.remove(True)
+            self.notes.append(f"model '{opts.model}' has max_batch_size 0: dynamic batching cannot apply, so only "
+                              "the variants without it ran")
+        if not batching:
+            raise InvalidArgumentError(f"model '{opts.model}' has max_batch_size 0, so it has no variant with "
+                                       "dynamic batching; measure the variant without it too")
+        with ExitStack() as stack:
+            work = opts.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-compare-")))
+            scenarios = [self._direct(work)]
+            for name, peers in (("served", 0), ("served_with_others", opts.models)):
+                for batched in batching:
+                    scenarios.append(self._served(work, config, name, peers, batched))
+        return {"model": opts.model, "machine": machine_info(), "concurrency": list(opts.concurrency),
+                "protocol": opts.protocol, "scenarios": scenarios, "memory_mb": memory_summary(scenarios),
+                "settings": {"measurement_interval_ms": opts.measurement_interval_ms, "max_trials": opts.max_trials,
+                             "stability_percentage": opts.stability_percentage, "device": opts.device},
+                "notes": self.notes}
+
+    @contextmanager
+    def _processes(self, log_dir: Path) -> Iterator[Processes]:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        processes = Processes(log_dir)
+        try:
+            yield processes
+        finally:
+            self.pids.extend(child.pid for child in processes.started)
+            processes.stop_all()
+
+    def _direct(self, work: Path) -> dict[str, Any]:
+        opts = self.options
+        self.note(f"direct: kiln.load in a child process, concurrency {list(opts.concurrency)}")
+        out = work / "direct.json"
+        bench = {"model": opts.model, "model_repository": str(opts.model_repository.resolve()),
+                 "concurrency": list(opts.concurrency), "device": opts.device}
+        with self._processes(work / "logs") as processes:
+            child = processes.start("direct", _module_command("direct", json.dumps(bench), str(out),
+                                                               json.dumps(self._settings())))
+            child.process.wait()
+            if child.process.returncode != 0:
+                raise UnavailableError(f"kiln bench compare: the direct run failed (exit status "
+                                       f"{child.process.returncode})\n{child.log_tail()}")
+        result = BenchResult.from_json(out.read_text(encoding="utf-8"))
+        rows = result.results
+        idle = rows[0].memory_mb.rss_idle if rows else None
+        return _scenario("direct", False, 1, rows, idle)
+
+    def _settings(self) -> dict[str, Any]:
+        opts = self.options
+        return {"measurement_interval_ms": opts.measurement_interval_ms, "max_trials": opts.max_trials,
+                "stability_percentage": opts.stability_percentage, "seed": opts.seed}
+
+    def _served(self, work: Path, config: pb.ModelConfig, name: str, peers: int, batching: bool) -> dict[str, Any]:
+        opts = self.options
+        label = f"{name}{'_batching' if batching else ''}"
+        peer_names = [f"{opts.model}_peer{i}" for i in range(1, peers + 1)]
+        repo = write_repository(work / label, opts.model_repository / opts.model, config, [opts.model, *peer_names],
+                                batching)
+        self.note(f"{label}: kiln serve with {1 + peers} model(s), {opts.protocol}, concurrency "
+                  f"{list(opts.concurrency)}")
+        with self._processes(work / "logs" / label) as processes:
+            server, url = self._start_server(processes, repo)
+            read_rss = rss_reader(server.pid)
+            idle_bytes = read_rss() if read_rss is not None else None
+            loads = [processes.start(f"load_{peer}", _module_command("peer", json.dumps(
+                {"model": peer, "protocol": opts.protocol, "url": url, "seed": opts.seed})), pipes=True)
+                for peer in peer_names]
+            for load in loads:
+                _expect(load, "ready")
+            rows: list[LevelResult] = []
+            for concurrency in opts.concurrency:
+                for load in loads:
+                    _send(load, f"{concurrency}\n")
+                    _expect(load, f"running {concurrency}")
+                result = run(opts.bench_options(target=opts.protocol, url=url, server_pid=server.pid,
+                                                concurrency=(concurrency,)))
+                rows.extend(result.results)
+        idle = None if idle_bytes is None else round(idle_bytes / MIB, 3)
+        return _scenario(name, batching, 1 + peers, rows, idle)
+
+    def _start_server(self, processes: Processes, repo: Path) -> tuple[Child, str]:
+        http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+        server = processes.start("server", [sys.executable, "-m", "kiln.cli", "serve", "--model-repository", str(repo),
+                                            "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+                                            "--metrics-port", str(metrics_port), "--exit-timeout-secs", "5"])
+        try:
+            wait_ready(f"127.0.0.1:{http_port}", server.process, READY_TIMEOUT_S)
+        except (RuntimeError, TimeoutError) as exc:
+            raise UnavailableError(f"kiln bench compare could not start `kiln serve` over {repo}: {exc}\n"
+                                   f"{server.log_tail()}") from None
+        port = http_port if self.options.protocol == "http" else grpc_port
+        return server, f"127.0.0.1:{port}"
+
+
+def _send(child: Child, text: str) -> None:
+    stdin = child.process.stdin
+    assert stdin is not None
+    try:
+        stdin.write(text.encode())
+        stdin.flush()
+    except BrokenPipeError:
+        raise UnavailableError(f"kiln bench compare: the {child.role} process exited\n{child.log_tail()}") from None
+
+
+def _expect(child: Child, expected: str) -> None:
+    line = read_line(child, READY_TIMEOUT_S)
+    if line != expected:
+        raise UnavailableError(f"kiln bench compare: the {child.role} process said '{line}', expected "
+                               f"'{expected}'\n{child.log_tail()}")
+
+
+def _scenario(name: str, batching: bool, models: int, rows: list[LevelResult], idle: float | None) -> dict[str, Any]:
+    peaks = [r.memory_mb.rss_peak for r in rows if r.memory_mb.rss_peak is not None]
+    peak = max([*peaks, *([idle] if idle is not None else [])], default=None)
+    return {"name": name, "batching": batching, "models_loaded": models,
+            "results": [dataclasses.asdict(r) for r in rows],
+            "memory_mb": {"idle": idle, "peak": peak}}
+
+
+def memory_summary(scenarios: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Idle and peak RSS per scenario; for the served ones, the batching variant with the higher peak."""
+    summary: dict[str, Any] = {}
+    for name in SCENARIOS:
+        variants = [s for s in scenarios if s["name"] == name]
+        if not variants:
+            continue
+        chosen = max(variants, key=lambda s: s["memory_mb"]["peak"] or 0.0)
+        entry: dict[str, Any] = {"idle": chosen["memory_mb"]["idle"], "peak": chosen["memory_mb"]["peak"]}
+        if name != "direct":
+            entry["batching"] = chosen["batching"]
+        if name == "served_with_others":
+            entry["models"] = chosen["models_loaded"]
+        summary[name] = entry
+    return summary
+
+
+# -- child processes ---------------------------------------------------------------------------------------------
+
+
+def _direct_main(bench: dict[str, Any], out: Path, settings: dict[str, Any]) -> int:
+    options = BenchOptions(model=bench["model"], target="direct", model_repository=Path(bench["model_repository"]),
+                           concurrency=tuple(bench["concurrency"]), device=bench["device"], **settings)
+    run(options).write_json(out)
+    return 0
+
+
+def _peer_main(spec: dict[str, Any]) -> int:
+    """Keep ``N`` requests outstanding on a peer model; N comes as a line on stdin, EOF or SIGTERM ends it."""
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
+    options = BenchOptions(model=spec["model"], target=spec["protocol"], url=spec["url"], seed=spec["seed"])
+    recorder = Recorder()
+    done = threading.Event()
+    threading.Thread(target=_drain, args=(recorder, done), daemon=True).start()
+    with create_target(options) as target:
+        target.prepare(build_requests(target.open(), "random", 1, {}, spec["seed"]))
+        _say("ready")
+        running = False
+        try:
+            for line in sys.stdin:
+                if running:
+                    target.stop()
+                concurrency = int(line)
+                target.start(Level(concurrency=concurrency, seed=spec["seed"]), recorder)
+                running = True
+                _say(f"running {concurrency}")
+        finally:
+            done.set()
+            if running:
+                target.stop()
+    return 0
+
+
+def _drain(recorder: Recorder, done: threading.Event) -> None:
+    while not done.wait(1.0):
+        recorder.clear()  # peers' latencies are not reported; keep their memory flat
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of the child processes: ``direct BENCH_JSON OUT SETTINGS_JSON`` or ``peer SPEC_JSON``."""
+    if argv[:1] == ["direct"] and len(argv) == 4:
+        return _direct_main(json.loads(argv[1]), Path(argv[2]), json.loads(argv[3]))
+    if argv[:1] == ["peer"] and len(argv) == 2:
+        return _peer_main(json.loads(argv[1]))
+    print("usage: python -m kiln.bench.compare direct BENCH_JSON OUT SETTINGS_JSON | peer SPEC_JSON", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
