@@ -1,0 +1,206 @@
+"""The report of a ``kiln bench compare`` result: a Markdown table laid out like the seed article's (a row per
+scenario, throughput at each concurrency with its ratio to direct, p99, memory), PNG plots and one HTML page.
+
+Plots use matplotlib's object API on an Agg canvas (no pyplot state, no display); matplotlib is imported only
+when plots are drawn and comes with the ``bench`` extra.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import UnavailableError
+
+PLOTS = ("throughput.png", "p99.png", "memory.png")
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
+_MEMORY_LABELS = {"direct": "direct process", "served": "server, one model", "served_with_others": "server, {n} models"}
+
+
+def scenario_label(scenario: dict[str, Any]) -> str:
+    name, models = scenario["name"], scenario["models_loaded"]
+    if name == "direct":
+        return "direct"
+    base = "served, 1 model" if name == "served" else f"served, {models} models"
+    return f"{base}, dynamic batching" if scenario["batching"] else base
+
+
+@dataclass(frozen=True)
+class Table:
+    header: list[str]
+    rows: list[list[str]]
+    numeric: int  # columns from this index on are numbers (right-aligned)
+
+
+def _level(scenario: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
+    return next((r for r in scenario["results"] if r["concurrency"] == concurrency), None)
+
+
+def _number(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def comparison_table(doc: dict[str, Any]) -> Table:
+    """Rows: scenarios; columns: throughput (requests/s, ratio to direct) and p99 (ms) at each concurrency, then
+    RSS idle and peak (MiB)."""
+    levels: list[int] = doc["concurrency"]
+    direct = next((s for s in doc["scenarios"] if s["name"] == "direct"), None)
+    header = ["scenario", *(f"c={c} req/s (vs direct)" for c in levels), *(f"c={c} p99 ms" for c in levels),
+              "RSS idle MiB", "RSS peak MiB"]
+    rows = []
+    for scenario in doc["scenarios"]:
+        throughput, p99 = [], []
+        for c in levels:
+            row, base = _level(scenario, c), _level(direct, c) if direct is not None else None
+            value = row["throughput_infer_per_s"] if row is not None else None
+            ratio = ""
+            if value is not None and base is not None and base["throughput_infer_per_s"] > 0:
+                ratio = f" ({value / base['throughput_infer_per_s']:.2f}x)"
+            throughput.append(_number(value) + ratio)
+            p99.append(_number(row["latency_ms"]["p99"] if row is not None else None, 2))
+        memory = scenario.get("memory_mb", {})
+        rows.append([scenario_label(scenario), *throughput, *p99, _number(memory.get("idle"), 1),
+                     _number(memory.get("peak"), 1)])
+    return Table(header, rows, numeric=1)
+
+
+def memory_table(doc: dict[str, Any]) -> Table:
+    """The seed article's memory table: deployment, idle, peak (MiB)."""
+    rows = []
+    for name, entry in doc["memory_mb"].items():
+        label = _MEMORY_LABELS.get(name, name).format(n=entry.get("models", ""))
+        if "batching" in entry:
+            label += ", dynamic batching" if entry["batching"] else ", no batching"
+        rows.append([label, _number(entry["idle"], 1), _number(entry["peak"], 1)])
+    return Table(["deployment", "RSS idle MiB", "RSS peak MiB"], rows, numeric=1)
+
+
+def markdown_table(table: Table) -> str:
+    align = ["---" if i < table.numeric else "---:" for i in range(len(table.header))]
+    lines = [table.header, align, *table.rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    gpus = ", ".join(machine.get("gpus") or []) or "no GPU"
+    return (f"{machine.get('cpu_model', 'unknown CPU')}, {machine.get('cpu_count', '?')} cores, "
+            f"{machine.get('memory_total') or '? memory'}, {gpus}; {machine.get('os', '')}, Python "
+            f"{machine.get('python', '?')}, kiln {machine.get('kiln', '?')}")
+
+
+def markdown(doc: dict[str, Any], command: str | None = None) -> str:
+    protocol = doc.get("protocol", "http")
+    parts = [f"# kiln bench compare: {doc['model']}\n",
+             f"Machine: {machine_line(doc.get('machine', {}))}  ",
+             f"Served scenarios are measured over {protocol}; peers receive the same concurrency as the model.",
+             *([f"Command: `{command}`"] if command else []), "",
+             "## Throughput (requests/s, ratio to direct) and p99 latency by concurrency\n",
+             markdown_table(comparison_table(doc)),
+             "## Memory (RSS)\n",
+             markdown_table(memory_table(doc)),
+             "Served memory is the batching variant with the higher peak.\n"]
+    notes = doc.get("notes") or []
+    if notes:
+        parts += ["## Notes\n", *(f"- {note}" for note in notes), ""]
+    return "\n".join(parts)
+
+
+# -- plots --------------------------------------------------------------------------------------------------------
+
+
+def _matplotlib() -> tuple[Any, Any]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UnavailableError("kiln bench compare draws its plots with matplotlib, which is not installed: "
+                               "pip install 'kiln[bench]'") from None
+    return Figure, FigureCanvasAgg
+
+
+def _png(figure: Any, canvas_type: Any) -> bytes:
+    canvas_type(figure)
+    out = io.BytesIO()
+    figure.savefig(out, format="png", dpi=100)
+    return out.getvalue()
+
+
+def line_plot(doc: dict[str, Any], metric: str, ylabel: str, title: str) -> bytes:
+    """One line per scenario over the concurrency levels; ``metric`` reads a value from a result row."""
+    figure_type, canvas_type = _matplotlib()
+    figure = figure_type(figsize=(8, 4.5))
+    axes = figure.add_subplot()
+    for index, scenario in enumerate(doc["scenarios"]):
+        points = [(r["concurrency"], _metric(r, metric)) for r in scenario["results"]]
+        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", linewidth=2,
+                  color=COLORS[index % len(COLORS)], label=scenario_label(scenario),
+                  linestyle="--" if scenario["batching"] else "-")
+    axes.set_xlabel("concurrency (requests outstanding)")
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.set_xticks(doc["concurrency"])
+    axes.set_ylim(bottom=0)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    return _png(figure, canvas_type)
+
+
+def _metric(row: dict[str, Any], metric: str) -> float:
+    value: Any = row
+    for key in metric.split("."):
+        value = value[key]
+    return float(value)
+
+
+def memory_plot(doc: dict[str, Any]) -> bytes:
+    """Idle and peak RSS bars per deployment."""
+    figure_type, canvas_type = _matplotlib()
+    table = memory_table(doc)
+    figure = figure_type(figsize=(8, 4.5))
+    axes = figure.add_subplot()
+    positions = list(range(len(table.rows)))
+    entries = list(doc["memory_mb"].values())
+    for offset, key, color in ((-0.2, "idle", COLORS[0]), (0.2, "peak", COLORS[1])):
+        values = [entry[key] or 0.0 for entry in entries]
+        axes.bar([p + offset for p in positions], values, width=0.4, label=f"RSS {key}", color=color)
+    axes.set_xticks(positions, [row[0] for row in table.rows], fontsize="small")
+    axes.set_ylabel("MiB")
+    axes.set_title(f"Memory: {doc['model']}")
+    axes.legend()
+    axes.grid(True, axis="y", alpha=0.3)
+    figure.tight_layout()
+    return _png(figure, canvas_type)
+
+
+def plots(doc: dict[str, Any]) -> dict[str, bytes]:
+    return {
+        "throughput.png": line_plot(doc, "throughput_infer_per_s", "requests/s",
+                                    f"Throughput vs concurrency: {doc['model']}"),
+        "p99.png": line_plot(doc, "latency_ms.p99", "p99 latency (ms)", f"p99 latency vs concurrency: {doc['model']}"),
+        "memory.png": memory_plot(doc),
+    }
+
+
+def write_report(doc: dict[str, Any], output: Path, command: Sequence[str] | None = None) -> dict[str, Path]:
+    """Write compare.json, compare.md, the PNG plots and report.html into ``output``; return their paths."""
+    from kiln.bench.report_html import render_html
+
+    output.mkdir(parents=True, exist_ok=True)
+    command_text = " ".join(command) if command else None
+    images = plots(doc)
+    files = {"compare.json": json.dumps(doc, indent=2) + "\n", "compare.md": markdown(doc, command_text)}
+    written: dict[str, Path] = {}
+    for name, text in files.items():
+        written[name] = output / name
+        written[name].write_text(text, encoding="utf-8")
+    for name, data in images.items():
+        written[name] = output / name
+        written[name].write_bytes(data)
+    written["report.html"] = output / "report.html"
+    written["report.html"].write_text(render_html(doc, images, command_text), encoding="utf-8")
+    return written
