@@ -79,6 +79,7 @@ class CompareOptions:
                                        f"got {self.models}")
         if not self.batching:
             raise InvalidArgumentError("at least one batching variant (with or without) must be measured")
+        self.bench_options()  # the measurement settings, checked before any process starts
         if not (self.model_repository / self.model).is_dir():
             raise InvalidArgumentError(f"model '{self.model}' has no folder in --model-repository "
                                        f"{self.model_repository} (expected {self.model_repository / self.model})")
