@@ -18,6 +18,11 @@ RULES = {
     "errors.py": ("kiln.",),
     "tensor.py": (*TRANSPORTS, "kiln.server", "kiln.engines", "kiln.config"),
     "direct.py": (*TRANSPORTS, "kiln.server"),
+    # The builder works on model files and engines; it never needs a server or a transport.
+    "build": (*TRANSPORTS, "kiln.server", "kiln.bench", "kiln.advise"),
+    # advise reads result files; bench is a client and drives servers only through their protocols or Server.
+    "advise": (*TRANSPORTS, "kiln.server", "kiln.engines", "kiln.build", "kiln.bench"),
+    "bench": ("kiln.frontends.http", "kiln.service", "starlette", "uvicorn", "kiln.build", "kiln.advise"),
 }
 
 
