@@ -1,0 +1,178 @@
+"""kiln bench compare end to end on the demo's `simple` model: every scenario measured with real `kiln serve`
+processes and peer load processes, every process gone afterwards (also when the comparison is stopped midway),
+and the HTML report rendered by headless Chromium. Windows are short and the stability bar loose so the file
+stays well under a minute on 2 cores; nothing here depends on how fast the machine is."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kiln.bench.compare import CompareOptions, Comparison, write_repository
+from kiln.bench.compare_cli import add_compare_arguments, command_line, options_from_args
+from kiln.bench.report import PLOTS, write_report
+from kiln.config.parse import read_config
+from kiln.demo import build_demo_repository
+from kiln.errors import InvalidArgumentError
+
+psutil = pytest.importorskip("psutil")
+
+CHROMIUM = Path("/usr/bin/chromium")
+SHOT_SIZE = (1200, 2000)
+ARGS = ["simple", "--models", "1", "--concurrency", "1,4", "-p", "250", "-r", "3", "-s", "100", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("repo")
+    build_demo_repository(root)
+    return root
+
+
+def parse(repo: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_compare_arguments(parser)
+    return parser.parse_args([*ARGS, "--model-repository", str(repo), *extra])
+
+
+@pytest.fixture(scope="module")
+def compared(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[int], Path]:
+    args = parse(repo)
+    comparison = Comparison(options_from_args(args))
+    doc = comparison.run()
+    out = tmp_path_factory.mktemp("report")
+    write_report(doc, out, command_line(args))
+    return doc, comparison.pids, out
+
+
+def test_every_scenario_is_measured_at_every_level(compared: tuple[dict[str, Any], list[int], Path]) -> None:
+    doc = compared[0]
+    assert doc["model"] == "simple" and doc["concurrency"] == [1, 4] and doc["protocol"] == "http"
+    variants = [(s["name"], s["batching"], s["models_loaded"]) for s in doc["scenarios"]]
+    assert variants == [("direct", False, 1), ("served", False, 1), ("served", True, 1),
+                        ("served_with_others", False, 2), ("served_with_others", True, 2)]
+    for scenario in doc["scenarios"]:
+        assert [r["concurrency"] for r in scenario["results"]] == [1, 4]
+        for level in scenario["results"]:
+            assert level["errors"] == 0 and level["requests"] > 0 and level["throughput_infer_per_s"] > 0
+            assert 0 < level["latency_ms"]["p50"] <= level["latency_ms"]["p99"]
+            served = scenario["name"] != "direct"
+            assert (level["server_us"] is not None) == served  # server phases exist only for served scenarios
+        memory = scenario["memory_mb"]
+        assert 10 < memory["idle"] <= memory["peak"]
+
+
+def test_memory_figures_pick_the_batching_variant_with_the_higher_peak(
+        compared: tuple[dict[str, Any], list[int], Path]) -> None:
+    doc = compared[0]
+    memory = doc["memory_mb"]
+    assert set(memory) == {"direct", "served", "served_with_others"}
+    assert memory["direct"] == doc["scenarios"][0]["memory_mb"]
+    assert memory["served_with_others"]["models"] == 2
+    for name in ("served", "served_with_others"):
+        variants = [s for s in doc["scenarios"] if s["name"] == name]
+        chosen = max(variants, key=lambda s: s["memory_mb"]["peak"])
+        assert memory[name]["batching"] == chosen["batching"]
+        assert (memory[name]["idle"], memory[name]["peak"]) == (chosen["memory_mb"]["idle"],
+                                                                chosen["memory_mb"]["peak"])
+        assert memory[name]["idle"] > 10
+
+
+def test_no_process_is_left_behind(compared: tuple[dict[str, Any], list[int], Path]) -> None:
+    pids = compared[1]
+    assert len(pids) == 1 + 2 + 2 * 2  # the direct child; a server per served variant; a peer load per peer server
+    assert not [pid for pid in pids if psutil.pid_exists(pid)]
+    assert psutil.Process().children(recursive=True) == []
+
+
+def test_stopping_compare_midway_stops_its_servers(repo: Path, tmp_path: Path) -> None:
+    """SIGTERM while a `kiln serve` runs: compare unwinds and leaves no process behind."""
+    code = ("import argparse, sys; from kiln.bench.compare_cli import run_compare, add_compare_arguments; "
+            "p = argparse.ArgumentParser(); add_compare_arguments(p); "
+            "sys.exit(run_compare(p.parse_args(sys.argv[1:])))")
+    command = [sys.executable, "-c", code, "simple", "--model-repository", str(repo), "--models", "1",
+               "--concurrency", "1", "--batching", "off", "-p", "250", "-r", "3", "--output", str(tmp_path / "out")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with open(tmp_path / "compare.log", "wb") as log:
+        compare = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        seen = _wait_for_server(compare.pid)
+        compare.send_signal(signal.SIGTERM)
+        compare.wait(timeout=60)
+    finally:
+        if compare.poll() is None:
+            compare.kill()
+            compare.wait()
+    assert compare.returncode == 128 + signal.SIGTERM, (tmp_path / "compare.log").read_text()
+    assert not [pid for pid in seen if psutil.pid_exists(pid)]
+    assert not (tmp_path / "out" / "report.html").exists()
+
+
+def _wait_for_server(pid: int, timeout_s: float = 60.0) -> set[int]:
+    """The pids under ``pid`` once a `kiln serve` runs there."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            children = psutil.Process(pid).children(recursive=True)
+            if any("serve" in child.cmdline() for child in children):
+                return {child.pid for child in children}
+        except psutil.Error:  # a child came and went between listing and reading it
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"compare started no `kiln serve` within {timeout_s:.0f} s")
+
+
+def test_batching_variants_rewrite_only_the_config(repo: Path, tmp_path: Path) -> None:
+    config = read_config(repo / "simple")
+    assert config is not None
+    root = write_repository(tmp_path / "r", repo / "simple", config, ["simple", "simple_peer1"], batching=True)
+    peer = read_config(root / "simple_peer1")
+    assert peer is not None and peer.name == "simple_peer1" and peer.HasField("dynamic_batching")
+    assert peer.max_batch_size == config.max_batch_size
+    assert (root / "simple_peer1" / "1").resolve() == (repo / "simple" / "1").resolve()
+    off = write_repository(tmp_path / "off", repo / "mlp", read_config(repo / "mlp") or config, ["mlp"], False)
+    unbatched = read_config(off / "mlp")
+    assert unbatched is not None and not unbatched.HasField("dynamic_batching") and unbatched.max_batch_size == 32
+
+
+def test_bad_arguments_fail_before_any_process_starts(repo: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="--models must be >= 1"):
+        options_from_args(parse(repo, "--models", "0"))
+    with pytest.raises(InvalidArgumentError, match="has no folder"):
+        CompareOptions(model="nope", model_repository=repo)
+    with pytest.raises(InvalidArgumentError, match="--measurement-interval"):
+        options_from_args(parse(repo, "-p", "0"))
+    assert command_line(parse(repo))[:4] == ["kiln", "bench", "compare", "simple"]
+
+
+def test_report_renders_in_headless_chromium(compared: tuple[dict[str, Any], list[int], Path]) -> None:
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is not installed: the report screenshot needs headless Chromium")
+    image = pytest.importorskip("matplotlib.image", reason="matplotlib (the bench extra) reads the screenshot")
+    out = compared[2]
+    assert {p.name for p in out.iterdir()} >= {"compare.json", "compare.md", "report.html", *PLOTS}
+    with tempfile.TemporaryDirectory(prefix="kiln-chromium-") as profile:
+        shot = Path(profile) / "shot.png"
+        subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                        "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                        "--disable-sync", f"--user-data-dir={profile}/data", f"--screenshot={shot}",
+                        f"--window-size={SHOT_SIZE[0]},{SHOT_SIZE[1]}", (out / "report.html").as_uri()],
+                       check=True, timeout=90, capture_output=True)
+        pixels = (image.imread(shot)[..., :3] * 255).round().astype(int)
+    assert pixels.shape[:2] == (SHOT_SIZE[1], SHOT_SIZE[0])
+    colors = pixels[..., 0] * 65536 + pixels[..., 1] * 256 + pixels[..., 2]
+    table_header = (colors[:700] == 0xEEEEFF).sum()  # the tables' header cells (#eef), near the top
+    assert table_header > 1000
+    plots = colors[700:]
+    for color in (0x1F77B4, 0xFF7F0E, 0x2CA02C):  # the plots' first series colours, below the tables
+        assert (plots == color).sum() > 100, f"no #{color:06x} pixels where the plots should be"
+    assert (plots != 0xFFFFFF).mean() > 0.05  # the plot area is not blank
