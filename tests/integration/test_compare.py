@@ -69,6 +69,7 @@ def test_every_scenario_is_measured_at_every_level(compared: tuple[dict[str, Any
             assert (level["server_us"] is not None) == served  # server phases exist only for served scenarios
         memory = scenario["memory_mb"]
         assert 10 < memory["idle"] <= memory["peak"]
+        assert {"gpu_idle", "gpu_peak"} <= set(memory)  # None on a machine without a GPU
 
 
 def test_memory_figures_pick_the_batching_variant_with_the_higher_peak(

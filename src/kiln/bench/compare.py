@@ -34,7 +34,7 @@ from kiln.bench.data import build_requests
 from kiln.bench.machine import machine_info
 from kiln.bench.options import BenchOptions
 from kiln.bench.records import Level, Recorder
-from kiln.bench.resources import MIB, rss_reader
+from kiln.bench.resources import MIB, ByteReader, gpu_reader, rss_reader
 from kiln.bench.result import BenchResult, LevelResult
 from kiln.bench.runner import run
 from kiln.bench.targets import create_target
@@ -143,8 +143,9 @@ class Processes:
         log_path = self.log_dir / f"{role}.log"
         with open(log_path, "wb") as log:
             pipe = subprocess.PIPE if pipes else subprocess.DEVNULL
+            # Unbuffered pipes: a line the child wrote is either readable by select() or not yet sent.
             process = subprocess.Popen(list(command), stdin=pipe, stdout=pipe if pipes else log, stderr=log,
-                                       start_new_session=True)
+                                       start_new_session=True, bufsize=0)
         child = Child(role, process, log_path)
         self.started.append(child)
         return child
@@ -260,8 +261,8 @@ class Comparison:
                                        f"{child.process.returncode})\n{child.log_tail()}")
         result = BenchResult.from_json(out.read_text(encoding="utf-8"))
         rows = result.results
-        idle = rows[0].memory_mb.rss_idle if rows else None
-        return _scenario("direct", False, 1, rows, idle)
+        first = rows[0].memory_mb if rows else None
+        return _scenario("direct", False, 1, rows, first.rss_idle if first else None, first.gpu_idle if first else None)
 
     def _settings(self) -> dict[str, Any]:
         opts = self.options
@@ -278,8 +279,7 @@ class Comparison:
                   f"{list(opts.concurrency)}")
         with self._processes(work / "logs" / label) as processes:
             server, url = self._start_server(processes, repo)
-            read_rss = rss_reader(server.pid)
-            idle_bytes = read_rss() if read_rss is not None else None
+            idle_rss, idle_gpu = _read_mib(rss_reader(server.pid)), _read_mib(gpu_reader(server.pid, False)[0])
             loads = [processes.start(f"load_{peer}", _module_command("peer", json.dumps(
                 {"model": peer, "protocol": opts.protocol, "url": url, "seed": opts.seed})), pipes=True)
                 for peer in peer_names]
@@ -293,8 +293,7 @@ class Comparison:
                 result = run(opts.bench_options(target=opts.protocol, url=url, server_pid=server.pid,
                                                 concurrency=(concurrency,)))
                 rows.extend(result.results)
-        idle = None if idle_bytes is None else round(idle_bytes / MIB, 3)
-        return _scenario(name, batching, 1 + peers, rows, idle)
+        return _scenario(name, batching, 1 + peers, rows, idle_rss, idle_gpu)
 
     def _start_server(self, processes: Processes, repo: Path) -> tuple[Child, str]:
         http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
@@ -327,12 +326,23 @@ def _expect(child: Child, expected: str) -> None:
                                f"'{expected}'\n{child.log_tail()}")
 
 
-def _scenario(name: str, batching: bool, models: int, rows: list[LevelResult], idle: float | None) -> dict[str, Any]:
-    peaks = [r.memory_mb.rss_peak for r in rows if r.memory_mb.rss_peak is not None]
-    peak = max([*peaks, *([idle] if idle is not None else [])], default=None)
+def _read_mib(reader: ByteReader | None) -> float | None:
+    value = reader() if reader is not None else None
+    return None if value is None else round(value / MIB, 3)
+
+
+def _peak(idle: float | None, samples: Sequence[float | None]) -> float | None:
+    return max([v for v in (idle, *samples) if v is not None], default=None)
+
+
+def _scenario(name: str, batching: bool, models: int, rows: list[LevelResult], idle: float | None,
+              gpu_idle: float | None) -> dict[str, Any]:
+    """A scenario entry; ``idle`` is RSS after load and before any traffic, ``peak`` the highest RSS sampled
+    while it was measured (GPU figures the same, None where they cannot be read)."""
+    memory = {"idle": idle, "peak": _peak(idle, [r.memory_mb.rss_peak for r in rows]),
+              "gpu_idle": gpu_idle, "gpu_peak": _peak(gpu_idle, [r.memory_mb.gpu_peak for r in rows])}
     return {"name": name, "batching": batching, "models_loaded": models,
-            "results": [dataclasses.asdict(r) for r in rows],
-            "memory_mb": {"idle": idle, "peak": peak}}
+            "results": [dataclasses.asdict(r) for r in rows], "memory_mb": memory}
 
 
 def memory_summary(scenarios: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -343,7 +353,7 @@ def memory_summary(scenarios: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if not variants:
             continue
         chosen = max(variants, key=lambda s: s["memory_mb"]["peak"] or 0.0)
-        entry: dict[str, Any] = {"idle": chosen["memory_mb"]["idle"], "peak": chosen["memory_mb"]["peak"]}
+        entry: dict[str, Any] = dict(chosen["memory_mb"])
         if name != "direct":
             entry["batching"] = chosen["batching"]
         if name == "served_with_others":

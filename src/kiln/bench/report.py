@@ -68,15 +68,27 @@ def comparison_table(doc: dict[str, Any]) -> Table:
     return Table(header, rows, numeric=1)
 
 
+def memory_keys(doc: dict[str, Any]) -> list[str]:
+    """The memory figures present: RSS always, GPU memory when any deployment has it."""
+    entries = doc["memory_mb"].values()
+    has_gpu = any(entry.get("gpu_idle") is not None or entry.get("gpu_peak") is not None for entry in entries)
+    return ["idle", "peak", *(["gpu_idle", "gpu_peak"] if has_gpu else [])]
+
+
+def memory_label(key: str) -> str:
+    return f"GPU {key[4:]} MiB" if key.startswith("gpu_") else f"RSS {key} MiB"
+
+
 def memory_table(doc: dict[str, Any]) -> Table:
-    """The seed article's memory table: deployment, idle, peak (MiB)."""
+    """The seed article's memory table: deployment, idle, peak (MiB), then GPU memory where it was read."""
+    keys = memory_keys(doc)
     rows = []
     for name, entry in doc["memory_mb"].items():
         label = _MEMORY_LABELS.get(name, name).format(n=entry.get("models", ""))
         if "batching" in entry:
             label += ", dynamic batching" if entry["batching"] else ", no batching"
-        rows.append([label, _number(entry["idle"], 1), _number(entry["peak"], 1)])
-    return Table(["deployment", "RSS idle MiB", "RSS peak MiB"], rows, numeric=1)
+        rows.append([label, *(_number(entry.get(key), 1) for key in keys)])
+    return Table(["deployment", *(memory_label(key) for key in keys)], rows, numeric=1)
 
 
 def markdown_table(table: Table) -> str:
@@ -158,16 +170,19 @@ def _metric(row: dict[str, Any], metric: str) -> float:
 
 
 def memory_plot(doc: dict[str, Any]) -> bytes:
-    """Idle and peak RSS bars per deployment."""
+    """Idle and peak bars per deployment: RSS, and GPU memory where it was read."""
     figure_type, canvas_type = _matplotlib()
     table = memory_table(doc)
     figure = figure_type(figsize=(8, 4.5))
     axes = figure.add_subplot()
     positions = list(range(len(table.rows)))
     entries = list(doc["memory_mb"].values())
-    for offset, key, color in ((-0.2, "idle", COLORS[0]), (0.2, "peak", COLORS[1])):
-        values = [entry[key] or 0.0 for entry in entries]
-        axes.bar([p + offset for p in positions], values, width=0.4, label=f"RSS {key}", color=color)
+    keys = memory_keys(doc)
+    width = 0.8 / len(keys)
+    for index, key in enumerate(keys):
+        values = [entry.get(key) or 0.0 for entry in entries]
+        offset = (index - (len(keys) - 1) / 2) * width
+        axes.bar([p + offset for p in positions], values, width=width, label=memory_label(key), color=COLORS[index])
     axes.set_xticks(positions, [row[0] for row in table.rows], fontsize="small")
     axes.set_ylabel("MiB")
     axes.set_title(f"Memory: {doc['model']}")

@@ -131,3 +131,14 @@ def test_html_renders_without_plots_or_command(doc: dict[str, Any]) -> None:
     page = render_html(doc, {})
     assert "<img" not in page and "Command" not in page
     assert "<h1>kiln bench compare: resnet50</h1>" in page
+
+
+def test_gpu_memory_columns_appear_only_when_measured(doc: dict[str, Any], tmp_path: Path) -> None:
+    assert memory_table(doc).header == ["deployment", "RSS idle MiB", "RSS peak MiB"]
+    doc["memory_mb"]["direct"].update(gpu_idle=1229.0, gpu_peak=2867.0)
+    doc["memory_mb"]["served"].update(gpu_idle=None, gpu_peak=None)
+    table = memory_table(doc)
+    assert table.header == ["deployment", "RSS idle MiB", "RSS peak MiB", "GPU idle MiB", "GPU peak MiB"]
+    assert table.rows[0][3:] == ["1,229.0", "2,867.0"] and table.rows[1][3:] == ["-", "-"]
+    pytest.importorskip("matplotlib", reason="matplotlib (the bench extra) draws the memory plot")
+    assert write_report(doc, tmp_path, None)["memory.png"].read_bytes().startswith(PNG_MAGIC)
