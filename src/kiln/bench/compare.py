@@ -223,7 +223,7 @@ class Comparison:
                               "the variants without it ran")
         if not batching:
             raise InvalidArgumentError(f"model '{opts.model}' has max_batch_size 0, so it has no variant with "
-                                       "dynamic batching; measure the variant without it too")
+                                       "dynamic batching; use --batching off (or both)")
         with ExitStack() as stack:
             work = opts.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-compare-")))
             scenarios = [self._direct(work)]
