@@ -13,12 +13,16 @@ from pathlib import Path
 
 from kiln.advise.cli import add_advise_arguments, run_advise
 from kiln.bench.cli import add_bench_arguments, run_bench
+from kiln.bench.compare_cli import add_compare_arguments, run_compare
 from kiln.errors import InvalidArgumentError, KilnError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:2] == ["bench", "compare"]:  # `bench` takes a required -m, so compare is its own command
+        arguments = ["bench-compare", *arguments[2:]]
+    args = parser.parse_args(arguments)
     try:
         result: int = args.run(args)
     except KilnError as exc:
@@ -48,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                                               "memory")
     add_bench_arguments(bench)
     bench.set_defaults(run=run_bench)
+    compare = commands.add_parser("bench-compare", help="the reference experiment on one model (also `kiln bench "
+                                  "compare`): direct vs served vs served beside other models, with a report")
+    add_compare_arguments(compare)
+    compare.set_defaults(run=run_compare)
     advise = commands.add_parser("advise", help="direct engine, server or both: the decision rules, with measured "
                                                 "evidence")
     add_advise_arguments(advise)

@@ -1,0 +1,25 @@
+"""The `kiln` command's wiring: every command is reachable and errors become `kiln: error: ...` with status 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.cli import main
+
+
+@pytest.mark.parametrize("command", [["demo-repo"], ["config"], ["serve"], ["build"], ["bench"], ["bench-compare"],
+                                     ["bench", "compare"], ["advise"]])
+def test_every_command_has_help(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--help"])
+    assert done.value.code == 0
+    assert "usage: kiln" in capsys.readouterr().out
+
+
+def test_bench_compare_is_an_alias_and_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nowhere"
+    assert main(["bench", "compare", "simple", "--model-repository", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kiln: error: ") and str(missing) in err
