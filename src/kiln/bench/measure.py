@@ -5,6 +5,10 @@ window counts the requests that both started and ended inside it (perf_analyzer'
 a boundary count nowhere. The level is stable once the last 3 windows agree: max/min of their throughputs and of
 their average latencies are each within 1 + stability_percentage/100, and none has zero throughput. Measuring
 stops there or after ``max_trials`` windows; the result merges the last 3 windows (all of them when fewer ran).
+
+A window shorter than a few request latencies counts (almost) nothing under that rule, as with a slow model at
+high concurrency: when a window counts fewer than ``MIN_WINDOW_REQUESTS``, the next windows are twice as long
+(perf_analyzer asks the user for a larger window instead). The windows actually used are in the result.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from kiln.bench.server_stats import ServerCounters
 from kiln.bench.stats import LatencySummary, summarize, throughput_per_s
 
 STABILITY_WINDOWS = 3
+MIN_WINDOW_REQUESTS = 3
 
 
 class Load(Protocol):
@@ -161,17 +166,20 @@ def measure_level(load: Load, level: Level, settings: Settings, memory: MemoryMe
     load.start(level, recorder)
     windows: list[Window] = []
     stable = False
+    interval_ns = settings.interval_ns
     try:
         start = clock()
         before = load.server_stats()
         while len(windows) < settings.max_trials and not stable:
-            sleep_until(start + settings.interval_ns)
+            sleep_until(start + interval_ns)
             end = clock()
             records = recorder.take_until(end)
             after = load.server_stats()
             memory.sample()
             windows.append(cut_window(records, start, end, before, after))
             stable = is_stable(windows, settings.stability_percentage)
+            if windows[-1].count < MIN_WINDOW_REQUESTS:
+                interval_ns *= 2  # too short for this load's latency: lengthen the windows that follow
             if on_window is not None:
                 on_window(windows)
             start, before = end, after

@@ -174,3 +174,12 @@ def test_an_unsteady_level_stops_at_max_trials_and_says_so() -> None:
     assert seen == [1, 2, 3, 4]
     assert not measured.stable and measured.windows == 4
     assert measured.requests == 500 + 100 + 500  # windows 2 to 4
+
+
+def test_windows_lengthen_when_they_count_too_few_requests() -> None:
+    load = ScriptedLoad([2], latency_ns=MS)  # 2 requests/s: a 500 ms window holds one
+    lengths: list[int] = []
+    measure_level(load, Level(concurrency=2), Settings(500 * MS, 10.0, 4), MemorySampler(None, None),
+                  on_window=lambda ws: lengths.append(ws[-1].duration_ns // MS),
+                  clock=load.clock, sleep_until=load.sleep_until)
+    assert lengths == [500, 1000, 2000]  # doubled until a window holds at least 3 requests; then stable
