@@ -37,7 +37,9 @@ class Table:
 
 
 def _level(scenario: dict[str, Any], concurrency: int) -> dict[str, Any] | None:
-    return next((r for r in scenario["results"] if r["concurrency"] == concurrency), None)
+    """The scenario's result at ``concurrency``; a level that counted no request is shown as missing, not as 0."""
+    row = next((r for r in scenario["results"] if r["concurrency"] == concurrency), None)
+    return None if row is None or row.get("requests", 1) == 0 else row
 
 
 def _number(value: float | None, digits: int = 0) -> str:
@@ -60,7 +62,7 @@ def comparison_table(doc: dict[str, Any]) -> Table:
             ratio = ""
             if value is not None and base is not None and base["throughput_infer_per_s"] > 0:
                 ratio = f" ({value / base['throughput_infer_per_s']:.2f}x)"
-            throughput.append(_number(value) + ratio)
+            throughput.append(_number(value, 1 if value is not None and value < 100 else 0) + ratio)
             p99.append(_number(row["latency_ms"]["p99"] if row is not None else None, 2))
         memory = scenario.get("memory_mb", {})
         rows.append([scenario_label(scenario), *throughput, *p99, _number(memory.get("idle"), 1),

@@ -142,3 +142,13 @@ def test_gpu_memory_columns_appear_only_when_measured(doc: dict[str, Any], tmp_p
     assert table.rows[0][3:] == ["1,229.0", "2,867.0"] and table.rows[1][3:] == ["-", "-"]
     pytest.importorskip("matplotlib", reason="matplotlib (the bench extra) draws the memory plot")
     assert write_report(doc, tmp_path, None)["memory.png"].read_bytes().startswith(PNG_MAGIC)
+
+
+def test_a_level_that_counted_no_request_is_a_dash_and_slow_rates_keep_a_decimal(doc: dict[str, Any]) -> None:
+    direct = doc["scenarios"][0]
+    direct["results"][0].update(throughput_infer_per_s=6.2)
+    direct["results"][1].update(requests=0, throughput_infer_per_s=0.0)
+    table = comparison_table(doc)
+    assert table.rows[0][1] == "6.2 (1.00x)"
+    assert table.rows[0][2] == "-" and table.rows[0][5] == "-"
+    assert table.rows[1][2] == "2,600", "no ratio against a level the direct row did not measure"
