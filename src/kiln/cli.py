@@ -175,6 +175,10 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--model-load-thread-count", type=int, default=4)
     serve.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                        help="cores shared by all CPU model instances that set no thread count (default: all)")
+    serve.add_argument("--allow-client-shm", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                       help="let clients register system shared-memory regions and pass tensors in them "
+                            "(default false: a client could make the server read and write any shared-memory "
+                            "object the server's user can open)")
     serve.add_argument("--log-verbose", type=int, default=0, help="0 = info, 1 or more = debug")
     serve.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
     serve.set_defaults(run=_serve)
@@ -227,7 +231,8 @@ def _serve(args: argparse.Namespace) -> int:
         strict_readiness=args.strict_readiness, cpu_threads=args.cpu_threads,
         control_mode=args.model_control_mode, load_models=tuple(args.load_model),
         repository_poll_secs=args.repository_poll_secs, exit_on_error=args.exit_on_error,
-        model_load_thread_count=args.model_load_thread_count, metrics=metrics,
+        model_load_thread_count=args.model_load_thread_count, allow_client_shm=args.allow_client_shm,
+        metrics=metrics,
     )
     return run_service(options)
 

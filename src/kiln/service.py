@@ -52,6 +52,7 @@ class ServiceOptions:
     repository_poll_secs: float = 15.0
     exit_on_error: bool = True
     model_load_thread_count: int = 4
+    allow_client_shm: bool = False
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
 
 
@@ -69,7 +70,7 @@ class Service:
         self.server = Server(ServerOptions(
             repositories=options.repositories, strict_readiness=options.strict_readiness,
             cpu_threads=options.cpu_threads, control_mode=options.control_mode, load_models=options.load_models,
-            model_load_thread_count=options.model_load_thread_count))
+            model_load_thread_count=options.model_load_thread_count, allow_client_shm=options.allow_client_shm))
         self._stop = asyncio.Event()
         self._signals = 0
         self.bound: dict[str, int] = {}

@@ -9,31 +9,69 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kiln.errors import InvalidArgumentError
 from kiln.tensor import DataType
 
 Parameters = Mapping[str, "bool | int | float | str"]
+
+SHM_REGION = "shared_memory_region"
+SHM_BYTE_SIZE = "shared_memory_byte_size"
+SHM_OFFSET = "shared_memory_offset"
+"""The tensor parameters of the shared-memory extension (the same names over HTTP and gRPC)."""
+
+
+@dataclass(frozen=True)
+class SharedMemoryRef:
+    """Where a tensor's data lives: ``byte_size`` bytes at ``offset`` in a registered shared-memory region."""
+
+    region: str
+    byte_size: int
+    offset: int = 0
+
+
+def shared_memory_ref(parameters: Mapping[str, object], where: str) -> SharedMemoryRef | None:
+    """The shared-memory location a tensor's parameters name, or None. Region and byte size go together;
+    the offset is optional (0)."""
+    region, size, offset = (parameters.get(k) for k in (SHM_REGION, SHM_BYTE_SIZE, SHM_OFFSET))
+    if region is None and size is None and offset is None:
+        return None
+    if region is None or size is None:
+        raise InvalidArgumentError(f"{where}: parameters {SHM_REGION} and {SHM_BYTE_SIZE} must be given together "
+                                   f"(and {SHM_OFFSET} only with them)")
+    if not isinstance(region, str) or not region:
+        raise InvalidArgumentError(f"{where}: parameter {SHM_REGION} must be a region name, got {region!r}")
+    offset = 0 if offset is None else offset
+    for key, value in ((SHM_BYTE_SIZE, size), (SHM_OFFSET, offset)):
+        if type(value) is not int or value < 0:
+            raise InvalidArgumentError(f"{where}: parameter {key} must be a non-negative integer, got {value!r}")
+    assert isinstance(size, int) and isinstance(offset, int)
+    return SharedMemoryRef(region, size, offset)
 
 
 @dataclass
 class InputTensor:
     """A request input. ``data`` is a numpy array already shaped to ``shape`` (a view over the received bytes
-    where the codec could manage it); BYTES data is an object array of ``bytes``."""
+    where the codec could manage it); BYTES data is an object array of ``bytes``. With ``shared_memory`` the
+    codec leaves ``data`` empty and the Server fills it from the region before validating the request."""
 
     name: str
     datatype: DataType
     shape: tuple[int, ...]
     data: npt.NDArray[Any]
     parameters: Parameters = field(default_factory=dict)
+    shared_memory: SharedMemoryRef | None = None
 
 
 @dataclass
 class RequestedOutput:
     """An output the client asked for. ``classification`` > 0 asks for the top-k classes instead of the tensor;
-    ``parameters`` keeps the remaining per-output parameters (e.g. ``binary_data``) for the codec."""
+    ``parameters`` keeps the remaining per-output parameters (e.g. ``binary_data``) for the codec;
+    ``shared_memory`` asks for the data to be written into a region instead of the response."""
 
     name: str
     classification: int = 0
     parameters: Parameters = field(default_factory=dict)
+    shared_memory: SharedMemoryRef | None = None
 
 
 @dataclass
@@ -48,11 +86,14 @@ class InferRequest:
 
 @dataclass
 class OutputTensor:
+    """A response output. With ``shared_memory`` its data is already in that region: codecs send no data."""
+
     name: str
     datatype: DataType
     shape: tuple[int, ...]
     data: npt.NDArray[Any]
     parameters: Parameters = field(default_factory=dict)
+    shared_memory: SharedMemoryRef | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from kiln.errors import (
     ModelNotFoundError,
     ModelNotReadyError,
     UnavailableError,
+    UnsupportedError,
     VersionUnloadingError,
 )
 from kiln.server.manager import CONTROL_MODES, ManagerOptions, RepositoryManager
@@ -28,6 +29,7 @@ from kiln.server.registry import IndexEntry, ModelRecord, ModelState, VersionRec
 from kiln.server.repository import scan_repositories
 from kiln.server.request import InferRequest, InferResponse
 from kiln.server.scheduler import Scheduler
+from kiln.server.shm import RegionLease, RegionStatus, SharedMemoryRegistry
 from kiln.server.staging import check_model_name, parse_config_override, stage_files
 from kiln.server.stats import ModelStats, RequestObserver
 from kiln.server.validate import validate_request
@@ -57,6 +59,8 @@ class ServerOptions:
     default_max_batch_size: int = 4
     # Cores shared by every CPU instance that sets no thread count of its own (None: all cores).
     cpu_threads: int | None = None
+    # Clients may register system shared-memory regions (off by default: see docs/shared-memory.md).
+    allow_client_shm: bool = False
 
     def manager_options(self) -> ManagerOptions:
         return ManagerOptions(repositories=list(self.repositories), control_mode=self.control_mode,
@@ -89,6 +93,7 @@ class Server:
         self._live = False
         self._stopping = False
         self._inflight = 0
+        self._shm = SharedMemoryRegistry() if options.allow_client_shm else None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -145,6 +150,8 @@ class Server:
         ``timeout_s`` for them)."""
         self._stopping = True
         self._manager.close(timeout_s)
+        if self._shm is not None:
+            self._shm.close()
         self._live = False
 
     def begin_shutdown(self) -> None:
@@ -172,7 +179,8 @@ class Server:
         return all(record.ready_versions() for record in self._models.values() if record.wanted)
 
     def metadata(self) -> dict[str, object]:
-        return {"name": "kiln", "version": __version__, "extensions": list(EXTENSIONS)}
+        extensions = [*EXTENSIONS, "system_shared_memory"] if self._shm is not None else list(EXTENSIONS)
+        return {"name": "kiln", "version": __version__, "extensions": extensions}
 
     def model_ready(self, name: str, version: str = "") -> bool:
         try:
@@ -240,32 +248,75 @@ class Server:
         found = record.versions.get(int(version)) if record is not None and version.isdigit() else None
         return found.scheduler.inflight if found is not None and found.scheduler is not None else 0
 
+    # -- system shared memory --------------------------------------------------------------------------------
+
+    def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._shared_memory().register(name, key, offset, byte_size)
+
+    def system_shared_memory_status(self, name: str = "") -> list[RegionStatus]:
+        return self._shared_memory().status(name)
+
+    def unregister_system_shared_memory(self, name: str = "") -> None:
+        """Blocks while the region is in use (bounded): call it from a thread in async code."""
+        self._shared_memory().unregister(name)
+
+    def check_client_shm(self) -> None:
+        """Raise the "disabled" error unless clients may use system shared memory."""
+        self._shared_memory()
+
+    def _shared_memory(self) -> SharedMemoryRegistry:
+        if self._shm is None:
+            raise UnsupportedError("system shared memory is disabled on this server; start it with "
+                                   "`kiln serve --allow-client-shm` to let clients register regions, or send "
+                                   "tensor data in the request")
+        return self._shm
+
+    def _attach(self, request: InferRequest) -> RegionLease | None:
+        if self._shm is None and (any(t.shared_memory for t in request.inputs)
+                                  or any(o.shared_memory for o in request.outputs)):
+            self._shared_memory()  # raises the "disabled" error
+        return self._shm.attach(request) if self._shm is not None else None
+
     # -- inference -------------------------------------------------------------------------------------------
 
     async def infer(self, request: InferRequest) -> InferResponse:
         self._inflight += 1
+        lease = None
         try:
+            lease = self._attach(request)
             scheduler, batch_size = self._admit(request)
             try:
-                return await scheduler.submit(request, batch_size)
+                response = await scheduler.submit(request, batch_size)
             except VersionUnloadingError:
                 # Swapped out between lookup and enqueue: the replacement takes it.
                 scheduler, batch_size = self._admit(request)
-                return await scheduler.submit(request, batch_size)
+                response = await scheduler.submit(request, batch_size)
+            if lease is not None:
+                lease.write_outputs(request, response)
+            return response
         finally:
+            if lease is not None:
+                lease.release()
             self._inflight -= 1
 
     def infer_sync(self, request: InferRequest) -> InferResponse:
         """Blocking twin of :meth:`infer` for callers without an event loop."""
         self._inflight += 1
+        lease = None
         try:
+            lease = self._attach(request)
             scheduler, batch_size = self._admit(request)
             try:
-                return scheduler.submit_sync(request, batch_size)
+                response = scheduler.submit_sync(request, batch_size)
             except VersionUnloadingError:
                 scheduler, batch_size = self._admit(request)
-                return scheduler.submit_sync(request, batch_size)
+                response = scheduler.submit_sync(request, batch_size)
+            if lease is not None:
+                lease.write_outputs(request, response)
+            return response
         finally:
+            if lease is not None:
+                lease.release()
             self._inflight -= 1
 
     def _admit(self, request: InferRequest) -> tuple[Scheduler, int]:

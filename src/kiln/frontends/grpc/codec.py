@@ -19,7 +19,15 @@ import numpy.typing as npt
 
 from kiln.errors import InternalError, InvalidArgumentError
 from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
-from kiln.server.request import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput
+from kiln.server.request import (
+    InferRequest,
+    InferResponse,
+    InputTensor,
+    OutputTensor,
+    RequestedOutput,
+    SharedMemoryRef,
+    shared_memory_ref,
+)
 from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
 
 ParameterValue = bool | int | float | str
@@ -58,15 +66,21 @@ def decode_request(message: pb.ModelInferRequest) -> InferRequest:
     model = message.model_name
     tensors = message.inputs[:]
     raw = message.raw_input_contents[:]
+    shm = [_shared_memory(model, tensor) for tensor in tensors]
     if raw:
-        if len(raw) != len(tensors):
+        plain = len(tensors) - sum(ref is not None for ref in shm)
+        if len(raw) != plain:
             raise InvalidArgumentError(
-                f"model '{model}': the request has {len(tensors)} input(s) but {len(raw)} raw_input_contents "
-                f"entries; raw_input_contents needs exactly one entry per input, in 'inputs' order"
+                f"model '{model}': the request has {plain} input(s) but {len(raw)} raw_input_contents entries; "
+                f"raw_input_contents needs exactly one entry per input (except inputs in shared memory), in "
+                f"'inputs' order"
             )
-        inputs = [_from_raw(model, tensor, data) for tensor, data in zip(tensors, raw, strict=True)]
+        entries = iter(raw)
+        inputs = [_from_raw(model, tensor, next(entries)) if ref is None else _from_shm(model, tensor, ref)
+                  for tensor, ref in zip(tensors, shm, strict=True)]
     else:
-        inputs = [_from_contents(model, tensor) for tensor in tensors]
+        inputs = [_from_contents(model, tensor) if ref is None else _from_shm(model, tensor, ref)
+                  for tensor, ref in zip(tensors, shm, strict=True)]
     outputs = message.outputs
     parameters = message.parameters
     return InferRequest(
@@ -96,6 +110,22 @@ def _input_parameters(model: str, tensor: InputMessage) -> dict[str, ParameterVa
     if not tensor.parameters:
         return {}
     return decode_parameters(tensor.parameters, f"model '{model}': input '{tensor.name}'")
+
+
+def _shared_memory(model: str, tensor: InputMessage) -> SharedMemoryRef | None:
+    if not tensor.parameters:
+        return None
+    return shared_memory_ref(_input_parameters(model, tensor), f"model '{model}': input '{tensor.name}'")
+
+
+def _from_shm(model: str, tensor: InputMessage, ref: SharedMemoryRef) -> InputTensor:
+    """An input in a shared-memory region: the Server fills its data from the region."""
+    if tensor.HasField("contents"):
+        raise InvalidArgumentError(f"model '{model}': input '{tensor.name}' names shared memory region "
+                                   f"'{ref.region}' and also sets 'contents'; send its data one way")
+    datatype, shape = _header(model, tensor)
+    return InputTensor(tensor.name, datatype, shape, np.empty(0, datatype.numpy_dtype),
+                       _input_parameters(model, tensor), ref)
 
 
 def _from_raw(model: str, tensor: InputMessage, data: bytes) -> InputTensor:
@@ -160,7 +190,8 @@ def _requested_output(model: str, output: pb.ModelInferRequest.InferRequestedOut
     if isinstance(classification, bool) or not isinstance(classification, int):
         raise InvalidArgumentError(f"model '{model}': output '{output.name}': parameter '{CLASSIFICATION}' is "
                                    f"{classification!r}; expected an integer class count (int64_param)")
-    return RequestedOutput(output.name, classification, parameters)
+    where = f"model '{model}': output '{output.name}'"
+    return RequestedOutput(output.name, classification, parameters, shared_memory_ref(parameters, where))
 
 
 # -- parameters --------------------------------------------------------------------------------------------------
@@ -203,7 +234,7 @@ def encode_parameters(target: MutableMapping[str, pb.InferParameter], parameters
 
 def encode_response(response: InferResponse, message: pb.ModelInferResponse | None = None) -> pb.ModelInferResponse:
     """Fill ``message`` (a new one by default, or e.g. a stream response's ``infer_response``) from ``response``;
-    every output's data goes in ``raw_output_contents``."""
+    every output's data goes in ``raw_output_contents``, except for outputs written to shared memory."""
     if message is None:
         message = pb.ModelInferResponse()
     message.model_name = response.model_name
@@ -211,12 +242,17 @@ def encode_response(response: InferResponse, message: pb.ModelInferResponse | No
     message.id = response.id
     if response.parameters:
         encode_parameters(message.parameters, response.parameters)
+    # Outputs written to shared memory carry no raw_output_contents entry; they go last so that tritonclient,
+    # which pairs outputs with raw_output_contents by position, finds the others' data.
+    ordered = response.outputs
+    if any(output.shared_memory is not None for output in ordered):
+        ordered = sorted(ordered, key=lambda output: output.shared_memory is not None)
     outputs = message.outputs
-    for output in response.outputs:
+    for output in ordered:
         tensor = outputs.add(name=output.name, datatype=output.datatype.wire_name, shape=output.shape)
         if output.parameters:
             encode_parameters(tensor.parameters, output.parameters)
-    message.raw_output_contents.extend([raw_bytes(output) for output in response.outputs])
+    message.raw_output_contents.extend([raw_bytes(output) for output in ordered if output.shared_memory is None])
     return message
 
 

@@ -185,17 +185,22 @@ class GRPCInferenceService:
     @rpc
     async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,
                                        context: Context) -> pb.SystemSharedMemoryStatusResponse:
-        raise _unsupported("system shared memory")
+        region = pb.SystemSharedMemoryStatusResponse.RegionStatus
+        return pb.SystemSharedMemoryStatusResponse(regions={
+            s.name: region(name=s.name, key=s.key, offset=s.offset, byte_size=s.byte_size)
+            for s in self._server.system_shared_memory_status(request.name)})
 
     @rpc
     async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
                                          context: Context) -> pb.SystemSharedMemoryRegisterResponse:
-        raise _unsupported("system shared memory")
+        self._server.register_system_shared_memory(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
 
     @rpc
     async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
                                            context: Context) -> pb.SystemSharedMemoryUnregisterResponse:
-        raise _unsupported("system shared memory")
+        await asyncio.to_thread(self._server.unregister_system_shared_memory, request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
 
     @rpc
     async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest,
@@ -261,7 +266,7 @@ async def answer_in_order(requests: AsyncIterator[R], answer: Callable[[R], Awai
 
 def _unsupported(feature: str) -> UnsupportedError:
     return UnsupportedError(f"{feature} is not supported by kiln's gRPC endpoint; send tensor data in the request "
-                            f"itself (raw_input_contents) instead of registering a shared-memory region")
+                            f"itself (raw_input_contents) or in system shared memory instead")
 
 
 def _check_repository_name(name: str) -> None:

@@ -52,14 +52,18 @@ def _routes(e: Endpoints) -> list[BaseRoute]:
         ("/v2/repository/models/{model}/load", e.load_model, "POST"),
         ("/v2/repository/models/{model}/unload", e.unload_model, "POST"),
     ]
-    for prefix, handler in ((_SYSTEM_SHM, e.system_shared_memory), (_CUDA_SHM, e.cuda_shared_memory)):
-        table += [
-            (prefix + "/status", handler, "GET"),
-            (prefix + "/region/{region}/status", handler, "GET"),
-            (prefix + "/region/{region}/register", handler, "POST"),
-            (prefix + "/unregister", handler, "POST"),
-            (prefix + "/region/{region}/unregister", handler, "POST"),
-        ]
+    table += [
+        (_SYSTEM_SHM + "/status", e.system_shared_memory_status, "GET"),
+        (_SYSTEM_SHM + "/region/{region}/status", e.system_shared_memory_status, "GET"),
+        (_SYSTEM_SHM + "/region/{region}/register", e.system_shared_memory_register, "POST"),
+        (_SYSTEM_SHM + "/unregister", e.system_shared_memory_unregister, "POST"),
+        (_SYSTEM_SHM + "/region/{region}/unregister", e.system_shared_memory_unregister, "POST"),
+        (_CUDA_SHM + "/status", e.cuda_shared_memory, "GET"),
+        (_CUDA_SHM + "/region/{region}/status", e.cuda_shared_memory, "GET"),
+        (_CUDA_SHM + "/region/{region}/register", e.cuda_shared_memory, "POST"),
+        (_CUDA_SHM + "/unregister", e.cuda_shared_memory, "POST"),
+        (_CUDA_SHM + "/region/{region}/unregister", e.cuda_shared_memory, "POST"),
+    ]
     return [Route(path, _guarded(handler), methods=[method]) for path, handler, method in table]
 
 

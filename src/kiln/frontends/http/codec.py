@@ -23,8 +23,16 @@ from kiln.config.spec import TensorSpec
 from kiln.errors import InvalidArgumentError
 from kiln.frontends.http.body import parse_json
 from kiln.server.registry import IndexEntry
-from kiln.server.request import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput
+from kiln.server.request import (
+    InferRequest,
+    InferResponse,
+    InputTensor,
+    OutputTensor,
+    RequestedOutput,
+    shared_memory_ref,
+)
 from kiln.server.server import ModelMetadata
+from kiln.server.shm import RegionStatus
 from kiln.server.stats import BatchStats, Duration, ModelStats
 from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
 
@@ -101,6 +109,13 @@ def _input(model: str, item: object, body: bytes, offset: int) -> tuple[InputTen
     shape = _shape(model, where, item.get("shape"))
     parameters = _parameters(model, where, item.get("parameters"))
     size = parameters.get("binary_data_size")
+    shm = shared_memory_ref(parameters, f"model '{model}': {where}")
+    if shm is not None:
+        if "data" in item or size is not None:
+            raise _bad(model, where, "names a shared memory region, so it must not carry 'data' or "
+                                     "parameters.binary_data_size")
+        # The Server fills the data from the region.
+        return InputTensor(name, datatype, shape, np.empty(0, datatype.numpy_dtype), parameters, shm), offset
     if size is None:
         if "data" not in item:
             raise _bad(model, where, "needs field 'data' (or parameters.binary_data_size with binary data)")
@@ -150,7 +165,8 @@ def _outputs(model: str, value: object) -> list[RequestedOutput]:
         classes = parameters.get("classification", 0)
         if type(classes) is not int or classes < 0:
             raise _bad(model, where, f"parameters.classification must be a non-negative integer, got {classes!r}")
-        outputs.append(RequestedOutput(item["name"], classes, parameters))
+        shm = shared_memory_ref(parameters, f"model '{model}': {where}")
+        outputs.append(RequestedOutput(item["name"], classes, parameters, shm))
     return outputs
 
 
@@ -275,7 +291,9 @@ def encode_response(response: InferResponse, request: InferRequest) -> tuple[byt
         binary = asked.get(output.name, _NO_PARAMETERS).get("binary_data", binary_default)
         entry: dict[str, Any] = {"name": output.name, "datatype": output.datatype.wire_name,
                                  "shape": [int(d) for d in output.shape]}
-        if binary:
+        if output.shared_memory is not None:  # the data is in the region; only its parameters go back
+            entry["parameters"] = dict(output.parameters)
+        elif binary:
             blob = _to_binary(output)
             entry["parameters"] = {**output.parameters, "binary_data_size": len(blob)}
             blobs.append(blob)
@@ -424,3 +442,24 @@ def _base64(action: str, model: str, key: str, value: object) -> bytes:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidArgumentError(f"{action} of model '{model}': parameter '{key}' is not valid base64") from None
+
+
+def shm_status_doc(regions: list[RegionStatus]) -> list[dict[str, Any]]:
+    return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in regions]
+
+
+def shm_register_request(body: bytes, region: str) -> tuple[str, int, int]:
+    """``{"key": str, "offset": int (default 0), "byte_size": int}`` of a system shared-memory registration."""
+    where = f"register of shared memory region '{region}'"
+    doc = parse_json(body, where) if body.strip() else None
+    if not isinstance(doc, dict):
+        raise InvalidArgumentError(f"{where}: the body must be a JSON object with 'key', 'offset' and 'byte_size'")
+    key, offset, size = doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
+    if not isinstance(key, str):
+        raise InvalidArgumentError(f"{where}: field 'key' must be the shared memory key (a string), got {key!r}")
+    for field_name, value in (("offset", offset), ("byte_size", size)):
+        if type(value) is not int or value < 0:
+            raise InvalidArgumentError(f"{where}: field '{field_name}' must be a non-negative integer, "
+                                       f"got {value!r}")
+    assert isinstance(offset, int) and isinstance(size, int)
+    return key, offset, size

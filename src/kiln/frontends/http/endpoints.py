@@ -24,8 +24,8 @@ NOT_READY = HTTPStatus.BAD_REQUEST
 """KServe's answer to a health or model-readiness probe that fails. Not an error mapping: the protocol fixes it
 (Triton's ``EVHTP_RES_BADREQ`` in ``HandleServerHealth`` / ``HandleModelReady``)."""
 
-_NO_SHARED_MEMORY = ("{kind} shared memory is not supported by kiln: send tensor data in the request body "
-                     "(JSON, or the binary tensor data extension for large tensors)")
+_NO_CUDA_SHARED_MEMORY = ("CUDA shared memory is not supported by kiln: send tensor data in the request body "
+                          "(JSON, or the binary tensor data extension for large tensors) or in system shared memory")
 
 
 def error_response(exc: Exception) -> Response:
@@ -117,11 +117,23 @@ class Endpoints:
 
     # -- shared memory ---------------------------------------------------------------------------------------
 
-    async def system_shared_memory(self, request: Request) -> Response:
-        raise UnsupportedError(_NO_SHARED_MEMORY.format(kind="system"))
+    async def system_shared_memory_status(self, request: Request) -> Response:
+        regions = self.server.system_shared_memory_status(request.path_params.get("region", ""))
+        return _json(codec.shm_status_doc(regions))
+
+    async def system_shared_memory_register(self, request: Request) -> Response:
+        name = request.path_params["region"]
+        self.server.check_client_shm()  # a disabled server refuses before looking at the body
+        key, offset, byte_size = codec.shm_register_request(await read_body(request, self.max_input_size), name)
+        self.server.register_system_shared_memory(name, key, offset, byte_size)
+        return Response()
+
+    async def system_shared_memory_unregister(self, request: Request) -> Response:
+        await asyncio.to_thread(self.server.unregister_system_shared_memory, request.path_params.get("region", ""))
+        return Response()
 
     async def cuda_shared_memory(self, request: Request) -> Response:
-        raise UnsupportedError(_NO_SHARED_MEMORY.format(kind="CUDA"))
+        raise UnsupportedError(_NO_CUDA_SHARED_MEMORY)
 
 
 def _model(request: Request) -> tuple[str, str]:

@@ -1,0 +1,300 @@
+"""System shared-memory regions registered by clients (Triton's system shared-memory extension), protocol-free.
+
+A region is a named window (``offset``, ``byte_size``) into a POSIX shared-memory object that the client created
+(``key``, e.g. ``/input_simple``, which lives at ``/dev/shm/input_simple`` on Linux). Registering maps the object
+into the server; request inputs that name a region become read-only numpy views over the mapping (no copy), and
+outputs that name one are written into it.
+
+Safety: every offset and size is checked against the region; a region counts the requests using it, so
+unregistering a busy region waits (bounded) and then fails instead of unmapping memory under a running request;
+before each use the key is checked to still name the object that was mapped, so a region whose object was
+destroyed or truncated gives a clear error instead of a crash (SIGBUS) on access.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kiln.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, UnavailableError
+from kiln.server.request import InferRequest, InferResponse, OutputTensor, SharedMemoryRef
+from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
+
+SHM_DIR = Path("/dev/shm")
+"""Where Linux keeps POSIX shared-memory objects (``shm_open(key)`` opens ``/dev/shm/<key without '/'>``)."""
+
+BUSY_TIMEOUT_S = 5.0
+"""How long unregistering waits for the in-flight requests that use a region before it fails."""
+
+
+@dataclass(frozen=True)
+class RegionStatus:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
+@dataclass(eq=False)
+class _Region:
+    status: RegionStatus
+    path: Path
+    fd: int
+    memory: mmap.mmap
+    inode: tuple[int, int]  # (st_dev, st_ino) of the object when it was mapped
+    inflight: int = 0
+    closing: bool = False
+
+    def close(self) -> None:
+        try:
+            self.memory.close()
+        except BufferError:
+            pass  # a numpy view still exists somewhere; the mapping goes when the last one is collected
+        os.close(self.fd)
+
+
+class SharedMemoryRegistry:
+    """The registered system shared-memory regions of one server. Thread-safe."""
+
+    def __init__(self, shm_dir: Path = SHM_DIR, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
+        self._dir = shm_dir
+        self._busy_timeout_s = busy_timeout_s
+        self._regions: dict[str, _Region] = {}
+        self._changed = threading.Condition()
+
+    # -- registration ----------------------------------------------------------------------------------------
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Map ``byte_size`` bytes at ``offset`` of the shared-memory object ``key`` as region ``name``."""
+        what = f"shared memory region '{name}'"
+        if not name:
+            raise InvalidArgumentError("a shared memory region needs a non-empty name")
+        if type(offset) is not int or offset < 0:
+            raise InvalidArgumentError(f"{what}: offset must be a non-negative integer, got {offset!r}")
+        if type(byte_size) is not int or byte_size <= 0:
+            raise InvalidArgumentError(f"{what}: byte_size must be a positive integer, got {byte_size!r}")
+        path = self._path(name, key)
+        with self._changed:
+            existing = self._regions.get(name)
+            if existing is not None:
+                raise AlreadyExistsError(f"{what} is already registered (key '{existing.status.key}'); "
+                                         f"unregister it first or choose another name")
+            self._regions[name] = _map(RegionStatus(name, key, offset, byte_size), path)
+
+    def status(self, name: str = "") -> list[RegionStatus]:
+        """Every region (sorted by name), or the one named."""
+        with self._changed:
+            if not name:
+                return [self._regions[n].status for n in sorted(self._regions)]
+            region = self._regions.get(name)
+            if region is None:
+                raise NotFoundError(f"Unable to find system shared memory region: '{name}'")
+            return [region.status]
+
+    def unregister(self, name: str = "") -> None:
+        """Unmap the region ``name`` (every region when empty). An unknown name is not an error, as in Triton.
+        A region in use by in-flight requests is unmapped once they finish; if they do not finish within the
+        busy timeout the region stays registered and :class:`UnavailableError` says so."""
+        with self._changed:
+            names = [name] if name else sorted(self._regions)
+            regions = [r for r in (self._regions.get(n) for n in names) if r is not None]
+            for region in regions:
+                region.closing = True  # new requests are refused while we wait
+            deadline = time.monotonic() + self._busy_timeout_s
+            while any(r.inflight for r in regions) and (left := deadline - time.monotonic()) > 0:
+                self._changed.wait(left)
+            busy = [r for r in regions if r.inflight]
+            for region in regions:
+                if region.inflight:
+                    region.closing = False
+                else:
+                    del self._regions[region.status.name]
+                    region.close()
+        if busy:
+            listed = ", ".join(f"'{r.status.name}' ({r.inflight} request(s))" for r in busy)
+            raise UnavailableError(f"cannot unregister shared memory region(s) {listed}: still in use by "
+                                   f"in-flight requests after {self._busy_timeout_s:g}s; retry when they finish")
+
+    def close(self) -> None:
+        """Unmap every region now (server shutdown; no request runs any more)."""
+        with self._changed:
+            for region in self._regions.values():
+                region.close()
+            self._regions.clear()
+
+    def _path(self, name: str, key: str) -> Path:
+        # A POSIX shm name is one component: refuse anything that could reach outside the shm folder.
+        base = key.lstrip("/")
+        if not base or "/" in base or base in (".", "..") or "\0" in base:
+            raise InvalidArgumentError(f"shared memory region '{name}': key '{key}' is not a POSIX shared memory "
+                                       f"name; expected '/name' with no further '/'")
+        return self._dir / base
+
+    # -- use by requests -------------------------------------------------------------------------------------
+
+    def attach(self, request: InferRequest) -> RegionLease | None:
+        """Point the request's shared-memory inputs at their regions (zero-copy views) and hold every region
+        it names until the returned lease is released. None when the request names no region."""
+        refs = [t.shared_memory for t in request.inputs] + [o.shared_memory for o in request.outputs]
+        names = {ref.region for ref in refs if ref is not None}
+        if not names:
+            return None
+        lease = RegionLease(self, self._acquire(names))
+        try:
+            for tensor in request.inputs:
+                if tensor.shared_memory is not None:
+                    where = f"model '{request.model_name}': input '{tensor.name}'"
+                    tensor.data = lease.read(tensor.shared_memory, tensor.datatype, tensor.shape, where)
+            for output in request.outputs:
+                if output.shared_memory is not None:
+                    lease.window(output.shared_memory, f"model '{request.model_name}': output '{output.name}'")
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def _acquire(self, names: Iterable[str]) -> dict[str, _Region]:
+        with self._changed:
+            held: dict[str, _Region] = {}
+            for name in sorted(names):
+                region = self._regions.get(name)
+                if region is None:
+                    raise NotFoundError(f"Unable to find shared memory region: '{name}' (register it first)")
+                if region.closing:
+                    raise UnavailableError(f"shared memory region '{name}' is being unregistered")
+                _check_alive(region)
+                held[name] = region
+            for region in held.values():
+                region.inflight += 1
+            return held
+
+    def _release(self, regions: Iterable[_Region]) -> None:
+        with self._changed:
+            for region in regions:
+                region.inflight -= 1
+            self._changed.notify_all()
+
+
+@dataclass(eq=False)
+class RegionLease:
+    """The regions one request uses, held until :meth:`release`."""
+
+    registry: SharedMemoryRegistry
+    regions: dict[str, _Region]
+    released: bool = field(default=False)
+
+    def window(self, ref: SharedMemoryRef, where: str) -> tuple[_Region, int]:
+        """The region and the absolute start of ``ref`` in its mapping, after the bounds checks."""
+        region = self.regions[ref.region]
+        size = region.status.byte_size
+        if ref.offset >= size:
+            raise InvalidArgumentError(f"{where}: shared_memory_offset {ref.offset} is outside shared memory region "
+                                       f"'{ref.region}' ({size} bytes)")
+        if ref.offset + ref.byte_size > size:
+            raise InvalidArgumentError(f"{where}: shared_memory_offset {ref.offset} + shared_memory_byte_size "
+                                       f"{ref.byte_size} = {ref.offset + ref.byte_size} exceeds shared memory "
+                                       f"region '{ref.region}' ({size} bytes)")
+        return region, region.status.offset + ref.offset
+
+    def read(self, ref: SharedMemoryRef, datatype: DataType, shape: tuple[int, ...],
+             where: str) -> npt.NDArray[Any]:
+        """The input's data: a read-only view over the region (BYTES elements are parsed, so copied)."""
+        region, start = self.window(ref, where)
+        count = element_count(shape)
+        if datatype is DataType.BYTES:
+            try:
+                return decode_bytes(memoryview(region.memory)[start:start + ref.byte_size], count).reshape(shape)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"{where} (BYTES in shared memory region '{ref.region}'): "
+                                           f"{exc.message}") from None
+        needed = count * datatype.numpy_dtype.itemsize
+        if ref.byte_size != needed:
+            raise InvalidArgumentError(f"{where}: shared_memory_byte_size is {ref.byte_size} but shape "
+                                       f"{list(shape)} of {datatype.wire_name} needs {needed} bytes")
+        view = np.frombuffer(region.memory, dtype=datatype.numpy_dtype, count=count, offset=start)
+        view.flags.writeable = False
+        return view.reshape(shape)
+
+    def write_outputs(self, request: InferRequest, response: InferResponse) -> None:
+        """Copy every output the request asked for in shared memory into its region; the response keeps only
+        the parameters that say where the data went."""
+        wanted = {o.name: o.shared_memory for o in request.outputs if o.shared_memory is not None}
+        if not wanted:
+            return
+        response.outputs = [self._write(output, wanted[output.name], response.model_name)
+                            if output.name in wanted else output for output in response.outputs]
+
+    def _write(self, output: OutputTensor, ref: SharedMemoryRef, model: str) -> OutputTensor:
+        where = f"model '{model}': output '{output.name}'"
+        region, start = self.window(ref, where)
+        if output.datatype is DataType.BYTES:
+            blob = memoryview(encode_bytes(output.data))
+        else:
+            array = np.ascontiguousarray(output.data, dtype=output.datatype.numpy_dtype).reshape(-1)
+            blob = memoryview(array.view(np.uint8).data)
+        if blob.nbytes > ref.byte_size:
+            raise InvalidArgumentError(f"{where} has {blob.nbytes} bytes (shape {list(output.shape)}) but "
+                                       f"shared_memory_byte_size in region '{ref.region}' is {ref.byte_size}")
+        _check_alive(region)
+        region.memory[start:start + blob.nbytes] = blob
+        parameters = {**output.parameters, "shared_memory_region": ref.region,
+                      "shared_memory_byte_size": blob.nbytes}
+        if ref.offset:
+            parameters["shared_memory_offset"] = ref.offset
+        return replace(output, parameters=parameters, shared_memory=ref)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.registry._release(self.regions.values())
+
+
+def _map(status: RegionStatus, path: Path) -> _Region:
+    what = f"shared memory region '{status.name}'"
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"cannot register {what}: no shared memory object with key '{status.key}' "
+                                   f"exists; create it first (e.g. tritonclient.utils.shared_memory."
+                                   f"create_shared_memory_region)") from None
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot register {what}: shared memory object '{status.key}' cannot be "
+                                   f"opened for reading and writing: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        end = status.offset + status.byte_size
+        if end > info.st_size:
+            raise InvalidArgumentError(f"cannot register {what}: offset {status.offset} + byte_size "
+                                       f"{status.byte_size} = {end} exceeds the {info.st_size} bytes of shared "
+                                       f"memory object '{status.key}'")
+        memory = mmap.mmap(fd, end, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _Region(status, path, fd, memory, (info.st_dev, info.st_ino))
+
+
+def _check_alive(region: _Region) -> None:
+    """The key must still name the object we mapped, at its full size: touching a truncated mapping kills the
+    process with SIGBUS, and a destroyed object means the client can no longer see what we write."""
+    status = region.status
+    try:
+        current = os.stat(region.path)
+    except OSError:
+        current = None
+    if current is None or (current.st_dev, current.st_ino) != region.inode:
+        raise NotFoundError(f"shared memory region '{status.name}': shared memory object '{status.key}' no longer "
+                            f"exists (destroyed after registration?); unregister the region and register it again")
+    if os.fstat(region.fd).st_size < status.offset + status.byte_size:
+        raise NotFoundError(f"shared memory region '{status.name}': shared memory object '{status.key}' shrank "
+                            f"below offset + byte_size = {status.offset + status.byte_size} bytes after "
+                            f"registration; unregister the region and register it again")
