@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import onnx
+import onnxruntime as ort
 
 from kiln.build import onnxruntime as ort_build
 from kiln.build.calibration import Samples, sample_count
@@ -15,9 +16,9 @@ from kiln.build.preflight import onnxruntime_unsupported, raise_if_unsupported
 from kiln.build.progress import Progress
 from kiln.build.report import BuildReport
 from kiln.build.sources import ModuleSource, OnnxSource
+from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.onnx_io import FileIO
-from kiln.config.parse import config_to_text
-from kiln.errors import UnsupportedError
+from kiln.errors import UnavailableError, UnsupportedError
 
 if TYPE_CHECKING:
     from kiln.build.builder import BuildOptions
@@ -43,12 +44,14 @@ class BuildResult:
 
     backend: str
     platform: str
+    file_io: FileIO
+    max_batch_size: int
     gpu: bool = False
     parameters: dict[str, str] = field(default_factory=dict)
 
-    def config_for(self, name: str, file_io: FileIO, max_batch_size: int) -> str:
-        return config_to_text(make_config(name, self.backend, self.platform, file_io, max_batch_size,
-                                          gpu=self.gpu, parameters=self.parameters))
+    def config(self, name: str, file_io: FileIO, max_batch_size: int) -> pb.ModelConfig:
+        return make_config(name, self.backend, self.platform, file_io, max_batch_size, gpu=self.gpu,
+                           parameters=self.parameters)
 
 
 class BackendBuilder(Protocol):
@@ -65,6 +68,9 @@ class OnnxRuntimeBuilder:
         if options.precision == "bf16":
             raise UnsupportedError("--precision bf16 is not available for the onnxruntime backend (its CPU kernels "
                                    "are FP32/INT8); use --backend torch for bf16")
+        if options.device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise UnavailableError("--device cuda with the onnxruntime backend needs onnxruntime-gpu (this "
+                                   "onnxruntime has no CUDA execution provider); use --backend torch on this GPU")
         raise_if_unsupported("onnxruntime", path, onnxruntime_unsupported(path))
 
     def build(self, context: BuildContext) -> BuildResult:
@@ -92,7 +98,8 @@ class OnnxRuntimeBuilder:
             _warn_unfused(report)
         report.details["nodes_in_built_model"] = len(onnx.load(str(target), load_external_data=False).graph.node)
         gpu = context.options.device == "cuda"
-        return BuildResult(backend="onnxruntime", platform="onnxruntime_onnx", gpu=gpu)
+        return BuildResult(backend="onnxruntime", platform="onnxruntime_onnx", file_io=context.file_io,
+                           max_batch_size=context.max_batch_size, gpu=gpu)
 
     def _quantize(self, context: BuildContext, source: Path, target: Path) -> None:
         options, report = context.options, context.report

@@ -15,16 +15,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.build import calibration, output
-from kiln.build.backends import BACKEND_BUILDERS, BuildContext
+from kiln.build.backends import BACKEND_BUILDERS, BackendBuilder, BuildContext, BuildResult
 from kiln.build.progress import Progress
 from kiln.build.report import REPORT_FILENAME, BuildReport, VerificationError
 from kiln.build.sources import ModuleSource, OnnxSource
 from kiln.build.verify import DEFAULT_TOLERANCES, Tolerances, compare, time_both
+from kiln.config.model_dir import open_model_dir, version_folders
 from kiln.config.onnx_io import FileIO
-from kiln.config.parse import CONFIG_FILENAME
+from kiln.config.parse import CONFIG_FILENAME, config_to_text
 from kiln.direct import load
 from kiln.engines.base import Engine
-from kiln.errors import InvalidArgumentError
+from kiln.errors import InternalError, InvalidArgumentError, KilnError
 
 if TYPE_CHECKING:
     import torch
@@ -63,9 +64,11 @@ class BuildOptions:
 
     def tolerances(self) -> Tolerances:
         default = DEFAULT_TOLERANCES[self.precision]
+        given = self.atol is not None or self.rtol is not None  # values checked: the RMS fallback is not needed
         return Tolerances(atol=self.atol if self.atol is not None else default.atol,
                           rtol=self.rtol if self.rtol is not None else default.rtol,
-                          min_top1=self.min_top1 if self.min_top1 is not None else default.min_top1)
+                          min_top1=self.min_top1 if self.min_top1 is not None else default.min_top1,
+                          max_nrmse=None if given else default.max_nrmse)
 
 
 def build(model: str | Path | torch.nn.Module, output_dir: str | Path, options: BuildOptions | None = None, *,
@@ -100,8 +103,8 @@ def build(model: str | Path | torch.nn.Module, output_dir: str | Path, options: 
                              version=version, backend=options.backend, precision=options.precision)
         context = BuildContext(source=source, version_dir=version_dir, options=options, file_io=file_io,
                                samples=samples, max_batch_size=max_batch, progress=progress, report=report)
-        result = builder.build(context)
-        _stage_config(model_dir, staging, result.config_for(model_dir.name, file_io, max_batch))
+        result = _run_builder(builder, context, model_dir.name)
+        _stage_config(model_dir, staging, result)
         _verify(source, staging, version, samples, options, progress, report)
         report.timings_s = dict(progress.timings)
         report.write(version_dir / REPORT_FILENAME)
@@ -110,8 +113,7 @@ def build(model: str | Path | torch.nn.Module, output_dir: str | Path, options: 
                 f"{model_dir.name}: the built engine failed verification: {'; '.join(report.accuracy.failures)}"
                 if report.accuracy else f"{model_dir.name}: verification failed", report)
         if not (model_dir / CONFIG_FILENAME).is_file():
-            model_dir.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(staging / CONFIG_FILENAME, model_dir / CONFIG_FILENAME)
+            output.write_config_atomic(model_dir, (staging / CONFIG_FILENAME).read_text())
         output.publish(version_dir, model_dir, version)
         return report
     finally:
@@ -182,13 +184,34 @@ def _samples(file_io: FileIO, options: BuildOptions, progress: Progress) -> cali
     return calibration.generate_samples(file_io.inputs, options.samples, opt_shapes, options.seed)
 
 
-def _stage_config(model_dir: Path, staging: Path, generated: str) -> None:
-    """Verification loads the version through the config the server will use: the existing one if there is one."""
-    existing = model_dir / CONFIG_FILENAME
-    if existing.is_file():
-        shutil.copy2(existing, staging / CONFIG_FILENAME)
-    else:
-        (staging / CONFIG_FILENAME).write_text(generated)
+def _run_builder(builder: BackendBuilder, context: BuildContext, name: str) -> BuildResult:
+    """Backends raise their own exception types (ONNX Runtime, PyTorch, TensorRT): they become kiln errors here."""
+    try:
+        return builder.build(context)
+    except KilnError:
+        raise
+    except Exception as exc:
+        backend = context.options.backend
+        raise InternalError(f"{name}: the {backend} build failed ({type(exc).__name__}: {exc})") from exc
+
+
+def _stage_config(model_dir: Path, staging: Path, result: BuildResult) -> None:
+    """Verification loads the version through the config the server will use: the existing one if there is one,
+    which must ask for what this build made (backend, platform, engine parameters, instance kind)."""
+    existing_file = model_dir / CONFIG_FILENAME
+    file_io, max_batch = result.file_io, result.max_batch_size
+    generated = result.config(model_dir.name, file_io, max_batch)
+    if not existing_file.is_file():
+        (staging / CONFIG_FILENAME).write_text(config_to_text(generated))
+        return
+    existing = open_model_dir(model_dir, autocomplete=False).spec.config if version_folders(model_dir) else None
+    if existing is not None:
+        mismatch = output.config_mismatch(existing, generated)
+        if mismatch:
+            raise InvalidArgumentError(
+                f"{existing_file} does not fit this build: {mismatch}; build into a new model folder, or change "
+                f"the config to match (the config of the build would be:\n{config_to_text(generated)})")
+    shutil.copy2(existing_file, staging / CONFIG_FILENAME)
 
 
 def _verify(source: Source, staging: Path, version: int, samples: calibration.Samples, options: BuildOptions,

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import shutil
+import os
+import secrets
 from pathlib import Path
 from typing import cast
 
 from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.model_dir import version_folders
 from kiln.config.onnx_io import FileIO
-from kiln.config.parse import CONFIG_FILENAME, config_to_text
+from kiln.config.parse import CONFIG_FILENAME
 from kiln.errors import AlreadyExistsError, InvalidArgumentError
 
 
@@ -45,15 +46,40 @@ def make_config(name: str, backend: str, platform: str, file_io: FileIO, max_bat
     return config
 
 
-def write_config(model_dir: Path, config: pb.ModelConfig) -> None:
-    (model_dir / CONFIG_FILENAME).write_text(config_to_text(config))
+def write_config_atomic(model_dir: Path, text: str) -> None:
+    """A polling server never reads half a config: write beside it, then rename over."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tmp = model_dir / f".{CONFIG_FILENAME}.{secrets.token_hex(4)}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, model_dir / CONFIG_FILENAME)
+
+
+def config_mismatch(existing: pb.ModelConfig, generated: pb.ModelConfig) -> str:
+    """What an existing config asks differently from what a build made ("" when it fits)."""
+    problems = []
+    for field in ("backend", "platform"):
+        if getattr(existing, field) != getattr(generated, field):
+            problems.append(f"{field} is '{getattr(existing, field)}', the build made '{getattr(generated, field)}'")
+    have = {k: v.string_value for k, v in existing.parameters.items()}
+    want = {k: v.string_value for k, v in generated.parameters.items()}
+    if have != want:
+        problems.append(f"parameters are {have or '{}'}, the build needs {want or '{}'}")
+    kinds = {g.kind for g in existing.instance_group} or {pb.ModelInstanceGroup.KIND_AUTO}
+    gpu = generated.instance_group[0].kind == pb.ModelInstanceGroup.KIND_GPU
+    if gpu != (pb.ModelInstanceGroup.KIND_GPU in kinds):
+        problems.append(f"its instances run on the {'CPU' if gpu else 'GPU'}, the build is for the "
+                        f"{'GPU' if gpu else 'CPU'}")
+    return "; ".join(problems)
 
 
 def publish(staging_version: Path, model_dir: Path, version: int) -> Path:
-    """Move a verified version folder into place (one rename: a polling server never sees half of it)."""
+    """Move a verified version folder into place (one rename: a polling server never sees half of it). The
+    staging folder sits next to the model folder, so this is a rename within one filesystem."""
     target = model_dir / str(version)
     model_dir.mkdir(parents=True, exist_ok=True)
-    if target.exists():
-        raise AlreadyExistsError(f"{target} appeared while building; nothing was replaced")
-    shutil.move(str(staging_version), str(target))
+    try:
+        target.mkdir()  # claims the number: a concurrent build that chose it too fails here, not by nesting
+    except FileExistsError:
+        raise AlreadyExistsError(f"{target} appeared while building; nothing was replaced") from None
+    os.replace(staging_version, target)  # replaces the empty folder just made
     return target

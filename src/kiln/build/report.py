@@ -52,7 +52,8 @@ class BuildReport:
             for out in self.accuracy.outputs:
                 top1 = f", top-1 agreement {out.top1_agreement:.1%}" if out.top1_agreement is not None else ""
                 lines.append(f"  accuracy {out.name}: max abs {out.max_abs_error:.3g}, max rel "
-                             f"{out.max_rel_error:.3g}{top1} ({self.accuracy.samples} samples)")
+                             f"{out.max_rel_error:.3g}, normalized RMS {out.nrmse:.3g}{top1} "
+                             f"({self.accuracy.samples} samples)")
             lines += [f"  failed: {failure}" for failure in self.accuracy.failures]
         for timing in self.speed:
             lines.append(f"  batch {timing.batch_size}: reference {timing.reference_ms:.3f} ms, built "

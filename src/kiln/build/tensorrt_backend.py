@@ -51,7 +51,8 @@ class TensorRTBuilder:
         details = dataclasses.asdict(info)
         details["profile"] = {name: r.format() for name, r in info.profile.items()}
         context.report.details["tensorrt"] = {k: str(v) if isinstance(v, Path) else v for k, v in details.items()}
-        return BuildResult(backend="tensorrt", platform="tensorrt_plan", gpu=True)
+        return BuildResult(backend="tensorrt", platform="tensorrt_plan", file_io=context.file_io,
+                           max_batch_size=context.max_batch_size, gpu=True)
 
 
 def opt_batches(samples: Samples, ranges: Mapping[str, ShapeRange]) -> Iterator[dict[str, Array]]:

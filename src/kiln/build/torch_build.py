@@ -8,6 +8,7 @@ an AOTInductor package is compiled for its device and precision up front.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import warnings
 from collections.abc import Iterator
@@ -51,6 +52,7 @@ class TorchBuilder:
                                        f"{', '.join(FORMATS)}")
         if options.cuda_graphs and options.device != "cuda":
             raise UnsupportedError("--cuda-graphs needs --device cuda")
+        _check_format_options(options)
         if not isinstance(source, OnnxSource):
             return  # a module is already PyTorch
         from kiln.build.torch_convert import unsupported_nodes
@@ -76,7 +78,10 @@ class TorchBuilder:
             origin = "ONNX -> PyTorch (kiln converter)"
         else:
             module, origin = source.module, "torch module"
-        batch = min(EXAMPLE_BATCH, context.max_batch_size) if context.max_batch_size else None
+        # The first dimension stays dynamic whenever the model file leaves it open (also without batching, where
+        # the config then shows -1); the example has 2 rows so neither tracing nor export specialises it to 1.
+        dynamic_first = all(t.dims and t.dims[0] == -1 for t in context.file_io.inputs)
+        batch = EXAMPLE_BATCH if dynamic_first else None
         example = _example(context.samples, [t.name for t in context.file_io.inputs], batch)
         with torch.inference_mode(False), torch.no_grad(), _torch_deprecations_silenced():
             if options.torch_format == "torchscript":
@@ -87,11 +92,12 @@ class TorchBuilder:
                 context.report.warnings.append("TorchScript is deprecated in PyTorch; it is kept for Triton's "
                                                "PyTorch backend, prefer --torch-format export for kiln")
             else:
-                self._export(context, module, example, batch is not None, target, origin)
+                self._export(context, module, example, dynamic_first, target, origin)
         parameters = _engine_parameters(options)
         context.report.details["torch"] = {"format": options.torch_format, "torch_version": torch.__version__,
                                            "parameters": parameters}
-        return BuildResult(backend="pytorch", platform=platform, gpu=options.device == "cuda", parameters=parameters)
+        return BuildResult(backend="pytorch", platform=platform, file_io=context.file_io,
+                           max_batch_size=context.max_batch_size, gpu=options.device == "cuda", parameters=parameters)
 
     def _export(self, context: BuildContext, module: torch.nn.Module, example: tuple[torch.Tensor, ...],
                 dynamic_batch: bool, target: Path, origin: str) -> None:
@@ -99,10 +105,12 @@ class TorchBuilder:
 
         options = context.options
         if options.torch_format == "aoti":
-            module, example = _for_device(module, example, options)
+            module, example = _for_device(copy.deepcopy(module), example, options)  # never the caller's module
         dynamic: Any = None
         if dynamic_batch:
-            batch_dim = torch.export.Dim("batch", min=1, max=max(context.max_batch_size, 2))
+            # Without batching the config allows any first dimension, so the program must too.
+            limit = max(context.max_batch_size, EXAMPLE_BATCH) if context.max_batch_size else None
+            batch_dim = torch.export.Dim("batch", min=1, max=limit) if limit else torch.export.Dim("batch", min=1)
             dynamic = tuple({0: batch_dim} for _ in example)
         with context.progress.step("export", "exporting with torch.export"):
             program = torch.export.export(module, example, dynamic_shapes=dynamic)
@@ -114,6 +122,25 @@ class TorchBuilder:
             torch._inductor.aoti_compile_and_package(program, package_path=str(target))
         context.report.steps.append(f"{origin} -> torch.export -> AOTInductor package for "
                                     f"{options.device}, {options.precision}")
+
+
+def _check_format_options(options: BuildOptions) -> None:
+    """What the PyTorch engine would refuse at load time, refused before a (possibly long) build."""
+    from kiln.engines.torch.options import COMPILE_MODES, GRAPH_CAPTURING_MODES
+
+    if options.compile_mode not in COMPILE_MODES:
+        raise InvalidArgumentError(f"--compile-mode is '{options.compile_mode}'; expected one of "
+                                   f"{', '.join(COMPILE_MODES)}")
+    if options.torch_format == "aoti" and (options.compile_mode != "none" or options.channels_last):
+        raise UnsupportedError("--torch-format aoti compiles the model ahead of time: --compile-mode and "
+                               "--channels-last do not apply to it; use --torch-format export for them")
+    if options.torch_format == "torchscript" and options.compile_mode != "none":
+        raise UnsupportedError("torch.compile does not take TorchScript: use --torch-format export with "
+                               "--compile-mode")
+    graphs = options.cuda_graphs if options.cuda_graphs is not None else options.device == "cuda"
+    if graphs and options.compile_mode in GRAPH_CAPTURING_MODES:
+        raise UnsupportedError(f"--compile-mode {options.compile_mode} records CUDA graphs itself: add "
+                               f"--no-cuda-graphs, or use --compile-mode default or max-autotune-no-cudagraphs")
 
 
 @contextlib.contextmanager

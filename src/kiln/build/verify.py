@@ -16,12 +16,15 @@ from kiln.errors import InvalidArgumentError
 
 @dataclass(frozen=True)
 class Tolerances:
-    """Pass criteria: every element within ``atol + rtol * |reference|`` (numpy.allclose), and top-1 agreement
-    of classifier outputs at least ``min_top1``. None skips a criterion."""
+    """Pass criteria: every element within ``atol + rtol * |reference|`` (numpy.allclose), top-1 agreement of
+    classifier outputs at least ``min_top1``, and, for outputs no other criterion covers, a normalized RMS error
+    (RMS of the difference / standard deviation of the reference) of at most ``max_nrmse``. None skips a criterion.
+    A non-finite value where the reference is finite always fails."""
 
     atol: float | None
     rtol: float | None
     min_top1: float | None
+    max_nrmse: float | None = None
 
 
 # INT8 changes every value a little by design: it is judged by top-1 agreement, unless the caller asks otherwise.
@@ -29,7 +32,7 @@ DEFAULT_TOLERANCES = {
     "fp32": Tolerances(atol=1e-4, rtol=1e-3, min_top1=0.99),
     "fp16": Tolerances(atol=1e-2, rtol=1e-2, min_top1=0.99),
     "bf16": Tolerances(atol=5e-2, rtol=5e-2, min_top1=0.98),
-    "int8": Tolerances(atol=None, rtol=None, min_top1=0.95),
+    "int8": Tolerances(atol=None, rtol=None, min_top1=0.95, max_nrmse=0.1),
 }
 
 
@@ -40,6 +43,8 @@ class OutputAccuracy:
     max_rel_error: float
     allclose: bool | None
     top1_agreement: float | None
+    nrmse: float = 0.0
+    non_finite: int = 0
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ def _output_accuracy(name: str, ref: Array, out: Array, tolerances: Tolerances) 
         equal = bool(np.array_equal(ref, out))
         return OutputAccuracy(name, 0.0 if equal else float("inf"), 0.0 if equal else float("inf"), equal, None)
     ref64, out64 = ref.astype(np.float64), out.astype(np.float64)
+    non_finite = int(np.count_nonzero(~np.isfinite(out64) & np.isfinite(ref64)))
     diff = np.abs(ref64 - out64)
     max_abs = float(diff.max()) if diff.size else 0.0
     scale = np.maximum(np.abs(ref64), np.finfo(np.float32).tiny)
@@ -140,7 +146,10 @@ def _output_accuracy(name: str, ref: Array, out: Array, tolerances: Tolerances) 
     allclose = None
     if tolerances.atol is not None or tolerances.rtol is not None:
         allclose = bool(np.allclose(out64, ref64, rtol=tolerances.rtol or 0.0, atol=tolerances.atol or 0.0))
-    return OutputAccuracy(name, max_abs, max_rel, allclose, _top1(ref64, out64))
+    spread = float(ref64.std()) if ref64.size else 0.0
+    rms = float(np.sqrt(np.mean(diff ** 2))) if diff.size else 0.0
+    nrmse = rms / spread if spread > 0 else (0.0 if rms == 0 else float("inf"))
+    return OutputAccuracy(name, max_abs, max_rel, allclose, _top1(ref64, out64), nrmse, non_finite)
 
 
 def _top1(ref: Array, out: Array) -> float | None:
@@ -151,6 +160,8 @@ def _top1(ref: Array, out: Array) -> float | None:
 
 
 def _failure(result: OutputAccuracy, tolerances: Tolerances) -> str:
+    if result.non_finite:
+        return f"output '{result.name}': {result.non_finite} value(s) are NaN or infinite where the reference is finite"
     if result.allclose is False:
         return (f"output '{result.name}': max abs error {result.max_abs_error:.3g}, max rel error "
                 f"{result.max_rel_error:.3g} exceed atol={tolerances.atol} rtol={tolerances.rtol}")
@@ -158,4 +169,8 @@ def _failure(result: OutputAccuracy, tolerances: Tolerances) -> str:
             and result.top1_agreement < tolerances.min_top1:
         return (f"output '{result.name}': top-1 agreement {result.top1_agreement:.1%} is below "
                 f"min_top1={tolerances.min_top1:.1%}")
+    covered = result.allclose is not None or (result.top1_agreement is not None and tolerances.min_top1 is not None)
+    if not covered and tolerances.max_nrmse is not None and not result.nrmse <= tolerances.max_nrmse:
+        return (f"output '{result.name}': normalized RMS error {result.nrmse:.3g} exceeds max_nrmse="
+                f"{tolerances.max_nrmse} (RMS of the difference / standard deviation of the reference)")
     return ""

@@ -59,7 +59,11 @@ def check_shape(spec: ModelSpec, tensor: TensorSpec, shape: Sequence[int]) -> No
 
 
 def _check_array(spec: ModelSpec, tensor: TensorSpec, value: npt.ArrayLike) -> npt.NDArray[Any]:
-    array = np.asarray(value)
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as exc:  # ragged lists, device tensors numpy cannot read, ...
+        raise InvalidArgumentError(f"model '{spec.name}': input '{tensor.name}' cannot be read as an array "
+                                   f"({type(value).__name__}: {exc}); pass a numpy array") from None
     if tensor.datatype is DataType.BYTES:
         if array.dtype.kind not in ("O", "S", "U"):
             raise InvalidArgumentError(f"model '{spec.name}': input '{tensor.name}' has dtype {array.dtype}; "

@@ -230,3 +230,42 @@ def test_shapes_give_dynamic_dimensions_for_generated_samples(tmp_path: Path,
     saved = json.loads((tmp_path / "seq" / "1" / "build_report.json").read_text())
     assert saved["passed"] and saved["accuracy"]["samples"] == 32
     capsys.readouterr()
+
+
+def _one_op_model(path: Path, nodes: list[onnx.NodeProto]) -> Path:
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 4])],
+                              [helper.make_tensor("k", TensorProto.FLOAT, [], [1.5])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_outputs_no_top1_covers_are_judged_by_normalized_rms_error_and_nan_always_fails(tmp_path: Path) -> None:
+    from kiln.build.calibration import generate_samples
+    from kiln.build.verify import DEFAULT_TOLERANCES, compare
+    from kiln.config.onnx_io import read_onnx_io
+
+    relu = _one_op_model(tmp_path / "relu.onnx", [helper.make_node("Relu", ["x"], ["y"])])
+    scaled = _one_op_model(tmp_path / "scaled.onnx", [helper.make_node("Relu", ["x"], ["r"]),
+                                                       helper.make_node("Mul", ["r", "k"], ["y"])])
+    nan = _one_op_model(tmp_path / "nan.onnx", [helper.make_node("Abs", ["x"], ["a"]),
+                                                 helper.make_node("Neg", ["a"], ["n"]),
+                                                 helper.make_node("Log", ["n"], ["y"])])
+    samples = generate_samples(read_onnx_io(relu).inputs, 8, {}, seed=0)
+    int8 = DEFAULT_TOLERANCES["int8"]
+    with kiln.load(relu) as reference, kiln.load(relu) as same, kiln.load(scaled) as off, kiln.load(nan) as broken:
+        assert compare(reference, same, samples, 4, int8).passed
+        failed = compare(reference, off, samples, 4, int8)
+        assert not failed.passed and "normalized RMS error" in failed.failures[0]
+        assert failed.outputs[0].top1_agreement is None and failed.outputs[0].nrmse > 0.1
+        nan_result = compare(reference, broken, samples, 4, DEFAULT_TOLERANCES["fp32"])
+        assert "NaN or infinite where the reference is finite" in nan_result.failures[0]
+
+
+def test_an_existing_config_must_fit_the_build(mlp_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "mlp"
+    build(mlp_file, out, quiet())
+    with pytest.raises(InvalidArgumentError, match="does not fit this build: backend is 'onnxruntime', the build "
+                                                   "made 'pytorch'"):
+        build(mlp_file, out, quiet(backend="torch"))
+    assert sorted(p.name for p in out.iterdir()) == ["1", "config.pbtxt"], "nothing was published"

@@ -163,3 +163,26 @@ def test_module_sources_need_examples_and_the_torch_backend(tmp_path: Path) -> N
         kiln.build(TwoHeads(), tmp_path / "m", backend="torch", progress=False)
     with pytest.raises(InvalidArgumentError, match="builds with backend 'torch', not 'onnxruntime'"):
         kiln.build(TwoHeads(), tmp_path / "m", example_inputs=torch.randn(2, 6), progress=False)
+
+
+def test_max_batch_size_one_still_exports_a_dynamic_first_dimension(cnn_file: Path, tmp_path: Path) -> None:
+    report = build(cnn_file, tmp_path / "cnn", quiet(max_batch_size=1))
+    assert report.passed
+    report0 = build(cnn_file, tmp_path / "cnn0", quiet(max_batch_size=0))
+    assert report0.passed
+    x = np.zeros((3, 3, 16, 16), np.float32)
+    with kiln.load(tmp_path / "cnn0") as built:  # no batching: the first dimension is -1 in the config and in the file
+        assert built.infer({"x": x})["logits"].shape == (3, 10)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"torch_format": "aoti", "compile_mode": "default"}, "--torch-format aoti compiles the model ahead of time"),
+    ({"torch_format": "torchscript", "compile_mode": "default"}, "torch.compile does not take TorchScript"),
+    ({"compile_mode": "fastest"}, "--compile-mode is 'fastest'"),
+])
+def test_format_options_the_engine_would_refuse_fail_before_building(cnn_file: Path, tmp_path: Path,
+                                                                     fields: dict[str, object], message: str) -> None:
+    from kiln.errors import InvalidArgumentError
+
+    with pytest.raises((UnsupportedError, InvalidArgumentError), match=message):
+        build(cnn_file, tmp_path / "cnn", quiet(**fields))
