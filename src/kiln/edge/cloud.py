@@ -1,0 +1,124 @@
+"""The edge's client to the cloud: a KServe V2 HTTP server (``kiln serve``, Triton) that answers forwarded requests.
+
+Requests go out with the binary tensor data extension, built and decoded by :mod:`kiln.bench.targets.wire`. The
+transport is the standard library's ``http.client`` with one keep-alive connection per calling thread: the edge
+calls from request threads and the shadow pool, and ``http.client`` connections are not shared between threads.
+
+The client never raises for a cloud problem: :class:`CloudResult` says whether the cloud answered, could not be
+reached (connection refused, timeout, broken connection), or answered with an error.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kiln.bench.targets.wire import HEADER_LENGTH, decode_http_response, http_body
+from kiln.errors import ConfigError, KilnError
+from kiln.tensor import DataType
+
+Array = npt.NDArray[Any]
+
+ANSWERED = "answered"
+UNREACHABLE = "unreachable"
+FAILED = "failed"  # the cloud was reached and answered with an error
+
+
+@dataclass(frozen=True)
+class CloudResult:
+    status: str
+    outputs: dict[str, Array] | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == ANSWERED
+
+
+class CloudClient:
+    """Sends one model's infer requests to ``url`` (``host:port`` or ``http://host:port``)."""
+
+    def __init__(self, url: str, model: str, *, version: str = "", timeout_s: float = 5.0) -> None:
+        self.host, self.port = parse_url(url)
+        self.model = model
+        self.version = version
+        self.timeout_s = timeout_s
+        quoted = urllib.parse.quote(model, safe="")
+        self.path = f"/v2/models/{quoted}" + (f"/versions/{version}" if version else "") + "/infer"
+        self._local = threading.local()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def infer(self, inputs: Mapping[str, npt.ArrayLike]) -> CloudResult:
+        arrays = {name: np.asarray(value) for name, value in inputs.items()}
+        datatypes = {name: DataType.from_numpy(array.dtype) for name, array in arrays.items()}
+        body, headers = http_body(arrays, datatypes, binary_input=True, binary_output=True)
+        try:
+            status, response_headers, data = self._post(body, headers)
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop_connection()
+            return CloudResult(UNREACHABLE, error=f"{self.url}{self.path}: {type(exc).__name__}: {exc}")
+        if status != 200:
+            return CloudResult(FAILED, error=f"{self.url}{self.path} answered {status}: {_error_text(data)}")
+        length = response_headers.get(HEADER_LENGTH.lower())
+        try:
+            outputs = decode_http_response(data, int(length) if length is not None else None)
+        except (KilnError, ValueError, KeyError, TypeError) as exc:
+            return CloudResult(FAILED, error=f"{self.url}{self.path}: undecodable response ({exc})")
+        return CloudResult(ANSWERED, outputs)
+
+    def _post(self, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, str], bytes]:
+        connection = self._connection()
+        connection.request("POST", self.path, body=body, headers=dict(headers))
+        response = connection.getresponse()
+        data = response.read()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, data
+
+    def _connection(self) -> http.client.HTTPConnection:
+        connection: http.client.HTTPConnection | None = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            self._local.connection = connection
+        return connection
+
+    def _drop_connection(self) -> None:
+        connection: http.client.HTTPConnection | None = getattr(self._local, "connection", None)
+        self._local.connection = None
+        if connection is not None:
+            connection.close()
+
+    def close(self) -> None:
+        """Close the calling thread's connection (other threads' connections close when their threads end)."""
+        self._drop_connection()
+
+
+def parse_url(url: str) -> tuple[str, int]:
+    parsed = urllib.parse.urlsplit(url if "//" in url else f"http://{url}")
+    if parsed.scheme != "http" or not parsed.hostname or parsed.path not in ("", "/"):
+        raise ConfigError(f"cloud url '{url}' is not of the form host:port or http://host:port (https is not "
+                          f"supported yet)")
+    try:
+        port = parsed.port or 80
+    except ValueError:
+        raise ConfigError(f"cloud url '{url}' has an invalid port") from None
+    return parsed.hostname, port
+
+
+def _error_text(data: bytes) -> str:
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return data[:200].decode("utf-8", "replace")
+    if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+        return str(doc["error"])
+    return data[:200].decode("utf-8", "replace")

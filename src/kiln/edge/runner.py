@@ -1,0 +1,256 @@
+"""The edge runner: the model runs in-process; the routing policy decides which requests the cloud sees.
+
+What a forwarded request becomes depends on the policy's mode:
+
+* ``local-only``: the local answer, always; the reasons still say what would have been forwarded.
+* ``cloud-fallback``: the cloud's answer; when the cloud cannot be reached or answers with an error, the local
+  answer, and the source says so. A request never fails because the cloud is down.
+* ``shadow``: the local answer at once; a copy goes to the cloud in the background (a bounded pool; when its
+  queue is full the copy is dropped and counted).
+
+When the local engine fails, ``cloud-fallback`` and ``shadow`` ask the cloud for the answer (unless the policy's
+``forward_on_error`` is off); with no answer from there either, the request fails with UnavailableError.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy.typing as npt
+
+import kiln
+from kiln.config.model_dir import open_model_dir
+from kiln.edge.cloud import ANSWERED, UNREACHABLE, CloudClient, CloudResult
+from kiln.edge.policy import CLOUD_FALLBACK, LOCAL_ONLY, SHADOW, Decision, Policy, decide
+from kiln.engines.base import Engine
+from kiln.engines.checks import check_inputs, check_outputs
+from kiln.errors import ConfigError, UnavailableError
+
+Array = npt.NDArray[Any]
+log = logging.getLogger("kiln.edge")
+
+LOCAL = "local"
+CLOUD = "cloud"
+LOCAL_CLOUD_UNREACHABLE = "local (cloud unreachable)"
+LOCAL_CLOUD_ERROR = "local (cloud error)"
+SOURCES = (LOCAL, CLOUD, LOCAL_CLOUD_UNREACHABLE, LOCAL_CLOUD_ERROR)
+
+
+@dataclass(frozen=True)
+class EdgeResult:
+    """One answer. ``reasons`` (why the request went toward the cloud) is empty when the policy kept it local;
+    ``cloud_error`` says why the cloud did not answer when the source is a local fallback."""
+
+    outputs: dict[str, Array]
+    source: str
+    reasons: list[str]
+    local_outputs: dict[str, Array] | None = None
+    cloud_outputs: dict[str, Array] | None = None
+    cloud_error: str = ""
+
+    @property
+    def flagged(self) -> bool:
+        """True when the policy asked for the cloud (in local-only mode too, where nothing is sent)."""
+        return bool(self.reasons)
+
+
+@dataclass
+class EdgeStats:
+    requests: int = 0
+    flagged: int = 0  # requests the policy (or a local failure) sent toward the cloud
+    cloud_answers: int = 0
+    cloud_unreachable: int = 0
+    cloud_errors: int = 0
+    local_failures: int = 0
+    shadow_sent: int = 0
+    shadow_failed: int = 0
+    shadow_dropped: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {name: value for name, value in vars(self).items() if not name.startswith("_")}
+
+
+class EdgeRunner:
+    """A model answered in-process, with uncertain or out-of-range requests routed to a cloud server.
+
+    ``model`` is a model file or folder (loaded with :func:`kiln.load`) or an engine already loaded.
+    ``cloud_url`` is ``host:port`` of a KServe V2 HTTP server serving ``cloud_model`` (default: the same name).
+    """
+
+    def __init__(self, model: str | Path | Engine, cloud_url: str | None = None, policy: Policy | None = None, *,
+                 cloud_model: str | None = None, cloud_version: str = "", version: int | None = None,
+                 cloud_timeout_s: float = 5.0, shadow_workers: int = 2, shadow_queue: int = 64,
+                 **load_options: Any) -> None:
+        self.policy = policy or Policy()
+        if shadow_workers < 1 or shadow_queue < 1:
+            raise ConfigError(f"edge: shadow_workers ({shadow_workers}) and shadow_queue ({shadow_queue}) must be "
+                              f">= 1")
+        self.engine = model if isinstance(model, Engine) else kiln.load(model, version, **load_options)
+        self.version = _served_version(model, version)
+        if self.policy.mode != LOCAL_ONLY and cloud_url is None:
+            raise ConfigError(f"edge: mode '{self.policy.mode}' needs a cloud url (or use mode '{LOCAL_ONLY}')")
+        self.cloud = None if cloud_url is None else CloudClient(
+            cloud_url, cloud_model or self.engine.name, version=cloud_version, timeout_s=cloud_timeout_s)
+        self.stats = EdgeStats()
+        self._check_policy()
+        self._engine_lock = None if self.engine.thread_safe else threading.Lock()
+        self._shadow = concurrent.futures.ThreadPoolExecutor(shadow_workers, thread_name_prefix="kiln-edge-shadow")
+        self._shadow_slots = threading.BoundedSemaphore(shadow_queue)
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    def _check_policy(self) -> None:
+        """Refuse a policy that cannot apply to this model, at start rather than on the first request."""
+        outputs = {t.name: t for t in self.engine.outputs}
+        if self.policy.output is not None and self.policy.output not in outputs:
+            raise ConfigError(f"edge policy: output '{self.policy.output}' is not an output of model "
+                              f"'{self.name}' (outputs: {', '.join(outputs)})")
+        inputs = {t.name for t in self.engine.inputs}
+        unknown = [name for name in self.policy.input_bounds if name not in inputs]
+        if unknown:
+            raise ConfigError(f"edge policy: input_bounds names '{unknown[0]}', not an input of model "
+                              f"'{self.name}' (inputs: {', '.join(sorted(inputs))})")
+        batch = 1 if self.engine.spec.batching else 0
+        classifiers = [t.name for t in self.engine.outputs
+                       if batch + len(t.dims) == 2 and t.datatype.numpy_dtype.kind == "f"]
+        if self.policy.checks_uncertainty and self.policy.output is None and not classifiers:
+            raise ConfigError(f"edge policy: model '{self.name}' has no 2-D float output for the uncertainty "
+                              f"criteria; name the output to read with 'output'")
+
+    # -- inference -------------------------------------------------------------------------------------------
+
+    def infer(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None = None) -> EdgeResult:
+        """Answer one request. Bad inputs raise InvalidArgumentError (nothing is forwarded for them)."""
+        arrays = check_inputs(self.engine.spec, inputs)
+        names = check_outputs(self.engine.spec, outputs)
+        self.stats.add(requests=1)
+        try:
+            local = self._run_local(arrays)
+        except Exception as exc:
+            return self._on_local_failure(arrays, names, exc)
+        decision = decide(self.policy, arrays, local)
+        answer = {name: local[name] for name in names}
+        if decision.forward:
+            self.stats.add(flagged=1)
+        if not decision.forward or self.policy.mode == LOCAL_ONLY:
+            return EdgeResult(answer, LOCAL, decision.reasons, local)
+        if self.policy.mode == SHADOW:
+            self._send_copy(arrays)
+            return EdgeResult(answer, LOCAL, decision.reasons, local)
+        return self._from_cloud(arrays, names, decision, local)
+
+    def _run_local(self, arrays: Mapping[str, Array]) -> dict[str, Array]:
+        # Every output is computed: the policy may read one the caller did not ask for.
+        every = [t.name for t in self.engine.outputs]
+        if self._engine_lock is None:
+            return self.engine.execute(arrays, every)
+        with self._engine_lock:
+            return self.engine.execute(arrays, every)
+
+    def _from_cloud(self, arrays: Mapping[str, Array], names: Sequence[str], decision: Decision,
+                    local: dict[str, Array]) -> EdgeResult:
+        assert self.policy.mode == CLOUD_FALLBACK
+        result = self._ask_cloud(arrays)
+        answer = {name: local[name] for name in names}
+        if not result.ok:
+            return EdgeResult(answer, _fallback_source(result), decision.reasons, local, cloud_error=result.error)
+        missing = [name for name in names if name not in (result.outputs or {})]
+        if missing:
+            self.stats.add(cloud_errors=1)
+            error = f"the cloud's answer lacks output '{missing[0]}'"
+            return EdgeResult(answer, LOCAL_CLOUD_ERROR, decision.reasons, local, cloud_error=error)
+        cloud = result.outputs or {}
+        return EdgeResult({name: cloud[name] for name in names}, CLOUD, decision.reasons, local, cloud)
+
+    def _on_local_failure(self, arrays: Mapping[str, Array], names: Sequence[str], exc: Exception) -> EdgeResult:
+        self.stats.add(local_failures=1)
+        reason = f"local engine failed: {type(exc).__name__}: {exc}"
+        log.warning("model '%s': %s", self.name, reason)
+        if self.policy.mode == LOCAL_ONLY or not self.policy.forward_on_error or self.cloud is None:
+            raise exc
+        self.stats.add(flagged=1)
+        result = self._ask_cloud(arrays)
+        cloud = result.outputs or {}
+        if not result.ok or any(name not in cloud for name in names):
+            raise UnavailableError(f"model '{self.name}': {reason}; and the cloud gave no answer: "
+                                   f"{result.error or 'outputs missing'}") from exc
+        return EdgeResult({name: cloud[name] for name in names}, CLOUD, [reason], None, cloud)
+
+    def _ask_cloud(self, arrays: Mapping[str, Array]) -> CloudResult:
+        assert self.cloud is not None
+        result = self.cloud.infer(arrays)
+        if result.status == ANSWERED:
+            self.stats.add(cloud_answers=1)
+        elif result.status == UNREACHABLE:
+            self.stats.add(cloud_unreachable=1)
+        else:
+            self.stats.add(cloud_errors=1)
+        return result
+
+    # -- shadow copies ---------------------------------------------------------------------------------------
+
+    def _send_copy(self, arrays: Mapping[str, Array]) -> None:
+        if not self._shadow_slots.acquire(blocking=False):
+            self.stats.add(shadow_dropped=1)
+            return
+        try:
+            self._shadow.submit(self._shadow_one, dict(arrays))
+        except RuntimeError:  # the runner is closing
+            self._shadow_slots.release()
+            self.stats.add(shadow_dropped=1)
+
+    def _shadow_one(self, arrays: Mapping[str, Array]) -> None:
+        try:
+            result = self._ask_cloud(arrays)
+            if result.ok:
+                self.stats.add(shadow_sent=1)
+            else:
+                self.stats.add(shadow_failed=1)
+                log.info("model '%s': shadow copy not delivered: %s", self.name, result.error)
+        finally:
+            self._shadow_slots.release()
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def close(self, *, wait_for_copies: bool = True) -> None:
+        """Stop the shadow pool (waiting for queued copies unless told not to) and release the engine."""
+        self._shadow.shutdown(wait=wait_for_copies, cancel_futures=not wait_for_copies)
+        if self.cloud is not None:
+            self.cloud.close()
+        self.engine.close()
+
+    def __enter__(self) -> EdgeRunner:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def _fallback_source(result: CloudResult) -> str:
+    return LOCAL_CLOUD_UNREACHABLE if result.status == UNREACHABLE else LOCAL_CLOUD_ERROR
+
+
+def _served_version(model: str | Path | Engine, version: int | None) -> str:
+    """The version folder ``kiln.load`` picked ("" for a model file or an engine passed in)."""
+    if isinstance(model, Engine) or Path(model).is_file() or version is not None:
+        return "" if version is None else str(version)
+    served = open_model_dir(Path(model)).served_versions()
+    return str(served[-1]) if served else ""
+
