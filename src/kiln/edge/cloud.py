@@ -54,6 +54,8 @@ class CloudClient:
         quoted = urllib.parse.quote(model, safe="")
         self.path = f"/v2/models/{quoted}" + (f"/versions/{version}" if version else "") + "/infer"
         self._local = threading.local()
+        self._lock = threading.Lock()
+        self._connections: set[http.client.HTTPConnection] = set()
 
     @property
     def url(self) -> str:
@@ -78,28 +80,49 @@ class CloudClient:
         return CloudResult(ANSWERED, outputs)
 
     def _post(self, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, str], bytes]:
-        connection = self._connection()
-        connection.request("POST", self.path, body=body, headers=dict(headers))
-        response = connection.getresponse()
-        data = response.read()
-        return response.status, {k.lower(): v for k, v in response.getheaders()}, data
+        connection, reused = self._connection()
+        try:
+            return _exchange(connection, self.path, body, headers)
+        except (ConnectionError, http.client.BadStatusLine):
+            if not reused:
+                raise
+            self._drop_connection()
+            connection, _ = self._connection()
+            return _exchange(connection, self.path, body, headers)
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection, and whether it was used before."""
         connection: http.client.HTTPConnection | None = getattr(self._local, "connection", None)
-        if connection is None:
-            connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
-            self._local.connection = connection
-        return connection
+        if connection is not None:
+            return connection, True
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        self._local.connection = connection
+        with self._lock:
+            self._connections.add(connection)
+        return connection, False
 
     def _drop_connection(self) -> None:
         connection: http.client.HTTPConnection | None = getattr(self._local, "connection", None)
         self._local.connection = None
         if connection is not None:
             connection.close()
+            with self._lock:
+                self._connections.discard(connection)
 
     def close(self) -> None:
-        """Close the calling thread's connection (other threads' connections close when their threads end)."""
-        self._drop_connection()
+        """Close every thread's connection; call it when no request is in flight."""
+        with self._lock:
+            connections, self._connections = self._connections, set()
+        for connection in connections:
+            connection.close()
+
+
+def _exchange(connection: http.client.HTTPConnection, path: str, body: bytes,
+              headers: Mapping[str, str]) -> tuple[int, dict[str, str], bytes]:
+    connection.request("POST", path, body=body, headers=dict(headers))
+    response = connection.getresponse()
+    data = response.read()
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, data
 
 
 def parse_url(url: str) -> tuple[str, int]:
