@@ -1,14 +1,14 @@
 """Measurement windows and perf_analyzer's stability rule.
 
 A level runs its load without pause while back-to-back windows of ``measurement_interval`` are cut from it. A
-window counts the requests that both started and ended inside it (perf_analyzer's rule), so requests in flight at
-a boundary count nowhere. The level is stable once the last 3 windows agree: max/min of their throughputs and of
-their average latencies are each within 1 + stability_percentage/100, and none has zero throughput. Measuring
-stops there or after ``max_trials`` windows; the result merges the last 3 windows (all of them when fewer ran).
+window counts the requests that completed inside it, wherever they started (perf_analyzer's time windows), so a
+request in flight at a boundary counts in the window where it ends. The level is stable once the last 3 windows
+agree: max/min of their throughputs and of their average latencies are each within 1 + stability_percentage/100,
+and none has zero throughput. Measuring stops there or after ``max_trials`` windows; the result merges the last 3
+windows (all of them when fewer ran).
 
-A window shorter than a few request latencies counts (almost) nothing under that rule, as with a slow model at
-high concurrency: when a window counts fewer than ``MIN_WINDOW_REQUESTS``, the next windows are twice as long
-(perf_analyzer asks the user for a larger window instead). The windows actually used are in the result.
+A window that counts fewer than ``MIN_WINDOW_REQUESTS`` (a slow model at low concurrency) makes the next windows
+twice as long (perf_analyzer asks the user for a larger window instead). The windows actually used are in the result.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Settings:
 class Window:
     start_ns: int
     end_ns: int
-    latencies_ns: tuple[int, ...]  # successful requests that started and ended inside the window
+    latencies_ns: tuple[int, ...]  # successful requests that ended inside the window
     errors: int  # failed requests that ended inside the window
     send_ns: int  # client send time summed over the counted requests that report it
     recv_ns: int
@@ -84,9 +84,9 @@ class Window:
 
 def cut_window(records: Sequence[RequestRecord], start_ns: int, end_ns: int, server_before: ServerCounters | None,
                server_after: ServerCounters | None) -> Window:
-    """A window from the records that ended by ``end_ns``: those that also started at or after ``start_ns``
-    count; failures count as errors wherever they started."""
-    counted = [r for r in records if r.ok and r.start_ns >= start_ns and r.end_ns <= end_ns]
+    """A window from the records that ended by ``end_ns``: the successful ones that ended after ``start_ns``
+    count, wherever they started; failures count as errors."""
+    counted = [r for r in records if r.ok and start_ns < r.end_ns <= end_ns]
     timed = [r.client for r in counted if r.client is not None]
     return Window(start_ns=start_ns, end_ns=end_ns, latencies_ns=tuple(r.end_ns - r.start_ns for r in counted),
                   errors=sum(1 for r in records if not r.ok and r.end_ns <= end_ns),

@@ -21,20 +21,21 @@ def window(count: int, latency_ns: int, duration_ns: int = 1000 * MS, errors: in
                   recv_ns=0, client_count=0, server_before=None, server_after=None)
 
 
-def test_a_window_counts_requests_that_started_and_ended_inside_it() -> None:
+def test_a_window_counts_requests_that_ended_inside_it() -> None:
     records = [
-        RequestRecord(start_ns=90, end_ns=120, ok=True, client=None),  # started before the window: not counted
+        RequestRecord(start_ns=10, end_ns=100, ok=True, client=None),  # ended at the window's start: the last one's
+        RequestRecord(start_ns=90, end_ns=120, ok=True, client=None),  # started before the window: counted
         RequestRecord(start_ns=100, end_ns=150, ok=True, client=ClientTimes(5, 7)),
         RequestRecord(start_ns=160, end_ns=200, ok=True, client=ClientTimes(3, 1)),
         RequestRecord(start_ns=170, end_ns=190, ok=False, client=None),  # a failure: an error, no latency
         RequestRecord(start_ns=180, end_ns=250, ok=True, client=None),  # ends after the window
     ]
     cut = cut_window(records, 100, 200, None, None)
-    assert cut.latencies_ns == (50, 40)
+    assert cut.latencies_ns == (30, 50, 40)
     assert cut.errors == 1
     assert (cut.send_ns, cut.recv_ns, cut.client_count) == (8, 8, 2)
-    assert cut.throughput_per_s == pytest.approx(2 / 100e-9)
-    assert cut.avg_latency_ns == 45
+    assert cut.throughput_per_s == pytest.approx(3 / 100e-9)
+    assert cut.avg_latency_ns == 40
 
 
 def test_recorder_keeps_requests_that_end_after_the_window_for_the_next_one() -> None:
@@ -154,8 +155,8 @@ def test_a_steady_level_stops_after_three_windows() -> None:
     assert seen == [1, 2, 3]
     assert load.started == Level(concurrency=2) and load.stopped
     assert measured.stable and measured.windows == 3
-    assert measured.requests == 1500
-    assert measured.throughput_per_s == pytest.approx(1000.0)
+    assert measured.requests == 1500 + 2  # plus the requests straddling the two inner boundaries
+    assert measured.throughput_per_s == pytest.approx(1502 / 1.5)
     assert measured.server is not None
     assert measured.server.per_request_us()["queue"] == pytest.approx(2.0)
     assert measured.sends == SendCounts(9, 1, 0)
@@ -165,7 +166,7 @@ def test_a_warming_level_is_stable_once_the_last_three_windows_agree() -> None:
     load = ScriptedLoad([200, 600, 1000, 1000, 1000], latency_ns=MS)
     measured, seen = measure(load)
     assert seen == [1, 2, 3, 4, 5]
-    assert measured.stable and measured.requests == 1500
+    assert measured.stable and measured.requests == 1500 + 3
 
 
 def test_an_unsteady_level_stops_at_max_trials_and_says_so() -> None:
@@ -173,7 +174,7 @@ def test_an_unsteady_level_stops_at_max_trials_and_says_so() -> None:
     measured, seen = measure(load, trials=4)
     assert seen == [1, 2, 3, 4]
     assert not measured.stable and measured.windows == 4
-    assert measured.requests == 500 + 100 + 500  # windows 2 to 4
+    assert measured.requests == 500 + 100 + 500 + 3  # windows 2 to 4, each with the request straddling its start
 
 
 def test_windows_lengthen_when_they_count_too_few_requests() -> None:
@@ -182,4 +183,5 @@ def test_windows_lengthen_when_they_count_too_few_requests() -> None:
     measure_level(load, Level(concurrency=2), Settings(500 * MS, 10.0, 4), MemorySampler(None, None),
                   on_window=lambda ws: lengths.append(ws[-1].duration_ns // MS),
                   clock=load.clock, sleep_until=load.sleep_until)
-    assert lengths == [500, 1000, 2000]  # doubled until a window holds at least 3 requests; then stable
+    # The first window holds one request: the next is twice as long and holds three (one straddled its start).
+    assert lengths == [500, 1000, 1000, 1000]
