@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -124,7 +125,8 @@ def build_edge_app(runner: EdgeRunner, *, max_input_size: int = DEFAULT_MAX_INPU
         (model + "/ready", e.model_ready, "GET"),
         (version + "/ready", e.model_ready, "GET"),
     ]
-    return Starlette(routes=[Route(path, _guarded(handler), methods=[method]) for path, handler, method in table])
+    return Starlette(routes=[Route(path, _guarded(handler), methods=[method]) for path, handler, method in table],
+                     exception_handlers={HTTPException: _routing_error})
 
 
 def _guarded(endpoint: Endpoint) -> Endpoint:
@@ -135,6 +137,13 @@ def _guarded(endpoint: Endpoint) -> Endpoint:
             return error_response(exc)
 
     return guarded
+
+
+async def _routing_error(request: Request, exc: Exception) -> Response:
+    """Unknown paths (404) and wrong methods (405), with the ``{"error": ...}`` body every other error has."""
+    assert isinstance(exc, HTTPException)
+    return Response(codec.encode_json({"error": exc.detail}), exc.status_code, headers=exc.headers,
+                    media_type=codec.JSON_TYPE)
 
 
 def _json(doc: Any) -> Response:
