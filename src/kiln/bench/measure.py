@@ -162,12 +162,12 @@ def measure_level(load: Load, level: Level, settings: Settings, memory: MemoryMe
                   sleep_until: Callable[[int], None] = _sleep_until) -> Measurement:
     """Run ``level`` on ``load`` window after window until it is stable or ``max_trials`` windows ran."""
     recorder = Recorder()
-    memory.start_level()
-    load.start(level, recorder)
     windows: list[Window] = []
     stable = False
     interval_ns = settings.interval_ns
+    memory.start_level()
     try:
+        load.start(level, recorder)  # inside: a load that fails to start still stops what it started
         start = clock()
         before = load.server_stats()
         while len(windows) < settings.max_trials and not stable:
@@ -184,6 +184,8 @@ def measure_level(load: Load, level: Level, settings: Settings, memory: MemoryMe
                 on_window(windows)
             start, before = end, after
     finally:
-        sends = load.stop()
-        figures = memory.stop_level()
+        try:
+            sends = load.stop()
+        finally:
+            figures = memory.stop_level()
     return merge(level, windows, stable, sends, figures)

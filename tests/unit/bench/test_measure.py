@@ -185,3 +185,29 @@ def test_windows_lengthen_when_they_count_too_few_requests() -> None:
                   clock=load.clock, sleep_until=load.sleep_until)
     # The first window holds one request: the next is twice as long and holds three (one straddled its start).
     assert lengths == [500, 1000, 1000, 1000]
+
+
+def test_a_load_that_fails_to_start_still_stops_the_memory_sampler_and_itself() -> None:
+    class FailingLoad(ScriptedLoad):
+        def start(self, level: Level, recorder: Recorder) -> None:
+            raise RuntimeError("engine did not load")
+
+    class Meter:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def start_level(self) -> None:
+            self.calls.append("start")
+
+        def sample(self) -> None:
+            self.calls.append("sample")
+
+        def stop_level(self) -> MemoryFigures:
+            self.calls.append("stop")
+            return NO_MEMORY
+
+    load, meter = FailingLoad([1000], latency_ns=MS), Meter()
+    with pytest.raises(RuntimeError, match="engine did not load"):
+        measure_level(load, Level(concurrency=1), Settings(500 * MS), meter, clock=load.clock,
+                      sleep_until=load.sleep_until)
+    assert meter.calls == ["start", "stop"] and load.stopped
