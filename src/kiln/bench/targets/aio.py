@@ -112,6 +112,7 @@ class AsyncTarget(Target):
 
     async def _send(self, slot: int) -> None:
         request = self.requests[next(self._next) % len(self.requests)]
+        recorder = self._recorder  # the level this request belongs to, even if it ends after the level stopped
         start = time.monotonic_ns()
         try:
             client = await self.ainfer(slot, request)
@@ -119,9 +120,9 @@ class AsyncTarget(Target):
             if not self._failed:
                 self._failed = True
                 log.warning("kiln bench: a request failed (%s: %s)", type(exc).__name__, exc)
-            self._recorder.add(RequestRecord(start, time.monotonic_ns(), False, None))
+            recorder.add(RequestRecord(start, time.monotonic_ns(), False, None))
             return
-        self._recorder.add(RequestRecord(start, time.monotonic_ns(), True, client))
+        recorder.add(RequestRecord(start, time.monotonic_ns(), True, client))
 
     async def _closed_loop(self, slot: int) -> None:
         while not self._stop.is_set():

@@ -73,6 +73,7 @@ class ThreadedTarget(Target):
 
     def _send(self, slot: int) -> None:
         request = self.requests[next(self._next) % len(self.requests)]
+        recorder = self._recorder  # the level this request belongs to, even if it ends after the level stopped
         start = time.monotonic_ns()
         try:
             client = self.infer(slot, request)
@@ -80,9 +81,9 @@ class ThreadedTarget(Target):
             if not self._failed:
                 self._failed = True
                 log.warning("kiln bench: a request failed (%s: %s)", type(exc).__name__, exc)
-            self._recorder.add(RequestRecord(start, time.monotonic_ns(), False, None))
+            recorder.add(RequestRecord(start, time.monotonic_ns(), False, None))
             return
-        self._recorder.add(RequestRecord(start, time.monotonic_ns(), True, client))
+        recorder.add(RequestRecord(start, time.monotonic_ns(), True, client))
 
     def _closed_loop(self, slot: int) -> None:
         while not self._stop.is_set():
