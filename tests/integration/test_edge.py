@@ -24,6 +24,7 @@ from kiln.demo.repository import render_config
 from kiln.edge import EdgeRunner, Policy
 from kiln.edge.cloud import CloudClient
 from kiln.engines.base import Array, Engine
+from kiln.errors import UnavailableError
 from kiln.testing.repo import write_model
 from kiln.testing.serve import KilnProcess, free_port, kiln_serve, wait_ready
 
@@ -158,6 +159,17 @@ def test_a_local_engine_failure_is_answered_by_the_cloud(repo: Path, cloud: Kiln
     assert result.source == "cloud" and result.local_outputs is None
     assert result.reasons == ["local engine failed: RuntimeError: NaN in the input"]
     assert result.outputs["OUTPUT0"].shape == (2, 10)
+
+
+def test_a_local_failure_with_the_cloud_down_fails_as_unavailable(repo: Path,
+                                                                   rows: tuple[float, Array, Array]) -> None:
+    bad = rows[1][:1].copy()
+    bad[0, 0] = np.nan
+    with EdgeRunner(FailsOnNaN(kiln.load(repo / "mlp")), f"127.0.0.1:{free_port()}", Policy()) as runner:
+        with pytest.raises(UnavailableError, match="local engine failed: RuntimeError: NaN in the input; and the "
+                                                   "cloud gave no answer: .*ConnectionRefusedError"):
+            runner.infer({"INPUT0": bad})
+        assert runner.stats.snapshot()["cloud_unreachable"] == 1
 
 
 @pytest.fixture()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,6 @@ from kiln.edge.policy import MODES, SCORES, Policy, load_hook, load_policy
 from kiln.edge.runner import EdgeRunner
 from kiln.errors import ConfigError
 
-log = logging.getLogger("kiln.edge")
-
 
 def add_edge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", type=Path, help="a model file (.onnx) or model folder (<repository>/<model>)")
@@ -26,7 +23,10 @@ def add_edge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cloud-url", default=None, metavar="HOST:PORT",
                         help="KServe V2 HTTP address of the cloud kiln server (needed unless --mode local-only)")
     parser.add_argument("--cloud-model", default=None, help="the model's name on the cloud (default: the same)")
-    parser.add_argument("--cloud-timeout-s", type=float, default=5.0, help="cloud request timeout (default 5 s)")
+    parser.add_argument("--cloud-version", default="", help="the model version to ask on the cloud (default: the "
+                                                            "cloud's choice)")
+    parser.add_argument("--cloud-timeout-s", type=float, default=5.0,
+                        help="socket timeout of cloud requests: connect and each read (default 5 s)")
     parser.add_argument("--policy", type=Path, default=None, metavar="FILE", help="routing policy JSON file")
     parser.add_argument("--mode", choices=MODES, default=None, help="default: cloud-fallback")
     parser.add_argument("--output", default=None, help="classifier output to judge (default: first 2-D float one)")
@@ -88,12 +88,14 @@ def run_edge(args: argparse.Namespace) -> int:
     from kiln.edge.http import build_edge_app
 
     policy = policy_from_args(args)
-    runner = EdgeRunner(args.model, args.cloud_url, policy, cloud_model=args.cloud_model, version=args.model_version,
+    runner = EdgeRunner(args.model, args.cloud_url, policy, cloud_model=args.cloud_model,
+                        cloud_version=args.cloud_version, version=args.model_version,
                         cloud_timeout_s=args.cloud_timeout_s, shadow_workers=args.shadow_workers,
                         shadow_queue=args.shadow_queue)
     try:
-        log.warning("kiln edge: model '%s' (%s) on http://%s:%d, cloud %s", runner.name, policy.mode, args.host,
-                    args.port, runner.cloud.url if runner.cloud else "none")
+        cloud = runner.cloud.url if runner.cloud else "none"
+        print(f"kiln edge: model '{runner.name}' ({policy.mode}) on http://{args.host}:{args.port}, cloud {cloud}",
+              flush=True)
         uvicorn.run(build_edge_app(runner), host=args.host, port=args.port, log_level="warning", access_log=False)
     finally:
         runner.close(wait_for_copies=False)

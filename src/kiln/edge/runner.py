@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 import kiln
 from kiln.config.model_dir import open_model_dir
-from kiln.edge.cloud import ANSWERED, UNREACHABLE, CloudClient, CloudResult
+from kiln.edge.cloud import ANSWERED, FAILED, UNREACHABLE, CloudClient, CloudResult, parse_url
 from kiln.edge.policy import CLOUD_FALLBACK, LOCAL_ONLY, SHADOW, Decision, Policy, decide
 from kiln.engines.base import Engine
 from kiln.engines.checks import check_inputs, check_outputs
@@ -99,14 +99,21 @@ class EdgeRunner:
         if shadow_workers < 1 or shadow_queue < 1:
             raise ConfigError(f"edge: shadow_workers ({shadow_workers}) and shadow_queue ({shadow_queue}) must be "
                               f">= 1")
-        self.engine = model if isinstance(model, Engine) else kiln.load(model, version, **load_options)
-        self.version = _served_version(model, version)
         if self.policy.mode != LOCAL_ONLY and cloud_url is None:
             raise ConfigError(f"edge: mode '{self.policy.mode}' needs a cloud url (or use mode '{LOCAL_ONLY}')")
+        if cloud_url is not None:
+            parse_url(cloud_url)  # a bad address fails before the model loads
+        self.engine = model if isinstance(model, Engine) else kiln.load(model, version, **load_options)
+        try:
+            self.version = _served_version(model, version)
+            self._check_policy()
+        except BaseException:
+            if not isinstance(model, Engine):  # an engine passed in stays the caller's to close
+                self.engine.close()
+            raise
         self.cloud = None if cloud_url is None else CloudClient(
             cloud_url, cloud_model or self.engine.name, version=cloud_version, timeout_s=cloud_timeout_s)
         self.stats = EdgeStats()
-        self._check_policy()
         self._engine_lock = None if self.engine.thread_safe else threading.Lock()
         self._shadow = concurrent.futures.ThreadPoolExecutor(shadow_workers, thread_name_prefix="kiln-edge-shadow")
         self._shadow_slots = threading.BoundedSemaphore(shadow_queue)
@@ -166,15 +173,10 @@ class EdgeRunner:
     def _from_cloud(self, arrays: Mapping[str, Array], names: Sequence[str], decision: Decision,
                     local: dict[str, Array]) -> EdgeResult:
         assert self.policy.mode == CLOUD_FALLBACK
-        result = self._ask_cloud(arrays)
-        answer = {name: local[name] for name in names}
+        result = self._ask_cloud(arrays, names)
         if not result.ok:
+            answer = {name: local[name] for name in names}
             return EdgeResult(answer, _fallback_source(result), decision.reasons, local, cloud_error=result.error)
-        missing = [name for name in names if name not in (result.outputs or {})]
-        if missing:
-            self.stats.add(cloud_errors=1)
-            error = f"the cloud's answer lacks output '{missing[0]}'"
-            return EdgeResult(answer, LOCAL_CLOUD_ERROR, decision.reasons, local, cloud_error=error)
         cloud = result.outputs or {}
         return EdgeResult({name: cloud[name] for name in names}, CLOUD, decision.reasons, local, cloud)
 
@@ -185,16 +187,21 @@ class EdgeRunner:
         if self.policy.mode == LOCAL_ONLY or not self.policy.forward_on_error or self.cloud is None:
             raise exc
         self.stats.add(flagged=1)
-        result = self._ask_cloud(arrays)
-        cloud = result.outputs or {}
-        if not result.ok or any(name not in cloud for name in names):
+        result = self._ask_cloud(arrays, names)
+        if not result.ok:
             raise UnavailableError(f"model '{self.name}': {reason}; and the cloud gave no answer: "
-                                   f"{result.error or 'outputs missing'}") from exc
+                                   f"{result.error}") from exc
+        cloud = result.outputs or {}
         return EdgeResult({name: cloud[name] for name in names}, CLOUD, [reason], None, cloud)
 
-    def _ask_cloud(self, arrays: Mapping[str, Array]) -> CloudResult:
+    def _ask_cloud(self, arrays: Mapping[str, Array], names: Sequence[str]) -> CloudResult:
+        """The cloud's answer; one that lacks an output in ``names`` counts as a cloud error."""
         assert self.cloud is not None
         result = self.cloud.infer(arrays)
+        missing = [name for name in names if name not in (result.outputs or {})]
+        if result.ok and missing:
+            result = CloudResult(FAILED, error=f"{self.cloud.url}{self.cloud.path}: the answer lacks output "
+                                               f"'{missing[0]}'")
         if result.status == ANSWERED:
             self.stats.add(cloud_answers=1)
         elif result.status == UNREACHABLE:
@@ -217,7 +224,7 @@ class EdgeRunner:
 
     def _shadow_one(self, arrays: Mapping[str, Array]) -> None:
         try:
-            result = self._ask_cloud(arrays)
+            result = self._ask_cloud(arrays, ())
             if result.ok:
                 self.stats.add(shadow_sent=1)
             else:

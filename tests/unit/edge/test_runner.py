@@ -116,3 +116,8 @@ def test_local_failure_without_a_cloud_fails_the_request(mlp_file: Path) -> None
 def test_shadow_settings_must_be_positive(mlp_file: Path) -> None:
     with pytest.raises(ConfigError, match="shadow_workers"):
         EdgeRunner(mlp_file, policy=Policy(mode="local-only"), shadow_queue=0)
+
+
+def test_a_bad_cloud_url_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cloud url 'https://cloud:443'"):
+        EdgeRunner(tmp_path / "absent.onnx", "https://cloud:443", Policy())
