@@ -14,6 +14,7 @@ from pathlib import Path
 from kiln.advise.cli import add_advise_arguments, run_advise
 from kiln.bench.cli import add_bench_arguments, run_bench
 from kiln.bench.compare_cli import add_compare_arguments, run_compare
+from kiln.edge.cli import add_calibrate_arguments, add_edge_arguments, run_calibrate, run_edge
 from kiln.errors import InvalidArgumentError, KilnError
 
 
@@ -22,6 +23,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments[:2] == ["bench", "compare"]:  # `bench` takes a required -m, so compare is its own command
         arguments = ["bench-compare", *arguments[2:]]
+    if arguments[:2] == ["edge", "calibrate"]:  # likewise: `edge` takes a model path
+        arguments = ["edge-calibrate", *arguments[2:]]
     args = parser.parse_args(arguments)
     try:
         result: int = args.run(args)
@@ -56,6 +59,14 @@ def _parser() -> argparse.ArgumentParser:
                                   "compare`): direct vs served vs served beside other models, with a report")
     add_compare_arguments(compare)
     compare.set_defaults(run=run_compare)
+    edge = commands.add_parser("edge", help="run a model at the edge: answer locally, route uncertain or anomalous "
+                                            "requests to a cloud kiln server")
+    add_edge_arguments(edge)
+    edge.set_defaults(run=run_edge)
+    calibrate = commands.add_parser("edge-calibrate", help="write the calibration statistics the edge's range "
+                                                          "checks read (also `kiln edge calibrate`)")
+    add_calibrate_arguments(calibrate)
+    calibrate.set_defaults(run=run_calibrate)
     advise = commands.add_parser("advise", help="direct engine, server or both: the decision rules, with measured "
                                                 "evidence")
     add_advise_arguments(advise)

@@ -23,6 +23,8 @@ RULES = {
     # advise reads result files; bench is a client and drives servers only through their protocols or Server.
     "advise": (*TRANSPORTS, "kiln.server", "kiln.engines", "kiln.build", "kiln.bench"),
     "bench": ("kiln.frontends.http", "kiln.service", "starlette", "uvicorn", "kiln.build", "kiln.advise"),
+    # The edge runs an engine and an HTTP endpoint of its own; it never runs the server's service or builds.
+    "edge": ("kiln.service", "kiln.build", "kiln.advise"),
 }
 
 
