@@ -292,7 +292,7 @@ class Server:
                 scheduler, batch_size = self._admit(request)
                 response = await scheduler.submit(request, batch_size)
             if lease is not None:
-                lease.write_outputs(request, response)
+                lease.finish(request, response)
             return response
         finally:
             if lease is not None:
@@ -312,7 +312,7 @@ class Server:
                 scheduler, batch_size = self._admit(request)
                 response = scheduler.submit_sync(request, batch_size)
             if lease is not None:
-                lease.write_outputs(request, response)
+                lease.finish(request, response)
             return response
         finally:
             if lease is not None:

@@ -5,19 +5,26 @@ A region is a named window (``offset``, ``byte_size``) into a POSIX shared-memor
 into the server; request inputs that name a region become read-only numpy views over the mapping (no copy), and
 outputs that name one are written into it.
 
-Safety: every offset and size is checked against the region; a region counts the requests using it, so
-unregistering a busy region waits (bounded) and then fails instead of unmapping memory under a running request;
-before each use the key is checked to still name the object that was mapped, so a region whose object was
-destroyed or truncated gives a clear error instead of a crash (SIGBUS) on access.
+Safety: every offset and size is checked against the region; keys must name regular files directly (no
+symbolic links, so a region cannot become a window onto another file). A region counts the requests using it,
+so unregistering a busy region waits (bounded) and then fails instead of unmapping memory under a running
+request, and outputs that are views of region memory are copied before the request lets go of its regions.
+When a request acquires its regions, and again before it writes an output, the key is checked to still name the
+object that was mapped at its full size. That check is best-effort: it turns an object destroyed, replaced or
+shrunk *before* the check into a clear error, but a client that truncates the object while a request is reading
+or writing it can still crash the server (SIGBUS); only trusted clients may use shared memory.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,14 +59,28 @@ class _Region:
     memory: mmap.mmap
     inode: tuple[int, int]  # (st_dev, st_ino) of the object when it was mapped
     inflight: int = 0
-    closing: bool = False
+    unregistering: int = 0  # unregister calls waiting for in-flight requests; new requests are refused meanwhile
+    closed: bool = False
+    guard: threading.Lock = field(default_factory=threading.Lock)  # orders close() against reads and writes
 
     def close(self) -> None:
-        try:
-            self.memory.close()
-        except BufferError:
-            pass  # a numpy view still exists somewhere; the mapping goes when the last one is collected
-        os.close(self.fd)
+        """Unmap and close the descriptor, once: a second close must not close a descriptor number reused since."""
+        with self.guard:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self.memory.close()
+            except BufferError:
+                pass  # a numpy view still exists somewhere; the mapping goes when the last one is collected
+            os.close(self.fd)
+
+    @contextmanager
+    def open_for(self, where: str) -> Iterator[mmap.mmap]:
+        """The mapping, kept open for the duration; a closed region is a kiln error, not a closed-mmap ValueError."""
+        with self.guard:
+            _check_open(self, where)
+            yield self.memory
 
 
 class SharedMemoryRegistry:
@@ -108,19 +129,22 @@ class SharedMemoryRegistry:
             names = [name] if name else sorted(self._regions)
             regions = [r for r in (self._regions.get(n) for n in names) if r is not None]
             for region in regions:
-                region.closing = True  # new requests are refused while we wait
+                region.unregistering += 1
             deadline = time.monotonic() + self._busy_timeout_s
-            while any(r.inflight for r in regions) and (left := deadline - time.monotonic()) > 0:
+            while any(r.inflight and not r.closed for r in regions) and (left := deadline - time.monotonic()) > 0:
                 self._changed.wait(left)
-            busy = [r for r in regions if r.inflight]
+            busy: list[tuple[str, int]] = []
             for region in regions:
+                region.unregistering -= 1
+                if self._regions.get(region.status.name) is not region:
+                    continue  # another unregister (or shutdown) removed it while we waited; it may be registered anew
                 if region.inflight:
-                    region.closing = False
+                    busy.append((region.status.name, region.inflight))
                 else:
                     del self._regions[region.status.name]
                     region.close()
         if busy:
-            listed = ", ".join(f"'{r.status.name}' ({r.inflight} request(s))" for r in busy)
+            listed = ", ".join(f"'{name}' ({count} request(s))" for name, count in busy)
             raise UnavailableError(f"cannot unregister shared memory region(s) {listed}: still in use by "
                                    f"in-flight requests after {self._busy_timeout_s:g}s; retry when they finish")
 
@@ -130,6 +154,7 @@ class SharedMemoryRegistry:
             for region in self._regions.values():
                 region.close()
             self._regions.clear()
+            self._changed.notify_all()  # unregister calls still waiting find their regions gone
 
     def _path(self, name: str, key: str) -> Path:
         # A POSIX shm name is one component: refuse anything that could reach outside the shm folder.
@@ -169,9 +194,9 @@ class SharedMemoryRegistry:
                 region = self._regions.get(name)
                 if region is None:
                     raise NotFoundError(f"Unable to find shared memory region: '{name}' (register it first)")
-                if region.closing:
+                if region.unregistering:
                     raise UnavailableError(f"shared memory region '{name}' is being unregistered")
-                _check_alive(region)
+                _check_alive(region, f"shared memory region '{name}'")
                 held[name] = region
             for region in held.values():
                 region.inflight += 1
@@ -211,27 +236,40 @@ class RegionLease:
         region, start = self.window(ref, where)
         count = element_count(shape)
         if datatype is DataType.BYTES:
-            try:
-                return decode_bytes(memoryview(region.memory)[start:start + ref.byte_size], count).reshape(shape)
-            except InvalidArgumentError as exc:
-                raise InvalidArgumentError(f"{where} (BYTES in shared memory region '{ref.region}'): "
-                                           f"{exc.message}") from None
+            with region.open_for(where) as memory:
+                try:
+                    return decode_bytes(memoryview(memory)[start:start + ref.byte_size], count).reshape(shape)
+                except InvalidArgumentError as exc:
+                    raise InvalidArgumentError(f"{where} (BYTES in shared memory region '{ref.region}'): "
+                                               f"{exc.message}") from None
         needed = count * datatype.numpy_dtype.itemsize
         if ref.byte_size != needed:
             raise InvalidArgumentError(f"{where}: shared_memory_byte_size is {ref.byte_size} but shape "
                                        f"{list(shape)} of {datatype.wire_name} needs {needed} bytes")
-        view = np.frombuffer(region.memory, dtype=datatype.numpy_dtype, count=count, offset=start)
+        with region.open_for(where) as memory:
+            view = np.frombuffer(memory, dtype=datatype.numpy_dtype, count=count, offset=start)
         view.flags.writeable = False
         return view.reshape(shape)
 
-    def write_outputs(self, request: InferRequest, response: InferResponse) -> None:
-        """Copy every output the request asked for in shared memory into its region; the response keeps only
-        the parameters that say where the data went."""
+    def finish(self, request: InferRequest, response: InferResponse) -> None:
+        """Before :meth:`release`: write every output the request asked for in shared memory into its region (the
+        response keeps only the parameters that say where the data went), and give every other output that
+        views region memory (a model returning its input) its own copy, since the frontend serialises it after
+        the regions may be unregistered, truncated or reused by the client."""
         wanted = {o.name: o.shared_memory for o in request.outputs if o.shared_memory is not None}
-        if not wanted:
-            return
         response.outputs = [self._write(output, wanted[output.name], response.model_name)
-                            if output.name in wanted else output for output in response.outputs]
+                            if output.name in wanted else self._own(output)
+                            for output in response.outputs]
+
+    def _own(self, output: OutputTensor) -> OutputTensor:
+        for region in self.regions.values():
+            with region.guard:
+                if region.memory.closed:
+                    continue  # really unmapped (close() found no view of it), so the output cannot be one
+                # may_share_memory compares bounds only: a false positive costs a copy, never a wrong answer.
+                if np.may_share_memory(output.data, np.frombuffer(region.memory, np.uint8)):
+                    return replace(output, data=output.data.copy())
+        return output
 
     def _write(self, output: OutputTensor, ref: SharedMemoryRef, model: str) -> OutputTensor:
         where = f"model '{model}': output '{output.name}'"
@@ -244,8 +282,9 @@ class RegionLease:
         if blob.nbytes > ref.byte_size:
             raise InvalidArgumentError(f"{where} has {blob.nbytes} bytes (shape {list(output.shape)}) but "
                                        f"shared_memory_byte_size in region '{ref.region}' is {ref.byte_size}")
-        _check_alive(region)
-        region.memory[start:start + blob.nbytes] = blob
+        with region.guard:
+            _check_alive(region, f"{where} (shared memory region '{ref.region}')")
+            region.memory[start:start + blob.nbytes] = blob
         parameters = {**output.parameters, "shared_memory_region": ref.region,
                       "shared_memory_byte_size": blob.nbytes}
         if ref.offset:
@@ -261,16 +300,21 @@ class RegionLease:
 def _map(status: RegionStatus, path: Path) -> _Region:
     what = f"shared memory region '{status.name}'"
     try:
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        # O_NOFOLLOW: a symbolic link in the shm folder would make the region a window onto any file we can write.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise InvalidArgumentError(f"cannot register {what}: no shared memory object with key '{status.key}' "
                                    f"exists; create it first (e.g. tritonclient.utils.shared_memory."
                                    f"create_shared_memory_region)") from None
     except OSError as exc:
+        reason = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
         raise InvalidArgumentError(f"cannot register {what}: shared memory object '{status.key}' cannot be "
-                                   f"opened for reading and writing: {exc.strerror}") from None
+                                   f"opened for reading and writing: {reason}") from None
     try:
         info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidArgumentError(f"cannot register {what}: key '{status.key}' is not a shared memory object "
+                                       f"(not a regular file)")
         end = status.offset + status.byte_size
         if end > info.st_size:
             raise InvalidArgumentError(f"cannot register {what}: offset {status.offset} + byte_size "
@@ -283,17 +327,26 @@ def _map(status: RegionStatus, path: Path) -> _Region:
     return _Region(status, path, fd, memory, (info.st_dev, info.st_ino))
 
 
-def _check_alive(region: _Region) -> None:
+def _check_open(region: _Region, where: str) -> None:
+    if region.closed:
+        raise UnavailableError(f"{where}: shared memory region '{region.status.name}' was unmapped while the "
+                               f"request used it (server shutting down)")
+
+
+def _check_alive(region: _Region, where: str) -> None:
     """The key must still name the object we mapped, at its full size: touching a truncated mapping kills the
-    process with SIGBUS, and a destroyed object means the client can no longer see what we write."""
+    process with SIGBUS, and a destroyed object means the client can no longer see what we write. Best-effort:
+    nothing stops the client from truncating the object right after this check."""
+    _check_open(region, where)
     status = region.status
     try:
-        current = os.stat(region.path)
+        current = os.lstat(region.path)  # lstat: a symbolic link put in the key's place is not the object
     except OSError:
         current = None
     if current is None or (current.st_dev, current.st_ino) != region.inode:
         raise NotFoundError(f"shared memory region '{status.name}': shared memory object '{status.key}' no longer "
-                            f"exists (destroyed after registration?); unregister the region and register it again")
+                            f"exists (destroyed or replaced after registration?); unregister the region and "
+                            f"register it again")
     if os.fstat(region.fd).st_size < status.offset + status.byte_size:
         raise NotFoundError(f"shared memory region '{status.name}': shared memory object '{status.key}' shrank "
                             f"below offset + byte_size = {status.offset + status.byte_size} bytes after "
