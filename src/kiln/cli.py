@@ -190,6 +190,11 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
                        help="let clients register system shared-memory regions and pass tensors in them "
                             "(default false: a client could make the server read and write any shared-memory "
                             "object the server's user can open)")
+    serve.add_argument("--allow-model-download", action="store_true",
+                       help="serve model version files with checksums to edges that sync (a kiln extension; "
+                            "off by default)")
+    serve.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"), metavar="KEY",
+                       help="bearer token the model-download endpoints require (default: env KILN_API_KEY)")
     serve.add_argument("--log-verbose", type=int, default=0, help="0 = info, 1 or more = debug")
     serve.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
     serve.set_defaults(run=_serve)
@@ -243,7 +248,7 @@ def _serve(args: argparse.Namespace) -> int:
         control_mode=args.model_control_mode, load_models=tuple(args.load_model),
         repository_poll_secs=args.repository_poll_secs, exit_on_error=args.exit_on_error,
         model_load_thread_count=args.model_load_thread_count, allow_client_shm=args.allow_client_shm,
-        metrics=metrics,
+        allow_model_download=args.allow_model_download, api_key=args.api_key or None, metrics=metrics,
     )
     return run_service(options)
 

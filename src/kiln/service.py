@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from kiln.frontends.grpc.server import start_grpc_server
 from kiln.frontends.http.app import build_app
+from kiln.frontends.http.files import DownloadOptions
 from kiln.frontends.metrics import METRICS_CONTENT_TYPE, MetricsOptions, metrics_registry, render_metrics
 from kiln.server.server import Server, ServerOptions
 
@@ -53,6 +54,8 @@ class ServiceOptions:
     exit_on_error: bool = True
     model_load_thread_count: int = 4
     allow_client_shm: bool = False
+    allow_model_download: bool = False
+    api_key: str | None = None  # required by the model-download endpoints when set
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
 
 
@@ -91,7 +94,9 @@ class Service:
             return 1
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        http = self._uvicorn(build_app(self.server, max_input_size=self.options.http_max_input_size),
+        http = self._uvicorn(build_app(self.server, max_input_size=self.options.http_max_input_size,
+                                       downloads=DownloadOptions(self.options.allow_model_download,
+                                                                 self.options.api_key)),
                              self.options.http_port) if self.options.allow_http else None
         metrics = self._uvicorn(_metrics_app(self.server, self.options.metrics), self.options.metrics_port) \
             if self.options.allow_metrics else None

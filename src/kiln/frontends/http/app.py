@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from kiln.frontends.http.endpoints import Endpoints, error_response
+from kiln.frontends.http.files import DownloadOptions, FileEndpoints
 from kiln.server.server import Server
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -24,13 +25,16 @@ _SYSTEM_SHM = "/v2/systemsharedmemory"
 _CUDA_SHM = "/v2/cudasharedmemory"
 
 
-def build_app(server: Server, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE) -> Starlette:
-    """An ASGI app serving ``server`` over HTTP; request bodies larger than ``max_input_size`` bytes get 400."""
-    return Starlette(routes=_routes(Endpoints(server, max_input_size)),
+def build_app(server: Server, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE,
+              downloads: DownloadOptions | None = None) -> Starlette:
+    """An ASGI app serving ``server`` over HTTP; request bodies larger than ``max_input_size`` bytes get 400.
+    ``downloads`` configures the model-file extension (off by default, see files.py)."""
+    files = FileEndpoints(server, downloads or DownloadOptions())
+    return Starlette(routes=_routes(Endpoints(server, max_input_size), files),
                      exception_handlers={HTTPException: _http_error, Exception: _unexpected})
 
 
-def _routes(e: Endpoints) -> list[BaseRoute]:
+def _routes(e: Endpoints, f: FileEndpoints) -> list[BaseRoute]:
     table: list[tuple[str, Endpoint, str]] = [
         # Inference first: the router tries routes in order.
         (_MODEL + "/infer", e.infer, "POST"),
@@ -51,6 +55,8 @@ def _routes(e: Endpoints) -> list[BaseRoute]:
         ("/v2/repository/{repository}/index", e.repository_index, "POST"),
         ("/v2/repository/models/{model}/load", e.load_model, "POST"),
         ("/v2/repository/models/{model}/unload", e.unload_model, "POST"),
+        ("/v2/kiln/models/{model}/versions/{version}/files", f.list_files, "GET"),
+        ("/v2/kiln/models/{model}/versions/{version}/files/{path:path}", f.download, "GET"),
     ]
     table += [
         (_SYSTEM_SHM + "/status", e.system_shared_memory_status, "GET"),
