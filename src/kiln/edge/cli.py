@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 from kiln.edge.calibration import load_calibration, write_calibration
 from kiln.edge.policy import MODES, SCORES, Policy, load_hook, load_policy
 from kiln.edge.runner import EdgeRunner
+from kiln.edge.sync import HttpSyncSource, ModelSync, SyncOptions
 from kiln.errors import ConfigError
 
 
@@ -51,6 +53,15 @@ def add_edge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shadow-workers", type=int, default=2, help="threads sending shadow copies (default 2)")
     parser.add_argument("--shadow-queue", type=int, default=64,
                         help="shadow copies waiting at most; more are dropped and counted (default 64)")
+    parser.add_argument("--sync-interval-s", type=float, default=0.0,
+                        help="poll the cloud for a newer version of the model every S seconds (0 = off; needs "
+                             "kiln serve --allow-model-download on the cloud)")
+    parser.add_argument("--cloud-api-key", default=os.environ.get("KILN_API_KEY"), metavar="KEY",
+                        help="API key sent to the cloud as a bearer token (default: env KILN_API_KEY)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="model folder that receives synced versions (default: the model folder given)")
+    parser.add_argument("--probation-requests", type=int, default=20,
+                        help="a synced version's first N local runs; an engine error among them rolls it back")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
 
@@ -92,14 +103,35 @@ def run_edge(args: argparse.Namespace) -> int:
                         cloud_version=args.cloud_version, version=args.model_version,
                         cloud_timeout_s=args.cloud_timeout_s, shadow_workers=args.shadow_workers,
                         shadow_queue=args.shadow_queue)
+    sync = None
     try:
+        sync = start_sync(args, runner)
         cloud = runner.cloud.url if runner.cloud else "none"
         print(f"kiln edge: model '{runner.name}' ({policy.mode}) on http://{args.host}:{args.port}, cloud {cloud}",
               flush=True)
         uvicorn.run(build_edge_app(runner), host=args.host, port=args.port, log_level="warning", access_log=False)
     finally:
+        if sync is not None:
+            sync.close()
         runner.close(wait_for_copies=False)
     return 0
+
+
+def start_sync(args: argparse.Namespace, runner: EdgeRunner) -> ModelSync | None:
+    """The model-sync watcher the flags ask for, started (None when --sync-interval-s is 0)."""
+    if args.sync_interval_s <= 0:
+        return None
+    if args.cloud_url is None:
+        raise ConfigError("--sync-interval-s needs --cloud-url (the server to take new versions from)")
+    model_dir = args.model_dir or args.model
+    if not Path(model_dir).is_dir():
+        raise ConfigError(f"--sync-interval-s needs a model folder to write versions into; '{model_dir}' is not a "
+                          f"folder (give --model-dir)")
+    source = HttpSyncSource(args.cloud_url, api_key=args.cloud_api_key, timeout_s=max(args.cloud_timeout_s, 30.0))
+    sync = ModelSync(runner, source, Path(model_dir), model=args.cloud_model,
+                     options=SyncOptions(args.sync_interval_s, args.probation_requests))
+    sync.start()
+    return sync
 
 
 def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:

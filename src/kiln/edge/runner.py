@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -103,54 +103,81 @@ class EdgeRunner:
             raise ConfigError(f"edge: mode '{self.policy.mode}' needs a cloud url (or use mode '{LOCAL_ONLY}')")
         if cloud_url is not None:
             parse_url(cloud_url)  # a bad address fails before the model loads
-        self.engine = model if isinstance(model, Engine) else kiln.load(model, version, **load_options)
+        engine = model if isinstance(model, Engine) else kiln.load(model, version, **load_options)
         try:
-            self.version = _served_version(model, version)
-            self._check_policy()
+            self._slot = _Slot(engine, _served_version(model, version))
+            self._check_policy(engine)
         except BaseException:
             if not isinstance(model, Engine):  # an engine passed in stays the caller's to close
-                self.engine.close()
+                engine.close()
             raise
         self.cloud = None if cloud_url is None else CloudClient(
-            cloud_url, cloud_model or self.engine.name, version=cloud_version, timeout_s=cloud_timeout_s)
+            cloud_url, cloud_model or engine.name, version=cloud_version, timeout_s=cloud_timeout_s)
         self.stats = EdgeStats()
-        self._engine_lock = None if self.engine.thread_safe else threading.Lock()
+        self._swap = threading.Condition()
+        # Called after each local run with (version, succeeded); model sync watches a new version through it.
+        self.on_local_result: Callable[[str, bool], None] | None = None
         self._shadow = concurrent.futures.ThreadPoolExecutor(shadow_workers, thread_name_prefix="kiln-edge-shadow")
         self._shadow_slots = threading.BoundedSemaphore(shadow_queue)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine serving now (another may replace it: see :meth:`swap_engine`)."""
+        return self._slot.engine
+
+    @property
+    def version(self) -> str:
+        """The version folder the serving engine came from ("" when unknown)."""
+        return self._slot.version
 
     @property
     def name(self) -> str:
         return self.engine.name
 
-    def _check_policy(self) -> None:
+    def swap_engine(self, engine: Engine, version: str) -> Engine:
+        """Serve ``engine`` from now on and return the previous one once no local run uses it any more; the
+        caller closes it (or swaps it back). Requests that started before the swap finish on the previous engine."""
+        if engine.name != self.name:
+            raise ConfigError(f"edge: cannot swap model '{engine.name}' in for model '{self.name}'")
+        self._check_policy(engine)
+        with self._swap:
+            previous, self._slot = self._slot, _Slot(engine, version)
+            self._swap.wait_for(lambda: previous.inflight == 0)
+        return previous.engine
+
+    def _check_policy(self, engine: Engine) -> None:
         """Refuse a policy that cannot apply to this model, at start rather than on the first request."""
-        outputs = {t.name: t for t in self.engine.outputs}
+        outputs = {t.name: t for t in engine.outputs}
         if self.policy.output is not None and self.policy.output not in outputs:
             raise ConfigError(f"edge policy: output '{self.policy.output}' is not an output of model "
-                              f"'{self.name}' (outputs: {', '.join(outputs)})")
-        inputs = {t.name for t in self.engine.inputs}
+                              f"'{engine.name}' (outputs: {', '.join(outputs)})")
+        inputs = {t.name for t in engine.inputs}
         unknown = [name for name in self.policy.input_bounds if name not in inputs]
         if unknown:
             raise ConfigError(f"edge policy: input_bounds names '{unknown[0]}', not an input of model "
-                              f"'{self.name}' (inputs: {', '.join(sorted(inputs))})")
-        batch = 1 if self.engine.spec.batching else 0
-        classifiers = [t.name for t in self.engine.outputs
+                              f"'{engine.name}' (inputs: {', '.join(sorted(inputs))})")
+        batch = 1 if engine.spec.batching else 0
+        classifiers = [t.name for t in engine.outputs
                        if batch + len(t.dims) == 2 and t.datatype.numpy_dtype.kind == "f"]
         if self.policy.checks_uncertainty and self.policy.output is None and not classifiers:
-            raise ConfigError(f"edge policy: model '{self.name}' has no 2-D float output for the uncertainty "
+            raise ConfigError(f"edge policy: model '{engine.name}' has no 2-D float output for the uncertainty "
                               f"criteria; name the output to read with 'output'")
 
     # -- inference -------------------------------------------------------------------------------------------
 
     def infer(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None = None) -> EdgeResult:
         """Answer one request. Bad inputs raise InvalidArgumentError (nothing is forwarded for them)."""
-        arrays = check_inputs(self.engine.spec, inputs)
-        names = check_outputs(self.engine.spec, outputs)
-        self.stats.add(requests=1)
+        slot = self._enter()
         try:
-            local = self._run_local(arrays)
-        except Exception as exc:
-            return self._on_local_failure(arrays, names, exc)
+            arrays = check_inputs(slot.engine.spec, inputs)
+            names = check_outputs(slot.engine.spec, outputs)
+            self.stats.add(requests=1)
+            local = _run_or_error(slot, arrays)
+        finally:
+            self._leave(slot)
+        self._report(slot.version, not isinstance(local, Exception))
+        if isinstance(local, Exception):
+            return self._on_local_failure(arrays, names, local)
         decision = decide(self.policy, arrays, local)
         answer = {name: local[name] for name in names}
         if decision.forward:
@@ -162,13 +189,21 @@ class EdgeRunner:
             return EdgeResult(answer, LOCAL, decision.reasons, local)
         return self._from_cloud(arrays, names, decision, local)
 
-    def _run_local(self, arrays: Mapping[str, Array]) -> dict[str, Array]:
-        # Every output is computed: the policy may read one the caller did not ask for.
-        every = [t.name for t in self.engine.outputs]
-        if self._engine_lock is None:
-            return self.engine.execute(arrays, every)
-        with self._engine_lock:
-            return self.engine.execute(arrays, every)
+    def _enter(self) -> _Slot:
+        with self._swap:
+            slot = self._slot
+            slot.inflight += 1
+            return slot
+
+    def _leave(self, slot: _Slot) -> None:
+        with self._swap:
+            slot.inflight -= 1
+            self._swap.notify_all()
+
+    def _report(self, version: str, ok: bool) -> None:
+        hook = self.on_local_result
+        if hook is not None:
+            hook(version, ok)
 
     def _from_cloud(self, arrays: Mapping[str, Array], names: Sequence[str], decision: Decision,
                     local: dict[str, Array]) -> EdgeResult:
@@ -248,6 +283,32 @@ class EdgeRunner:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+class _Slot:
+    """An engine with its version, the lock that serializes it when it is not thread-safe, and its local runs in
+    flight (a swapped-out engine is handed back only when they are done)."""
+
+    def __init__(self, engine: Engine, version: str) -> None:
+        self.engine = engine
+        self.version = version
+        self.inflight = 0
+        self._lock = None if engine.thread_safe else threading.Lock()
+
+    def run(self, arrays: Mapping[str, Array]) -> dict[str, Array]:
+        # Every output is computed: the policy may read one the caller did not ask for.
+        every = [t.name for t in self.engine.outputs]
+        if self._lock is None:
+            return self.engine.execute(arrays, every)
+        with self._lock:
+            return self.engine.execute(arrays, every)
+
+
+def _run_or_error(slot: _Slot, arrays: Mapping[str, Array]) -> dict[str, Array] | Exception:
+    try:
+        return slot.run(arrays)
+    except Exception as exc:
+        return exc
 
 
 def _fallback_source(result: CloudResult) -> str:
