@@ -8,7 +8,9 @@ READY and listed); the edge downloads bytes that do not load, rejects the versio
 
 from __future__ import annotations
 
+import argparse
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +22,7 @@ import kiln
 from kiln.demo.models import build_mlp
 from kiln.demo.repository import render_config
 from kiln.edge import EdgeRunner, Policy
+from kiln.edge.cli import add_edge_arguments, start_sync
 from kiln.edge.sync import HttpSyncSource, ModelSync, SyncError, SyncOptions
 from kiln.testing.repo import write_model
 from kiln.testing.serve import kiln_serve
@@ -36,6 +39,31 @@ def publish(repo: Path, version: int, seed: int) -> Path:
     (staging / "model.onnx").write_bytes(model.SerializeToString())
     staging.rename(repo / "mlp" / str(version))
     return repo / "mlp"
+
+
+class Traffic:
+    """Requests sent back to back to the edge from a thread, counting any that fail."""
+
+    def __init__(self, edge: EdgeRunner, inputs: dict[str, np.ndarray]) -> None:
+        self.edge, self.inputs = edge, inputs
+        self.answered = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.edge.infer(self.inputs)
+                self.answered += 1
+            except Exception as exc:
+                self.failures.append(repr(exc))
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float) -> float:
@@ -60,8 +88,13 @@ def test_published_version_reaches_the_edge_and_a_corrupt_one_is_rejected(tmp_pa
         with pytest.raises(SyncError, match="401"):  # the download endpoints want the key
             HttpSyncSource(cloud.http_url).list_files("mlp", 1)
         source = HttpSyncSource(cloud.http_url, api_key=KEY)
-        sync = ModelSync(edge, source, edge_dir, options=SyncOptions(interval_s=INTERVAL_S, probation_requests=1))
-        sync.start()
+        parser = argparse.ArgumentParser()
+        add_edge_arguments(parser)
+        args = parser.parse_args([str(edge_dir), "--cloud-url", cloud.http_url, "--sync-interval-s", str(INTERVAL_S),
+                                  "--cloud-api-key", KEY, "--probation-requests", "1"])
+        sync = start_sync(args, edge)  # what `kiln edge` runs
+        assert sync is not None
+        load = Traffic(edge, x)
         try:
             publish(cloud_repo, 2, seed=1)
             wait_for(lambda: 2 in source.ready_versions("mlp"), 15)
@@ -73,7 +106,9 @@ def test_published_version_reaches_the_edge_and_a_corrupt_one_is_rejected(tmp_pa
             np.testing.assert_allclose(answer, v2, rtol=1e-6)
             assert not np.allclose(answer, v1)
         finally:
+            load.stop()
             sync.close()
+        assert load.answered > 0 and load.failures == []  # the swap dropped no request
         # v3 is published and loaded by the cloud while the edge is not watching; then its file is damaged.
         publish(cloud_repo, 3, seed=2)
         wait_for(lambda: 3 in source.ready_versions("mlp"), 15)

@@ -138,6 +138,7 @@ class ModelSync:
         self._lock = threading.Lock()
         self._previous: tuple[Engine, str] | None = None  # kept for rollback while on probation
         self._config_backup: bytes | None = None
+        self._watched: str | None = None  # the version on probation
         self._probation = 0
         self._failed = False
         self._wake = threading.Event()
@@ -155,7 +156,7 @@ class ModelSync:
             return None  # one new version at a time
         try:
             versions = self.source.ready_versions(self.model)
-        except (OSError, http.client.HTTPException, SyncError, ValueError, KeyError) as exc:
+        except (OSError, http.client.HTTPException, SyncError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.info("model '%s': cloud index not available: %s", self.model, exc)
             return None
         current = int(self.runner.version) if self.runner.version.isdigit() else 0
@@ -165,7 +166,7 @@ class ModelSync:
         version = newer[-1]
         try:
             self._take(version)
-        except (SyncError, KilnError, OSError, http.client.HTTPException, ValueError, KeyError) as exc:
+        except (SyncError, KilnError, OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as exc:
             self._reject(version, str(exc))
             return None
         return version
@@ -185,9 +186,18 @@ class ModelSync:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         old_version = self.runner.version
-        old = self.runner.swap_engine(engine, str(version))
+        with self._lock:  # before the swap, so the very first requests on the new version count
+            self._watched, self._probation, self._failed = str(version), self.options.probation_requests, False
+        try:
+            old = self.runner.swap_engine(engine, str(version))
+        except BaseException:
+            with self._lock:
+                self._watched = None
+            engine.close()
+            self._uninstall(version)
+            raise
         with self._lock:
-            self._previous, self._probation, self._failed = (old, old_version), self.options.probation_requests, False
+            self._previous = (old, old_version)
         log.info("model '%s': version %d is serving (was %s); on probation for %d requests", self.model, version,
                  old_version or "unversioned", self.options.probation_requests)
 
@@ -222,7 +232,7 @@ class ModelSync:
 
     def _on_result(self, version: str, ok: bool) -> None:
         with self._lock:
-            if self._previous is None or self._probation == 0 or version != self.runner.version:
+            if version != self._watched or self._probation == 0:
                 return
             if not ok:
                 self._failed = True
@@ -247,7 +257,7 @@ class ModelSync:
             self._reject(int(bad), "the local engine failed on a request during probation; rolled back to "
                                    f"version {previous[1] or 'unversioned'}")
         with self._lock:
-            self._previous, self._failed = None, False
+            self._previous, self._watched, self._failed = None, None, False
 
     def _uninstall(self, version: int) -> None:
         shutil.rmtree(self.model_dir / str(version), ignore_errors=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import threading
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ import kiln
 from kiln.demo.models import build_mlp
 from kiln.demo.repository import render_config
 from kiln.edge import EdgeRunner, Policy
+from kiln.edge.cli import add_edge_arguments, start_sync
 from kiln.edge.sync import REJECTED_FILE, ModelSync, RemoteFile, SyncOptions, smoke_test, zero_inputs
 from kiln.engines.base import Engine
 from kiln.errors import ConfigError
@@ -233,3 +235,31 @@ class Gate(Broken):
         self.entered.set()
         self.release.wait(5)
         return self.inner.execute(inputs, outputs)
+
+
+def test_a_version_of_another_model_is_rejected_and_not_installed(edge: Path, cloud: FolderSource) -> None:
+    model = build_mlp(1)
+    (cloud.root / "mlp" / "2").mkdir()
+    (cloud.root / "mlp" / "2" / "model.onnx").write_bytes(model.SerializeToString())
+    (cloud.root / "mlp" / "config.pbtxt").write_bytes(render_config("other", model, 8))
+    config = (edge / "config.pbtxt").read_bytes()
+    with EdgeRunner(edge, policy=LOCAL) as runner:
+        sync = ModelSync(runner, cloud, edge)
+        assert sync.step() is None
+        assert runner.version == "1" and sync.rejected == {2}
+        assert not (edge / "2").exists()
+        assert (edge / "config.pbtxt").read_bytes() == config
+        sync.close()
+
+
+def test_cli_flags_start_the_watcher_only_when_asked(edge: Path, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_edge_arguments(parser)
+    with EdgeRunner(edge, policy=LOCAL) as runner:
+        assert start_sync(parser.parse_args([str(edge)]), runner) is None
+        with pytest.raises(ConfigError, match="needs --cloud-url"):
+            start_sync(parser.parse_args([str(edge), "--sync-interval-s", "1"]), runner)
+        args = parser.parse_args([str(edge / "1" / "model.onnx"), "--sync-interval-s", "1", "--cloud-url", "h:1"])
+        with pytest.raises(ConfigError, match="give --model-dir"):
+            start_sync(args, runner)
+        # A started watcher (it needs a cloud) is covered by tests/integration/test_edge_sync.py.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -101,13 +102,21 @@ class FileEndpoints:
 def list_version_files(model: Path, version: str) -> list[FileEntry]:
     """config.pbtxt (when present) and every servable file under ``<model>/<version>/``, sorted by path."""
     candidates = [model / CONFIG_FILENAME] if (model / CONFIG_FILENAME).is_file() else []
-    candidates += sorted(p for p in (model / version).rglob("*") if p.is_file())
+    candidates += sorted(_walk(model / version))
     entries: list[FileEntry] = []
     for path in candidates:
         relative = path.relative_to(model).as_posix()
         if _servable(model, version, relative) is not None:
             entries.append(FileEntry(relative, path.stat().st_size, _sha256(path)))
     return entries
+
+
+def _walk(folder: Path) -> list[Path]:
+    """Files under ``folder``, not descending into symlinked folders (a link may loop or leave the repository)."""
+    found: list[Path] = []
+    for top, _, names in os.walk(folder, followlinks=False):
+        found += [Path(top) / name for name in names if (Path(top) / name).is_file()]
+    return found
 
 
 def resolve_file(model: Path, version: str, relative: str) -> Path:
