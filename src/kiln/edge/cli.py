@@ -102,7 +102,7 @@ def run_edge(args: argparse.Namespace) -> int:
     runner = EdgeRunner(args.model, args.cloud_url, policy, cloud_model=args.cloud_model,
                         cloud_version=args.cloud_version, version=args.model_version,
                         cloud_timeout_s=args.cloud_timeout_s, shadow_workers=args.shadow_workers,
-                        shadow_queue=args.shadow_queue)
+                        shadow_queue=args.shadow_queue, cloud_api_key=args.cloud_api_key)
     sync = None
     try:
         sync = start_sync(args, runner)

@@ -46,8 +46,10 @@ class CloudResult:
 class CloudClient:
     """Sends one model's infer requests to ``url`` (``host:port`` or ``http://host:port``)."""
 
-    def __init__(self, url: str, model: str, *, version: str = "", timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, model: str, *, version: str = "", timeout_s: float = 5.0,
+                 api_key: str | None = None) -> None:
         self.host, self.port = parse_url(url)
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
         self.version = version
         self.timeout_s = timeout_s
@@ -65,6 +67,7 @@ class CloudClient:
         arrays = {name: np.asarray(value) for name, value in inputs.items()}
         datatypes = {name: DataType.from_numpy(array.dtype) for name, array in arrays.items()}
         body, headers = http_body(arrays, datatypes, binary_input=True, binary_output=True)
+        headers = {**headers, **self._auth}
         try:
             status, response_headers, data = self._post(body, headers)
         except (OSError, http.client.HTTPException) as exc:

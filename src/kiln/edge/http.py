@@ -39,10 +39,13 @@ class EdgeEndpoints:
     def __init__(self, runner: EdgeRunner, max_input_size: int) -> None:
         self.runner = runner
         self.max_input_size = max_input_size
-        spec = runner.engine.spec
-        self.metadata = ModelMetadata(name=runner.name, versions=[runner.version] if runner.version else [],
-                                      platform=spec.platform, inputs=list(spec.inputs), outputs=list(spec.outputs),
-                                      batching=spec.batching)
+
+    @property
+    def metadata(self) -> ModelMetadata:
+        """Read per request: model sync may have swapped in another version."""
+        spec, version = self.runner.engine.spec, self.runner.version
+        return ModelMetadata(name=self.runner.name, versions=[version] if version else [], platform=spec.platform,
+                             inputs=list(spec.inputs), outputs=list(spec.outputs), batching=spec.batching)
 
     async def ready(self, request: Request) -> Response:
         return Response()

@@ -94,7 +94,7 @@ class EdgeRunner:
     def __init__(self, model: str | Path | Engine, cloud_url: str | None = None, policy: Policy | None = None, *,
                  cloud_model: str | None = None, cloud_version: str = "", version: int | None = None,
                  cloud_timeout_s: float = 5.0, shadow_workers: int = 2, shadow_queue: int = 64,
-                 **load_options: Any) -> None:
+                 cloud_api_key: str | None = None, **load_options: Any) -> None:
         self.policy = policy or Policy()
         if shadow_workers < 1 or shadow_queue < 1:
             raise ConfigError(f"edge: shadow_workers ({shadow_workers}) and shadow_queue ({shadow_queue}) must be "
@@ -112,7 +112,8 @@ class EdgeRunner:
                 engine.close()
             raise
         self.cloud = None if cloud_url is None else CloudClient(
-            cloud_url, cloud_model or engine.name, version=cloud_version, timeout_s=cloud_timeout_s)
+            cloud_url, cloud_model or engine.name, version=cloud_version, timeout_s=cloud_timeout_s,
+            api_key=cloud_api_key)
         self.stats = EdgeStats()
         self._swap = threading.Condition()
         # Called after each local run with (version, succeeded); model sync watches a new version through it.

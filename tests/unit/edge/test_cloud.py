@@ -32,3 +32,38 @@ def test_error_text_reads_the_kserve_error_body() -> None:
     assert _error_text(b'{"error": "model not found"}') == "model not found"
     assert _error_text(b"<html>bad gateway</html>") == "<html>bad gateway</html>"
     assert _error_text(b'{"detail": 1}') == '{"detail": 1}'
+
+
+def test_the_api_key_goes_with_every_infer_request() -> None:
+    import http.server
+    import threading
+
+    import numpy as np
+
+    seen: list[str | None] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'{"error": "no such model"}'
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        client = CloudClient(f"127.0.0.1:{server.server_address[1]}", "mlp", api_key="s3cret")
+        result = client.infer({"x": np.zeros((1, 2), np.float32)})
+        client.close()
+        assert result.status == "failed"
+        assert seen == ["Bearer s3cret"]
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -106,3 +106,12 @@ async def test_errors_have_status_and_error_body(client: httpx.AsyncClient) -> N
     assert classification.status_code == 501 and "classification" in classification.json()["error"]
     unknown = await client.get("/v2/nothing/here")
     assert unknown.status_code == 404 and "error" in unknown.json()
+
+
+async def test_metadata_follows_a_swapped_in_version(model_dir: Path) -> None:
+    with EdgeRunner(model_dir, policy=Policy(mode="local-only")) as runner:
+        transport = httpx.ASGITransport(app=build_edge_app(runner))
+        async with httpx.AsyncClient(transport=transport, base_url="http://edge") as http:
+            assert (await http.get("/v2/models/mlp")).json()["versions"] == ["1"]
+            runner.swap_engine(kiln.load(model_dir), "2").close()
+            assert (await http.get("/v2/models/mlp")).json()["versions"] == ["2"]
