@@ -194,7 +194,12 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
                        help="serve model version files with checksums to edges that sync (a kiln extension; "
                             "off by default)")
     serve.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"), metavar="KEY",
-                       help="bearer token the model-download endpoints require (default: env KILN_API_KEY)")
+                       help="bearer token the model-download and capture endpoints require (default: env "
+                            "KILN_API_KEY)")
+    serve.add_argument("--capture-dir", type=Path, default=None, metavar="DIR",
+                       help="store samples edges capture for retraining in DIR (a kiln extension; off by default)")
+    serve.add_argument("--capture-max-mb", type=int, default=1024, metavar="MB",
+                       help="size bound of --capture-dir; the oldest samples are deleted past it (default 1024)")
     serve.add_argument("--log-verbose", type=int, default=0, help="0 = info, 1 or more = debug")
     serve.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
     serve.set_defaults(run=_serve)
@@ -249,6 +254,7 @@ def _serve(args: argparse.Namespace) -> int:
         repository_poll_secs=args.repository_poll_secs, exit_on_error=args.exit_on_error,
         model_load_thread_count=args.model_load_thread_count, allow_client_shm=args.allow_client_shm,
         allow_model_download=args.allow_model_download, api_key=args.api_key or None, metrics=metrics,
+        capture_dir=args.capture_dir, capture_max_bytes=args.capture_max_mb * 2**20,
     )
     return run_service(options)
 

@@ -26,8 +26,10 @@ from starlette.routing import Route
 
 from kiln.frontends.grpc.server import start_grpc_server
 from kiln.frontends.http.app import build_app
+from kiln.frontends.http.capture import CaptureOptions
 from kiln.frontends.http.files import DownloadOptions
 from kiln.frontends.metrics import METRICS_CONTENT_TYPE, MetricsOptions, metrics_registry, render_metrics
+from kiln.server.capture import CaptureStore
 from kiln.server.server import Server, ServerOptions
 
 log = logging.getLogger("kiln.service")
@@ -55,7 +57,9 @@ class ServiceOptions:
     model_load_thread_count: int = 4
     allow_client_shm: bool = False
     allow_model_download: bool = False
-    api_key: str | None = None  # required by the model-download endpoints when set
+    api_key: str | None = None  # required by the model-download and capture endpoints when set
+    capture_dir: Path | None = None  # where captured samples go; None turns the capture endpoint off
+    capture_max_bytes: int = 1024 * 2**20
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
 
 
@@ -96,7 +100,8 @@ class Service:
             loop.add_signal_handler(sig, self._on_signal, sig)
         http = self._uvicorn(build_app(self.server, max_input_size=self.options.http_max_input_size,
                                        downloads=DownloadOptions(self.options.allow_model_download,
-                                                                 self.options.api_key)),
+                                                                 self.options.api_key),
+                                       capture=self._capture_options()),
                              self.options.http_port) if self.options.allow_http else None
         metrics = self._uvicorn(_metrics_app(self.server, self.options.metrics), self.options.metrics_port) \
             if self.options.allow_metrics else None
@@ -170,6 +175,14 @@ class Service:
         for name, frontend in (("http", http), ("metrics", metrics)):
             if frontend is not None and frontend.servers:
                 self.bound[name] = frontend.servers[0].sockets[0].getsockname()[1]
+
+    def _capture_options(self) -> CaptureOptions:
+        if self.options.capture_dir is None:
+            return CaptureOptions(api_key=self.options.api_key)
+        store = CaptureStore(self.options.capture_dir, self.options.capture_max_bytes)
+        log.info("capturing edge samples into %s (at most %d MiB)", self.options.capture_dir,
+                 self.options.capture_max_bytes >> 20)
+        return CaptureOptions(store, self.options.api_key)
 
     def _log_models(self) -> None:
         rows = self.server.repository_index()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.edge.calibration import load_calibration, write_calibration
+from kiln.edge.capture import EdgeCapture
 from kiln.edge.policy import MODES, SCORES, Policy, load_hook, load_policy
 from kiln.edge.runner import EdgeRunner
 from kiln.edge.sync import HttpSyncSource, ModelSync, SyncOptions
@@ -62,6 +63,10 @@ def add_edge_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model folder that receives synced versions (default: the model folder given)")
     parser.add_argument("--probation-requests", type=int, default=20,
                         help="a synced version's first N local runs; an engine error among them rolls it back")
+    parser.add_argument("--capture", action="store_true",
+                        help="keep forwarded requests (inputs, local and cloud outputs, reason) in "
+                             "<model-dir>/.kiln-capture-queue and upload them to the cloud's capture store "
+                             "(needs kiln serve --capture-dir on the cloud)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
 
@@ -103,9 +108,10 @@ def run_edge(args: argparse.Namespace) -> int:
                         cloud_version=args.cloud_version, version=args.model_version,
                         cloud_timeout_s=args.cloud_timeout_s, shadow_workers=args.shadow_workers,
                         shadow_queue=args.shadow_queue, cloud_api_key=args.cloud_api_key)
-    sync = None
+    sync = capture = None
     try:
         sync = start_sync(args, runner)
+        capture = start_capture(args, runner)
         cloud = runner.cloud.url if runner.cloud else "none"
         print(f"kiln edge: model '{runner.name}' ({policy.mode}) on http://{args.host}:{args.port}, cloud {cloud}",
               flush=True)
@@ -113,6 +119,8 @@ def run_edge(args: argparse.Namespace) -> int:
     finally:
         if sync is not None:
             sync.close()
+        if capture is not None:
+            capture.close()
         runner.close(wait_for_copies=False)
     return 0
 
@@ -132,6 +140,16 @@ def start_sync(args: argparse.Namespace, runner: EdgeRunner) -> ModelSync | None
                      options=SyncOptions(args.sync_interval_s, args.probation_requests))
     sync.start()
     return sync
+
+
+def start_capture(args: argparse.Namespace, runner: EdgeRunner) -> EdgeCapture | None:
+    """The capture queue and uploader --capture asks for, started (None without the flag)."""
+    if not args.capture:
+        return None
+    if runner.cloud is None:
+        raise ConfigError("--capture needs --cloud-url (the server that stores captured samples)")
+    model_dir = args.model_dir or (args.model if Path(args.model).is_dir() else Path(args.model).parent)
+    return EdgeCapture(runner, Path(model_dir), api_key=args.cloud_api_key).start()
 
 
 def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:

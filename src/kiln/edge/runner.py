@@ -35,6 +35,9 @@ from kiln.errors import ConfigError, UnavailableError
 
 Array = npt.NDArray[Any]
 log = logging.getLogger("kiln.edge")
+# (inputs, local outputs or None, cloud outputs or None, reasons, source of the answer)
+ForwardedHook = Callable[[Mapping[str, Array], "dict[str, Array] | None", "dict[str, Array] | None", list[str], str],
+                         None]
 
 LOCAL = "local"
 CLOUD = "cloud"
@@ -118,6 +121,8 @@ class EdgeRunner:
         self._swap = threading.Condition()
         # Called after each local run with (version, succeeded); model sync watches a new version through it.
         self.on_local_result: Callable[[str, bool], None] | None = None
+        # Called for each request sent toward the cloud, with what capture keeps: see kiln.edge.capture.
+        self.on_forwarded: ForwardedHook | None = None
         self._shadow = concurrent.futures.ThreadPoolExecutor(shadow_workers, thread_name_prefix="kiln-edge-shadow")
         self._shadow_slots = threading.BoundedSemaphore(shadow_queue)
 
@@ -186,9 +191,11 @@ class EdgeRunner:
         if not decision.forward or self.policy.mode == LOCAL_ONLY:
             return EdgeResult(answer, LOCAL, decision.reasons, local)
         if self.policy.mode == SHADOW:
-            self._send_copy(arrays)
+            self._send_copy(arrays, local, decision.reasons)
             return EdgeResult(answer, LOCAL, decision.reasons, local)
-        return self._from_cloud(arrays, names, decision, local)
+        result = self._from_cloud(arrays, names, decision, local)
+        self._forwarded(arrays, local, result.cloud_outputs, result.reasons, result.source)
+        return result
 
     def _enter(self) -> _Slot:
         with self._swap:
@@ -224,6 +231,8 @@ class EdgeRunner:
             raise exc
         self.stats.add(flagged=1)
         result = self._ask_cloud(arrays, names)
+        self._forwarded(arrays, None, result.outputs if result.ok else None, [reason],
+                        CLOUD if result.ok else _fallback_source(result))
         if not result.ok:
             raise UnavailableError(f"model '{self.name}': {reason}; and the cloud gave no answer: "
                                    f"{result.error}") from exc
@@ -248,19 +257,22 @@ class EdgeRunner:
 
     # -- shadow copies ---------------------------------------------------------------------------------------
 
-    def _send_copy(self, arrays: Mapping[str, Array]) -> None:
+    def _send_copy(self, arrays: Mapping[str, Array], local: dict[str, Array], reasons: list[str]) -> None:
         if not self._shadow_slots.acquire(blocking=False):
             self.stats.add(shadow_dropped=1)
+            self._forwarded(arrays, local, None, reasons, LOCAL)
             return
         try:
-            self._shadow.submit(self._shadow_one, dict(arrays))
+            self._shadow.submit(self._shadow_one, dict(arrays), local, reasons)
         except RuntimeError:  # the runner is closing
             self._shadow_slots.release()
             self.stats.add(shadow_dropped=1)
+            self._forwarded(arrays, local, None, reasons, LOCAL)
 
-    def _shadow_one(self, arrays: Mapping[str, Array]) -> None:
+    def _shadow_one(self, arrays: Mapping[str, Array], local: dict[str, Array], reasons: list[str]) -> None:
         try:
             result = self._ask_cloud(arrays, ())
+            self._forwarded(arrays, local, result.outputs if result.ok else None, reasons, LOCAL)
             if result.ok:
                 self.stats.add(shadow_sent=1)
             else:
@@ -268,6 +280,17 @@ class EdgeRunner:
                 log.info("model '%s': shadow copy not delivered: %s", self.name, result.error)
         finally:
             self._shadow_slots.release()
+
+    def _forwarded(self, arrays: Mapping[str, Array], local: dict[str, Array] | None,
+                   cloud: dict[str, Array] | None, reasons: list[str], source: str) -> None:
+        """Hand a forwarded request to the hook; a failing hook is logged and never fails the request."""
+        hook = self.on_forwarded
+        if hook is None:
+            return
+        try:
+            hook(arrays, local, cloud, reasons, source)
+        except Exception:
+            log.exception("model '%s': the forwarded-request hook failed", self.name)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 

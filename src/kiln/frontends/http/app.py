@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from kiln.frontends.http.capture import CaptureEndpoints, CaptureOptions
 from kiln.frontends.http.endpoints import Endpoints, error_response
 from kiln.frontends.http.files import DownloadOptions, FileEndpoints
 from kiln.server.server import Server
@@ -26,15 +27,17 @@ _CUDA_SHM = "/v2/cudasharedmemory"
 
 
 def build_app(server: Server, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE,
-              downloads: DownloadOptions | None = None) -> Starlette:
+              downloads: DownloadOptions | None = None, capture: CaptureOptions | None = None) -> Starlette:
     """An ASGI app serving ``server`` over HTTP; request bodies larger than ``max_input_size`` bytes get 400.
-    ``downloads`` configures the model-file extension (off by default, see files.py)."""
+    ``downloads`` configures the model-file extension, ``capture`` the sample-capture one (both off by default,
+    see files.py and capture.py)."""
     files = FileEndpoints(server, downloads or DownloadOptions())
-    return Starlette(routes=_routes(Endpoints(server, max_input_size), files),
+    captures = CaptureEndpoints(server, capture or CaptureOptions(), max_input_size)
+    return Starlette(routes=_routes(Endpoints(server, max_input_size), files, captures),
                      exception_handlers={HTTPException: _http_error, Exception: _unexpected})
 
 
-def _routes(e: Endpoints, f: FileEndpoints) -> list[BaseRoute]:
+def _routes(e: Endpoints, f: FileEndpoints, c: CaptureEndpoints) -> list[BaseRoute]:
     table: list[tuple[str, Endpoint, str]] = [
         # Inference first: the router tries routes in order.
         (_MODEL + "/infer", e.infer, "POST"),
@@ -57,6 +60,7 @@ def _routes(e: Endpoints, f: FileEndpoints) -> list[BaseRoute]:
         ("/v2/repository/models/{model}/unload", e.unload_model, "POST"),
         ("/v2/kiln/models/{model}/versions/{version}/files", f.list_files, "GET"),
         ("/v2/kiln/models/{model}/versions/{version}/files/{path:path}", f.download, "GET"),
+        ("/v2/kiln/models/{model}/versions/{version}/capture", c.capture, "POST"),
     ]
     table += [
         (_SYSTEM_SHM + "/status", e.system_shared_memory_status, "GET"),

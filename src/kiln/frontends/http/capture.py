@@ -1,0 +1,85 @@
+"""A kiln extension for edges that capture samples for retraining.
+
+``POST /v2/kiln/models/{name}/versions/{version}/capture`` takes one sample: the body is an npz with the arrays
+``input/<name>``, ``local/<name>`` and ``cloud/<name>``; the headers say what else is known about it:
+
+| header | |
+|---|---|
+| ``Kiln-Capture-Id`` | the client's sample id (required; a repeated id is acknowledged and not stored again) |
+| ``Kiln-Capture-Reason`` | why the edge forwarded the request (percent-encoded UTF-8) |
+| ``Kiln-Capture-Source`` | where the edge's answer came from |
+| ``Kiln-Edge-Id`` | which edge sent it |
+
+The answer is ``{"id": ..., "stored": true|false}`` (false for a repeated id). The endpoint is off unless the server
+was started with ``--capture-dir`` (403 otherwise); with an API key set it answers 401 to a request without
+``Authorization: Bearer <key>``. ``version`` is the edge's model version; the model must be served here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import urllib.parse
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kiln.errors import InvalidArgumentError
+from kiln.frontends.http import codec
+from kiln.server.capture import CaptureStore, Sample
+from kiln.server.server import Server
+
+ID_HEADER = "Kiln-Capture-Id"
+REASON_HEADER = "Kiln-Capture-Reason"
+SOURCE_HEADER = "Kiln-Capture-Source"
+EDGE_HEADER = "Kiln-Edge-Id"
+DISABLED = "sample capture is disabled on this server: start it with 'kiln serve --capture-dir DIR'"
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """``store``: where samples go (None: capture is off); ``api_key``: the bearer token required (None: none)."""
+
+    store: CaptureStore | None = None
+    api_key: str | None = None
+
+
+class CaptureEndpoints:
+    def __init__(self, server: Server, options: CaptureOptions, max_input_size: int) -> None:
+        self.server = server
+        self.options = options
+        self.max_input_size = max_input_size
+
+    async def capture(self, request: Request) -> Response:
+        store = self.options.store
+        if store is None:
+            return _error(403, DISABLED)
+        if not authorized(request, self.options.api_key):
+            return _error(401, "sample capture needs the server's API key: send 'Authorization: Bearer <key>'",
+                          {"WWW-Authenticate": "Bearer"})
+        name, version = request.path_params["model"], request.path_params["version"]
+        self.server.model_metadata(name)  # NotFound for a model this server does not serve
+        sample_id = request.headers.get(ID_HEADER)
+        if sample_id is None:
+            raise InvalidArgumentError(f"capture for model '{name}': the request lacks the {ID_HEADER} header")
+        body = await request.body()
+        if len(body) > self.max_input_size:
+            raise InvalidArgumentError(f"capture for model '{name}': the body has {len(body)} bytes, more than "
+                                       f"the limit of {self.max_input_size} (--http-max-input-size)")
+        sample = Sample(sample_id, urllib.parse.unquote(request.headers.get(REASON_HEADER, "")),
+                        request.headers.get(SOURCE_HEADER, ""), request.headers.get(EDGE_HEADER, ""))
+        stored = await asyncio.to_thread(store.add, name, version, sample, body)
+        return Response(codec.encode_json({"id": sample_id, "stored": stored}), media_type=codec.JSON_TYPE)
+
+
+def authorized(request: Request, key: str | None) -> bool:
+    """True when no key is set or the request carries ``Authorization: Bearer <key>``."""
+    if key is None:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(codec.encode_json({"error": message}), status, headers=headers, media_type=codec.JSON_TYPE)
