@@ -69,8 +69,9 @@ def export_samples(capture_dir: Path, model: str, version: str | None, output: P
             index.append({"id": entry["id"], "version": v, "time": entry["time"], "reason": entry["reason"],
                           "source": entry.get("source", ""), "edge": entry.get("edge", ""), "rows": spans})
     output.parent.mkdir(parents=True, exist_ok=True)
+    save: Any = np.savez  # numpy's stubs mistake array keywords for its allow_pickle flag
     with output.open("wb") as f:
-        np.savez(f, **{name: np.concatenate(arrays) for name, arrays in parts.items()})
+        save(f, **{name: np.concatenate(arrays) for name, arrays in parts.items()})
     index_path(output).write_text(json.dumps({"model": model, "samples": index}, indent=1) + "\n")
     return index
 

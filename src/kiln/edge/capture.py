@@ -88,7 +88,8 @@ class CaptureQueue:
         arrays |= {f"local/{n}": np.asarray(a) for n, a in (local or {}).items()}
         arrays |= {f"cloud/{n}": np.asarray(a) for n, a in (cloud or {}).items()}
         buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
+        save: Any = np.savez  # numpy's stubs mistake array keywords for its allow_pickle flag
+        save(buffer, **arrays)
         sample_id = f"{time.time_ns():020d}-{uuid.uuid4().hex[:12]}"  # sorts by time: oldest first
         meta = {"id": sample_id, "version": version or "0", "reason": "; ".join(reasons), "source": source}
         with self._lock:
