@@ -4,7 +4,9 @@ capture store; tests/integration/test_edge_capture.py runs the whole path agains
 
 from __future__ import annotations
 
+import argparse
 import http.server
+import io
 import threading
 import time
 import urllib.parse
@@ -14,7 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.edge.capture import ACKED, REJECTED, RETRY, CaptureQueue, CaptureUploader
+from kiln.demo.models import build_mlp
+from kiln.edge import EdgeRunner, Policy
+from kiln.edge.capture import ACKED, QUEUE_FOLDER, REJECTED, RETRY, CaptureQueue, CaptureUploader, EdgeCapture
+from kiln.edge.cli import add_edge_arguments, start_capture
 from kiln.errors import ConfigError, InvalidArgumentError
 from kiln.server.capture import CaptureStore, Sample, live_samples, read_index
 from kiln.testing.serve import free_port
@@ -146,3 +151,45 @@ def test_the_thread_resends_after_failures_and_a_lost_reply_duplicates_nothing(t
 def test_bounds_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_samples"):
         CaptureQueue(tmp_path, max_samples=0)
+
+
+@pytest.fixture(scope="module")
+def mlp_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("mlp") / "mlp.onnx"
+    path.write_bytes(build_mlp().SerializeToString())
+    return path
+
+
+def test_shadow_copies_the_cloud_did_not_take_are_captured_without_cloud_outputs(tmp_path: Path,
+                                                                                  mlp_file: Path) -> None:
+    policy = Policy(mode="shadow", entropy_above=0.0)  # every request is forwarded
+    x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    runner = EdgeRunner(mlp_file, f"127.0.0.1:{free_port()}", policy, cloud_timeout_s=1.0)
+    capture = EdgeCapture(runner, tmp_path)
+    runner.on_forwarded = capture._put  # the queue without its uploader, so the sample stays to be read
+    try:
+        assert runner.infer({"INPUT0": x}).source == "local"
+    finally:
+        runner.close()  # waits for the shadow copy, which is captured once the cloud did not take it
+    [sample_id] = capture.queue.pending()
+    meta, payload = capture.queue.read(sample_id)
+    assert meta["source"] == "local" and meta["reason"].startswith("entropy of OUTPUT0 above 0.0")
+    with np.load(io.BytesIO(payload)) as npz:
+        assert sorted(npz.files) == ["input/INPUT0", "local/OUTPUT0"]
+        np.testing.assert_array_equal(npz["input/INPUT0"], x)
+
+
+def test_edge_capture_flag_needs_a_cloud(mlp_file: Path, tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_edge_arguments(parser)
+    with EdgeRunner(mlp_file, None, Policy(mode="local-only")) as runner:
+        assert start_capture(parser.parse_args([str(mlp_file)]), runner) is None
+        with pytest.raises(ConfigError, match="--capture needs --cloud-url"):
+            start_capture(parser.parse_args([str(mlp_file), "--capture"]), runner)
+    with EdgeRunner(mlp_file, f"127.0.0.1:{free_port()}", Policy()) as runner:
+        capture = start_capture(parser.parse_args([str(mlp_file), "--capture", "--model-dir", str(tmp_path)]),
+                                runner)
+        assert capture is not None and capture.queue.folder == tmp_path / QUEUE_FOLDER
+        assert runner.on_forwarded is not None
+        capture.close()
+        assert runner.on_forwarded is None
