@@ -24,7 +24,7 @@ from kiln.edge import EdgeRunner, Policy
 from kiln.edge.capture import EdgeCapture
 from kiln.engines.base import Array
 from kiln.testing.repo import write_model
-from kiln.testing.serve import free_port, wait_ready
+from kiln.testing.serve import free_port, kiln_serve, wait_ready
 
 KEY = "capture-test-key"
 
@@ -109,16 +109,27 @@ def test_the_cloud_going_away_and_coming_back_loses_no_captured_sample(repo: Pat
         assert exported["cloud/OUTPUT0"].shape == (3, 10)  # the cloud answered only while it was up
 
 
-def test_the_capture_endpoint_needs_the_api_key(repo: Path, tmp_path: Path) -> None:
+def post_status(url: str, model: str = "mlp", key: str | None = None) -> tuple[int, bytes]:
+    headers = {"Kiln-Capture-Id": "a", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(f"http://{url}/v2/kiln/models/{model}/versions/1/capture", data=b"x",
+                                     headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, exc.read()
+
+
+def test_the_capture_endpoint_is_off_without_capture_dir(repo: Path) -> None:
+    with kiln_serve([repo]) as process:
+        status, body = post_status(process.http_url)
+        assert status == 403 and b"--capture-dir" in body
+
+
+def test_the_capture_endpoint_needs_the_api_key_and_a_served_model(repo: Path, tmp_path: Path) -> None:
     with cloud(repo, tmp_path / "captures", free_port()) as url:
-        request = urllib.request.Request(f"http://{url}/v2/kiln/models/mlp/versions/1/capture", data=b"x",
-                                         headers={"Kiln-Capture-Id": "a"}, method="POST")
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request, timeout=5)
-        refused.value.close()
-        assert refused.value.code == 401
-        request.add_header("Authorization", f"Bearer {KEY}")
-        with pytest.raises(urllib.error.HTTPError) as malformed:
-            urllib.request.urlopen(request, timeout=5)
-        with malformed.value:
-            assert malformed.value.code == 400 and b"not a readable npz" in malformed.value.read()
+        assert post_status(url)[0] == 401
+        assert post_status(url, "nope", KEY)[0] == 404
+        status, body = post_status(url, key=KEY)
+        assert status == 400 and b"not a readable npz" in body
