@@ -14,6 +14,7 @@ from pathlib import Path
 from kiln.advise.cli import add_advise_arguments, run_advise
 from kiln.bench.cli import add_bench_arguments, run_bench
 from kiln.bench.compare_cli import add_compare_arguments, run_compare
+from kiln.capture_cli import add_capture_arguments, run_capture
 from kiln.edge.cli import add_calibrate_arguments, add_edge_arguments, run_calibrate, run_edge
 from kiln.errors import InvalidArgumentError, KilnError
 
@@ -67,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                                                           "checks read (also `kiln edge calibrate`)")
     add_calibrate_arguments(calibrate)
     calibrate.set_defaults(run=run_calibrate)
+    capture = commands.add_parser("capture", help="samples edges captured for retraining (kiln serve --capture-dir)")
+    add_capture_arguments(capture)
+    capture.set_defaults(run=run_capture)
     advise = commands.add_parser("advise", help="direct engine, server or both: the decision rules, with measured "
                                                 "evidence")
     add_advise_arguments(advise)

@@ -11,7 +11,7 @@ from kiln.cli import main
 
 @pytest.mark.parametrize("command", [["demo-repo"], ["config"], ["serve"], ["build"], ["bench"], ["bench-compare"],
                                      ["bench", "compare"], ["advise"], ["edge"], ["edge", "calibrate"],
-                                     ["edge-calibrate"]])
+                                     ["edge-calibrate"], ["capture"], ["capture", "export"]])
 def test_every_command_has_help(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
         main([*command, "--help"])
