@@ -204,6 +204,13 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
                        help="store samples edges capture for retraining in DIR (a kiln extension; off by default)")
     serve.add_argument("--capture-max-mb", type=int, default=1024, metavar="MB",
                        help="size bound of --capture-dir; the oldest samples are deleted past it (default 1024)")
+    serve.add_argument("--https-certfile", type=Path, default=None, metavar="CERT",
+                       help="serve the HTTP frontend over TLS with this PEM certificate (chain); gRPC and metrics "
+                            "stay plain")
+    serve.add_argument("--https-keyfile", type=Path, default=None, metavar="KEY",
+                       help="the PEM private key of --https-certfile")
+    serve.add_argument("--https-client-ca", type=Path, default=None, metavar="CA",
+                       help="require HTTP clients to present a certificate signed by this CA (mTLS)")
     serve.add_argument("--log-verbose", type=int, default=0, help="0 = info, 1 or more = debug")
     serve.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
     serve.set_defaults(run=_serve)
@@ -238,6 +245,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("--load-model needs --model-control-mode=explicit")
     if "*" in args.load_model and len(args.load_model) > 1:
         raise InvalidArgumentError("--load-model=* loads every model and must be the only --load-model")
+    _check_https_flags(args)
     repositories = args.model_repository
     if repositories is None:
         from kiln.demo import build_demo_repository
@@ -259,8 +267,19 @@ def _serve(args: argparse.Namespace) -> int:
         model_load_thread_count=args.model_load_thread_count, allow_client_shm=args.allow_client_shm,
         allow_model_download=args.allow_model_download, api_key=args.api_key or None, metrics=metrics,
         capture_dir=args.capture_dir, capture_max_bytes=args.capture_max_mb * 2**20,
+        https_certfile=args.https_certfile, https_keyfile=args.https_keyfile, https_client_ca=args.https_client_ca,
     )
     return run_service(options)
+
+
+def _check_https_flags(args: argparse.Namespace) -> None:
+    if (args.https_keyfile is not None or args.https_client_ca is not None) and args.https_certfile is None:
+        raise InvalidArgumentError("--https-keyfile and --https-client-ca need --https-certfile (the server's "
+                                   "certificate)")
+    for flag, path in (("--https-certfile", args.https_certfile), ("--https-keyfile", args.https_keyfile),
+                       ("--https-client-ca", args.https_client_ca)):
+        if path is not None and not path.is_file():
+            raise InvalidArgumentError(f"{flag} '{path}' is not a file")
 
 
 if __name__ == "__main__":

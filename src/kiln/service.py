@@ -12,6 +12,7 @@ import gc
 import logging
 import os
 import signal
+import ssl
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -60,6 +61,10 @@ class ServiceOptions:
     api_key: str | None = None  # required by the model-download and capture endpoints when set
     capture_dir: Path | None = None  # where captured samples go; None turns the capture endpoint off
     capture_max_bytes: int = 1024 * 2**20
+    # TLS on the HTTP frontend (gRPC and metrics stay plain); with a client CA, client certificates are required.
+    https_certfile: Path | None = None
+    https_keyfile: Path | None = None
+    https_client_ca: Path | None = None
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
 
 
@@ -102,7 +107,7 @@ class Service:
                                        downloads=DownloadOptions(self.options.allow_model_download,
                                                                  self.options.api_key),
                                        capture=self._capture_options()),
-                             self.options.http_port) if self.options.allow_http else None
+                             self.options.http_port, tls=True) if self.options.allow_http else None
         metrics = self._uvicorn(_metrics_app(self.server, self.options.metrics), self.options.metrics_port) \
             if self.options.allow_metrics else None
         tasks = [asyncio.create_task(u.serve()) for u in (http, metrics) if u is not None]
@@ -140,11 +145,23 @@ class Service:
             if changed:
                 log.info("repository poll applied changes to: %s", ", ".join(changed))
 
-    def _uvicorn(self, app: Any, port: int) -> _Uvicorn:
+    def _uvicorn(self, app: Any, port: int, *, tls: bool = False) -> _Uvicorn:
         config = uvicorn.Config(app, host=self.options.host, port=port, log_level="warning", access_log=False,
                                 lifespan="off", http="httptools", loop="none",
-                                timeout_graceful_shutdown=int(self.options.exit_timeout_s))
+                                timeout_graceful_shutdown=int(self.options.exit_timeout_s),
+                                **(self._tls_settings() if tls else {}))
         return _Uvicorn(config)
+
+    def _tls_settings(self) -> dict[str, Any]:
+        """uvicorn's TLS settings for the HTTP frontend: none without a certificate."""
+        options = self.options
+        if options.https_certfile is None:
+            return {}
+        settings: dict[str, Any] = {"ssl_certfile": str(options.https_certfile),
+                                    "ssl_keyfile": str(options.https_keyfile) if options.https_keyfile else None}
+        if options.https_client_ca is not None:
+            settings |= {"ssl_ca_certs": str(options.https_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        return settings
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
@@ -194,7 +211,8 @@ class Service:
     def _log_startup(self, elapsed_s: float) -> None:
         self._log_models()
         host = self.options.host
-        for name, scheme in (("http", "http"), ("grpc", "grpc"), ("metrics", "http")):
+        http_scheme = "https" if self.options.https_certfile is not None else "http"
+        for name, scheme in (("http", http_scheme), ("grpc", "grpc"), ("metrics", "http")):
             if name in self.bound:
                 suffix = "/metrics" if name == "metrics" else ""
                 log.info("%s: %s://%s:%d%s", name, scheme, host, self.bound[name], suffix)

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -32,8 +33,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.edge.cloud import parse_url
 from kiln.edge.runner import EdgeRunner
+from kiln.edge.tls import cloud_endpoint
 from kiln.errors import ConfigError
 
 Array = npt.NDArray[Any]
@@ -132,13 +133,14 @@ RETRY = "retry"
 
 
 class CaptureUploader:
-    """A thread that empties ``queue`` into the capture store of the cloud at ``url``."""
+    """A thread that empties ``queue`` into the capture store of the cloud at ``url`` (``tls``: the SSL context
+    of an https URL)."""
 
     def __init__(self, queue: CaptureQueue, url: str, model: str, *, api_key: str | None = None,
                  edge_id: str | None = None, timeout_s: float = 10.0, min_backoff_s: float = 0.5,
-                 max_backoff_s: float = 30.0) -> None:
+                 max_backoff_s: float = 30.0, tls: ssl.SSLContext | None = None) -> None:
         self.queue = queue
-        self.host, self.port = parse_url(url)
+        self.endpoint = cloud_endpoint(url, tls)
         self.model = model
         self.edge_id = edge_id or socket.gethostname()
         self.timeout_s = timeout_s
@@ -202,7 +204,7 @@ class CaptureUploader:
         headers = {"Content-Type": "application/octet-stream", "Kiln-Capture-Id": meta["id"],
                    "Kiln-Capture-Reason": urllib.parse.quote(meta["reason"]),
                    "Kiln-Capture-Source": meta["source"], "Kiln-Edge-Id": self.edge_id, **self._auth}
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        connection = self.endpoint.connection(self.timeout_s)
         try:
             connection.request("POST", path, body=payload, headers=headers)
             response = connection.getresponse()
@@ -215,7 +217,8 @@ class CaptureUploader:
 
 
 class EdgeCapture:
-    """Capture for one runner: its forwarded requests go into a queue in ``model_dir``, uploaded to its cloud."""
+    """Capture for one runner: its forwarded requests go into a queue in ``model_dir``, uploaded to its cloud
+    (over the same TLS settings as the runner's cloud client)."""
 
     def __init__(self, runner: EdgeRunner, model_dir: Path, *, api_key: str | None = None,
                  edge_id: str | None = None, max_samples: int = 10_000, max_bytes: int = 512 * 2**20,
@@ -226,7 +229,8 @@ class EdgeCapture:
         self.queue = CaptureQueue(Path(model_dir) / QUEUE_FOLDER, max_samples=max_samples, max_bytes=max_bytes)
         self.uploader = CaptureUploader(self.queue, runner.cloud.url, runner.cloud.model, api_key=api_key,
                                         edge_id=edge_id, timeout_s=max(runner.cloud.timeout_s, 10.0),
-                                        min_backoff_s=min_backoff_s, max_backoff_s=max_backoff_s)
+                                        min_backoff_s=min_backoff_s, max_backoff_s=max_backoff_s,
+                                        tls=runner.cloud.tls)
 
     def start(self) -> EdgeCapture:
         self.runner.on_forwarded = self._put

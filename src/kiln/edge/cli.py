@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from kiln.edge.capture import EdgeCapture
 from kiln.edge.policy import MODES, SCORES, Policy, load_hook, load_policy
 from kiln.edge.runner import EdgeRunner
 from kiln.edge.sync import HttpSyncSource, ModelSync, SyncOptions
+from kiln.edge.tls import client_context, split_url
 from kiln.errors import ConfigError
 
 
@@ -24,7 +26,14 @@ def add_edge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", type=Path, help="a model file (.onnx) or model folder (<repository>/<model>)")
     parser.add_argument("--model-version", type=int, default=None, help="version folder to load (default: newest)")
     parser.add_argument("--cloud-url", default=None, metavar="HOST:PORT",
-                        help="KServe V2 HTTP address of the cloud kiln server (needed unless --mode local-only)")
+                        help="KServe V2 HTTP address of the cloud kiln server, host:port or http(s)://host:port "
+                             "(needed unless --mode local-only)")
+    parser.add_argument("--cloud-ca", type=Path, default=None, metavar="CA",
+                        help="https cloud url: verify the server against this CA (default: the system's CAs)")
+    parser.add_argument("--cloud-cert", type=Path, default=None, metavar="CERT",
+                        help="https cloud url: client certificate for mTLS (PEM)")
+    parser.add_argument("--cloud-key", type=Path, default=None, metavar="KEY",
+                        help="https cloud url: the private key of --cloud-cert (default: inside the cert file)")
     parser.add_argument("--cloud-model", default=None, help="the model's name on the cloud (default: the same)")
     parser.add_argument("--cloud-version", default="", help="the model version to ask on the cloud (default: the "
                                                             "cloud's choice)")
@@ -104,13 +113,16 @@ def run_edge(args: argparse.Namespace) -> int:
     from kiln.edge.http import build_edge_app
 
     policy = policy_from_args(args)
+    tls = tls_from_args(args)
     runner = EdgeRunner(args.model, args.cloud_url, policy, cloud_model=args.cloud_model,
                         cloud_version=args.cloud_version, version=args.model_version,
                         cloud_timeout_s=args.cloud_timeout_s, shadow_workers=args.shadow_workers,
                         shadow_queue=args.shadow_queue, cloud_api_key=args.cloud_api_key)
     sync = capture = None
     try:
-        sync = start_sync(args, runner)
+        if runner.cloud is not None and tls is not None:
+            runner.cloud.use_tls(tls)
+        sync = start_sync(args, runner, tls)
         capture = start_capture(args, runner)
         cloud = runner.cloud.url if runner.cloud else "none"
         print(f"kiln edge: model '{runner.name}' ({policy.mode}) on http://{args.host}:{args.port}, cloud {cloud}",
@@ -125,7 +137,17 @@ def run_edge(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_sync(args: argparse.Namespace, runner: EdgeRunner) -> ModelSync | None:
+def tls_from_args(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The SSL context --cloud-ca/--cloud-cert/--cloud-key ask for (None without them); they need an https url."""
+    if args.cloud_ca is None and args.cloud_cert is None and args.cloud_key is None:
+        return None
+    if args.cloud_url is None or split_url(args.cloud_url)[0] != "https":
+        raise ConfigError(f"--cloud-ca, --cloud-cert and --cloud-key need an https:// --cloud-url, got "
+                          f"'{args.cloud_url}'")
+    return client_context(args.cloud_ca, args.cloud_cert, args.cloud_key)
+
+
+def start_sync(args: argparse.Namespace, runner: EdgeRunner, tls: ssl.SSLContext | None = None) -> ModelSync | None:
     """The model-sync watcher the flags ask for, started (None when --sync-interval-s is 0)."""
     if args.sync_interval_s <= 0:
         return None
@@ -135,7 +157,8 @@ def start_sync(args: argparse.Namespace, runner: EdgeRunner) -> ModelSync | None
     if not Path(model_dir).is_dir():
         raise ConfigError(f"--sync-interval-s needs a model folder to write versions into; '{model_dir}' is not a "
                           f"folder (give --model-dir)")
-    source = HttpSyncSource(args.cloud_url, api_key=args.cloud_api_key, timeout_s=max(args.cloud_timeout_s, 30.0))
+    source = HttpSyncSource(args.cloud_url, api_key=args.cloud_api_key, timeout_s=max(args.cloud_timeout_s, 30.0),
+                            tls=tls)
     sync = ModelSync(runner, source, Path(model_dir), model=args.cloud_model,
                      options=SyncOptions(args.sync_interval_s, args.probation_requests))
     sync.start()

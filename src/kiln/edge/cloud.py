@@ -3,6 +3,7 @@
 Requests go out with the binary tensor data extension, built and decoded by :mod:`kiln.bench.targets.wire`. The
 transport is the standard library's ``http.client`` with one keep-alive connection per calling thread: the edge
 calls from request threads and the shadow pool, and ``http.client`` connections are not shared between threads.
+An ``https://`` URL makes them TLS connections (:mod:`kiln.edge.tls`); a TLS failure counts as unreachable.
 
 The client never raises for a cloud problem: :class:`CloudResult` says whether the cloud answered, could not be
 reached (connection refused, timeout, broken connection), or answered with an error.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import ssl
 import threading
 import urllib.parse
 from collections.abc import Mapping
@@ -22,7 +24,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kiln.bench.targets.wire import HEADER_LENGTH, decode_http_response, http_body
-from kiln.errors import ConfigError, KilnError
+from kiln.edge.tls import cloud_endpoint, split_url
+from kiln.errors import KilnError
 from kiln.tensor import DataType
 
 Array = npt.NDArray[Any]
@@ -44,11 +47,12 @@ class CloudResult:
 
 
 class CloudClient:
-    """Sends one model's infer requests to ``url`` (``host:port`` or ``http://host:port``)."""
+    """Sends one model's infer requests to ``url`` (``host:port``, ``http://host:port`` or ``https://host:port``;
+    ``tls`` is the SSL context of https connections, see :func:`kiln.edge.tls.client_context`)."""
 
     def __init__(self, url: str, model: str, *, version: str = "", timeout_s: float = 5.0,
-                 api_key: str | None = None) -> None:
-        self.host, self.port = parse_url(url)
+                 api_key: str | None = None, tls: ssl.SSLContext | None = None) -> None:
+        self.endpoint = cloud_endpoint(url, tls)
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
         self.version = version
@@ -61,7 +65,16 @@ class CloudClient:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return self.endpoint.url
+
+    @property
+    def tls(self) -> ssl.SSLContext | None:
+        return self.endpoint.context
+
+    def use_tls(self, context: ssl.SSLContext) -> None:
+        """Connect with ``context`` from now on (an https URL only); call it when no request is in flight."""
+        self.endpoint = cloud_endpoint(self.url, context)
+        self.close()
 
     def infer(self, inputs: Mapping[str, npt.ArrayLike]) -> CloudResult:
         arrays = {name: np.asarray(value) for name, value in inputs.items()}
@@ -98,7 +111,7 @@ class CloudClient:
         connection: http.client.HTTPConnection | None = getattr(self._local, "connection", None)
         if connection is not None:
             return connection, True
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        connection = self.endpoint.connection(self.timeout_s)
         self._local.connection = connection
         with self._lock:
             self._connections.add(connection)
@@ -129,15 +142,9 @@ def _exchange(connection: http.client.HTTPConnection, path: str, body: bytes,
 
 
 def parse_url(url: str) -> tuple[str, int]:
-    parsed = urllib.parse.urlsplit(url if "//" in url else f"http://{url}")
-    if parsed.scheme != "http" or not parsed.hostname or parsed.path not in ("", "/"):
-        raise ConfigError(f"cloud url '{url}' is not of the form host:port or http://host:port (https is not "
-                          f"supported yet)")
-    try:
-        port = parsed.port or 80
-    except ValueError:
-        raise ConfigError(f"cloud url '{url}' has an invalid port") from None
-    return parsed.hostname, port
+    """(host, port) of a cloud URL; :func:`kiln.edge.tls.split_url` also gives the scheme."""
+    _, host, port = split_url(url)
+    return host, port
 
 
 def _error_text(data: bytes) -> str:

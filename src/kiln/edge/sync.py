@@ -22,6 +22,7 @@ import http.client
 import json
 import logging
 import shutil
+import ssl
 import tempfile
 import threading
 import urllib.parse
@@ -35,8 +36,8 @@ import numpy.typing as npt
 import kiln
 from kiln.config.parse import CONFIG_FILENAME
 from kiln.config.spec import ModelSpec
-from kiln.edge.cloud import parse_url
 from kiln.edge.runner import EdgeRunner
+from kiln.edge.tls import cloud_endpoint
 from kiln.engines.base import Engine
 from kiln.errors import ConfigError, KilnError
 from kiln.tensor import DataType
@@ -69,10 +70,12 @@ class SyncSource(Protocol):
 
 
 class HttpSyncSource:
-    """The cloud kiln server over HTTP; every request carries the API key when there is one."""
+    """The cloud kiln server over HTTP(S); every request carries the API key when there is one. ``tls`` is the SSL
+    context of an https URL (see :func:`kiln.edge.tls.client_context`)."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 30.0) -> None:
-        self.host, self.port = parse_url(url)
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 30.0,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.endpoint = cloud_endpoint(url, tls)
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -87,7 +90,7 @@ class HttpSyncSource:
 
     def download(self, model: str, version: int, path: str, destination: Path) -> None:
         quoted = urllib.parse.quote(path, safe="/")
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        connection = self.endpoint.connection(self.timeout_s)
         try:
             connection.request("GET", f"{_files_path(model, version)}/{quoted}", headers=self._headers)
             response = connection.getresponse()
@@ -100,7 +103,7 @@ class HttpSyncSource:
             connection.close()
 
     def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        connection = self.endpoint.connection(self.timeout_s)
         try:
             connection.request(method, path, body=body, headers=self._headers)
             response = connection.getresponse()

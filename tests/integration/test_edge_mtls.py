@@ -1,0 +1,182 @@
+"""mTLS on the edge-to-cloud link: a real `kiln serve` whose HTTP frontend requires client certificates, and an
+EdgeRunner (cloud-fallback) that forwards every request to it.
+
+A throwaway CA, a server certificate for 127.0.0.1/localhost and client certificates (one from the CA, one from
+another CA) are made with the openssl command line for each test module."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.demo.models import build_mlp
+from kiln.demo.repository import render_config
+from kiln.edge import EdgeRunner, Policy
+from kiln.edge.capture import ACKED, CaptureQueue, CaptureUploader
+from kiln.edge.cli import add_edge_arguments, tls_from_args
+from kiln.edge.runner import CLOUD, LOCAL_CLOUD_ERROR, LOCAL_CLOUD_UNREACHABLE
+from kiln.edge.sync import HttpSyncSource
+from kiln.edge.tls import client_context
+from kiln.engines.base import Array
+from kiln.errors import ConfigError
+from kiln.testing.repo import write_model
+from kiln.testing.serve import free_port
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
+                                reason="the openssl command line is needed to make test certificates")
+
+LEAF_EXTENSIONS = ("basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+                   "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n")
+
+
+def _openssl(folder: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+
+def _make_ca(folder: Path, name: str) -> None:
+    _openssl(folder, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1", "-subj", f"/CN={name}",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+
+
+def _make_leaf(folder: Path, name: str, ca: str, extensions: str) -> None:
+    _openssl(folder, "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+    (folder / f"{name}.ext").write_text(LEAF_EXTENSIONS + extensions)
+    _openssl(folder, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+             "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ca.pem; server.pem/key (127.0.0.1, localhost); client.pem/key from ca; stranger.pem/key from another CA."""
+    folder = tmp_path_factory.mktemp("pki")
+    _make_ca(folder, "ca")
+    _make_ca(folder, "other-ca")
+    _make_leaf(folder, "server", "ca", "extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    _make_leaf(folder, "client", "ca", "extendedKeyUsage=clientAuth\n")
+    _make_leaf(folder, "stranger", "other-ca", "extendedKeyUsage=clientAuth\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cloud")
+    model = build_mlp()
+    write_model(root, "mlp", model, render_config("mlp", model, 32).decode())
+    return root
+
+
+def _wait_ready(url: str, context: ssl.SSLContext, process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"kiln serve exited with status {process.returncode} before it was ready")
+        with contextlib.suppress(urllib.error.URLError, OSError):
+            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=1.0, context=context) as response:
+                if response.status == 200:
+                    return
+        time.sleep(0.05)
+    raise TimeoutError(f"kiln serve was not ready within {timeout_s}s")
+
+
+@pytest.fixture(scope="module")
+def cloud(pki: Path, repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The https URL of a kiln serve that requires a client certificate from ca.pem."""
+    port = free_port()
+    command = [sys.executable, "-m", "kiln.cli", "serve", "--model-repository", str(repo), "--http-port", str(port),
+               "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+               "--capture-dir", str(tmp_path_factory.mktemp("capture")), "--allow-model-download",
+               "--https-certfile", str(pki / "server.pem"), "--https-keyfile", str(pki / "server.key"),
+               "--https-client-ca", str(pki / "ca.pem")]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"https://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, client_context(pki / "ca.pem", pki / "client.pem", pki / "client.key"), process)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def always(inputs: Mapping[str, Array], outputs: Mapping[str, Array]) -> str:
+    return "always forwarded"
+
+
+def _row() -> dict[str, Array]:
+    return {"INPUT0": np.random.default_rng(3).standard_normal((1, 64)).astype(np.float32)}
+
+
+def _forward(repo: Path, url: str, context: ssl.SSLContext | None) -> tuple[str, str]:
+    """(source, cloud error) of one request the edge forwards to ``url``."""
+    with EdgeRunner(repo / "mlp", url, Policy(hook=always), cloud_timeout_s=3.0) as runner:
+        assert runner.cloud is not None
+        if context is not None:
+            runner.cloud.use_tls(context)
+        result = runner.infer(_row())
+        assert result.outputs["OUTPUT0"].shape == (1, 10)
+        return result.source, result.cloud_error
+
+
+def test_the_cloud_answers_an_edge_with_a_client_certificate(pki: Path, repo: Path, cloud: str) -> None:
+    context = client_context(pki / "ca.pem", pki / "client.pem", pki / "client.key")
+    assert _forward(repo, cloud, context) == (CLOUD, "")
+    assert HttpSyncSource(cloud, tls=context).ready_versions("mlp") == [1]
+
+
+def test_capture_uploads_over_mtls(pki: Path, cloud: str, tmp_path: Path) -> None:
+    queue = CaptureQueue(tmp_path / "queue")
+    sample = queue.put("1", _row(), None, None, ["always forwarded"], CLOUD)
+    context = client_context(pki / "ca.pem", pki / "client.pem", pki / "client.key")
+    assert CaptureUploader(queue, cloud, "mlp", tls=context).upload(sample) == ACKED
+    assert queue.pending() == []
+
+
+@pytest.mark.parametrize("client", [None, "stranger"])
+def test_without_an_accepted_client_certificate_the_edge_answers_locally(pki: Path, repo: Path, cloud: str,
+                                                                        client: str | None) -> None:
+    cert, key = (pki / f"{client}.pem", pki / f"{client}.key") if client else (None, None)
+    source, error = _forward(repo, cloud, client_context(pki / "ca.pem", cert, key))
+    assert source in (LOCAL_CLOUD_UNREACHABLE, LOCAL_CLOUD_ERROR)
+    assert "SSL" in error or "certificate" in error.lower(), error
+
+
+def test_an_edge_that_does_not_trust_the_server_answers_locally(pki: Path, repo: Path, cloud: str) -> None:
+    context = client_context(pki / "other-ca.pem", pki / "client.pem", pki / "client.key")
+    source, error = _forward(repo, cloud, context)
+    assert source == LOCAL_CLOUD_UNREACHABLE
+    assert "CERTIFICATE_VERIFY_FAILED" in error, error
+
+
+def _edge_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_edge_arguments(parser)
+    return parser.parse_args(["model.onnx", *argv])
+
+
+def test_tls_flags_need_an_https_url(pki: Path) -> None:
+    with pytest.raises(ConfigError, match="need an https:// --cloud-url"):
+        tls_from_args(_edge_args("--cloud-url", "http://127.0.0.1:1", "--cloud-ca", str(pki / "ca.pem")))
+    with pytest.raises(ConfigError, match="plain http, but TLS settings"):
+        HttpSyncSource("127.0.0.1:1", tls=client_context(pki / "ca.pem"))
+    with pytest.raises(ConfigError, match="needs its client certificate"):
+        client_context(key=pki / "client.key")
+    assert tls_from_args(_edge_args("--cloud-url", "https://127.0.0.1:1")) is None
+    assert tls_from_args(_edge_args("--cloud-url", "https://127.0.0.1:1", "--cloud-ca", str(pki / "ca.pem"))) \
+        is not None
