@@ -85,7 +85,8 @@ class CloudClient:
             status, response_headers, data = self._post(body, headers)
         except (OSError, http.client.HTTPException) as exc:
             self._drop_connection()
-            return CloudResult(UNREACHABLE, error=f"{self.url}{self.path}: {type(exc).__name__}: {exc}")
+            return CloudResult(UNREACHABLE, error=f"{self.url}{self.path}: {type(exc).__name__}: {exc}"
+                                                  f"{self._tls_hint(exc)}")
         if status != 200:
             return CloudResult(FAILED, error=f"{self.url}{self.path} answered {status}: {_error_text(data)}")
         length = response_headers.get(HEADER_LENGTH.lower())
@@ -94,6 +95,15 @@ class CloudClient:
         except (KilnError, ValueError, KeyError, TypeError) as exc:
             return CloudResult(FAILED, error=f"{self.url}{self.path}: undecodable response ({exc})")
         return CloudResult(ANSWERED, outputs)
+
+    def _tls_hint(self, exc: Exception) -> str:
+        # With TLS 1.3 a server that refuses the client certificate does so after the handshake: the client sees
+        # the session end (EOF, reset or no response) rather than a certificate error.
+        ended = (ssl.SSLEOFError, ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected)
+        if self.tls is None or not isinstance(exc, ended):
+            return ""
+        return " (the server ended the TLS session: it may require a client certificate this edge lacks or " \
+               "that it does not trust)"
 
     def _post(self, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, str], bytes]:
         connection, reused = self._connection()
