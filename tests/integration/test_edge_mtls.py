@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
 
 from kiln.demo.models import build_mlp
 from kiln.demo.repository import render_config
@@ -32,7 +33,7 @@ from kiln.edge.tls import client_context
 from kiln.engines.base import Array
 from kiln.errors import ConfigError
 from kiln.testing.repo import write_model
-from kiln.testing.serve import free_port
+from kiln.testing.serve import free_port, wait_ready
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
                                 reason="the openssl command line is needed to make test certificates")
@@ -162,6 +163,33 @@ def test_an_edge_that_does_not_trust_the_server_answers_locally(pki: Path, repo:
     source, error = _forward(repo, cloud, context)
     assert source == LOCAL_CLOUD_UNREACHABLE
     assert "CERTIFICATE_VERIFY_FAILED" in error, error
+
+
+def test_kiln_edge_process_forwards_over_mtls(pki: Path, repo: Path, cloud: str, tmp_path: Path) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "kiln.edge", str(repo / "mlp"), "--cloud-url", cloud, "--max-prob-below", "1.1",
+               "--cloud-ca", str(pki / "ca.pem"), "--cloud-cert", str(pki / "client.pem"),
+               "--cloud-key", str(pki / "client.key"), "--port", str(port)]
+    with open(tmp_path / "edge.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(f"127.0.0.1:{port}", process, 30.0)
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+        x = _row()["INPUT0"]
+        tensor = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x, binary_data=True)
+        assert client.infer("mlp", [tensor]).get_response()["parameters"]["kiln_source"] == CLOUD
+        client.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
+def test_tritonclient_speaks_mtls_to_kiln_serve(pki: Path, cloud: str) -> None:
+    options = {"ca_certs": str(pki / "ca.pem"), "certfile": str(pki / "client.pem"), "keyfile": str(pki / "client.key")}
+    client = httpclient.InferenceServerClient(cloud.removeprefix("https://"), ssl=True, ssl_options=options)
+    assert client.is_model_ready("mlp")
+    client.close()
 
 
 def _edge_args(*argv: str) -> argparse.Namespace:
