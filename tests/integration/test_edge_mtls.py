@@ -29,7 +29,7 @@ from kiln.edge.capture import ACKED, CaptureQueue, CaptureUploader
 from kiln.edge.cli import add_edge_arguments, tls_from_args
 from kiln.edge.runner import CLOUD, LOCAL_CLOUD_ERROR, LOCAL_CLOUD_UNREACHABLE
 from kiln.edge.sync import HttpSyncSource
-from kiln.edge.tls import client_context
+from kiln.edge.tls import client_context, cloud_endpoint, split_url
 from kiln.engines.base import Array
 from kiln.errors import ConfigError
 from kiln.testing.repo import write_model
@@ -206,6 +206,10 @@ def test_tls_flags_need_an_https_url(pki: Path) -> None:
     with pytest.raises(ConfigError, match="needs its client certificate"):
         client_context(key=pki / "client.key")
     assert tls_from_args(_edge_args("--cloud-url", "https://127.0.0.1:1")) is None
+    assert split_url("https://cloud.example") == ("https", "cloud.example", 443)
+    assert cloud_endpoint("https://cloud.example:9443").context is not None  # the system's CAs
+    with pytest.raises(ConfigError, match="cloud url 'ftp://cloud:21'"):
+        split_url("ftp://cloud:21")
     assert tls_from_args(_edge_args("--cloud-url", "https://127.0.0.1:1", "--cloud-ca", str(pki / "ca.pem"))) \
         is not None
 
