@@ -12,12 +12,13 @@ from kiln.errors import ConfigError
     ("127.0.0.1:8000", ("127.0.0.1", 8000)),
     ("http://cloud.example:9000", ("cloud.example", 9000)),
     ("http://cloud.example/", ("cloud.example", 80)),
+    ("https://cloud.example", ("cloud.example", 443)),
 ])
 def test_urls(url: str, expected: tuple[str, int]) -> None:
     assert parse_url(url) == expected
 
 
-@pytest.mark.parametrize("url", ["https://cloud:443", "http://cloud:8000/v2", "cloud:port", "http://"])
+@pytest.mark.parametrize("url", ["ftp://cloud:21", "http://cloud:8000/v2", "cloud:port", "http://"])
 def test_bad_urls_are_refused(url: str) -> None:
     with pytest.raises(ConfigError, match="cloud url"):
         parse_url(url)

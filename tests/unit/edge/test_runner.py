@@ -119,5 +119,5 @@ def test_shadow_settings_must_be_positive(mlp_file: Path) -> None:
 
 
 def test_a_bad_cloud_url_is_refused_before_the_model_loads(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cloud url 'https://cloud:443'"):
-        EdgeRunner(tmp_path / "absent.onnx", "https://cloud:443", Policy())
+    with pytest.raises(ConfigError, match="cloud url 'ftp://cloud:21'"):
+        EdgeRunner(tmp_path / "absent.onnx", "ftp://cloud:21", Policy())
