@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 from typing import cast
 
+from kiln._files import write_atomic
 from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.model_dir import version_folders
 from kiln.config.onnx_io import FileIO
@@ -49,9 +49,7 @@ def make_config(name: str, backend: str, platform: str, file_io: FileIO, max_bat
 def write_config_atomic(model_dir: Path, text: str) -> None:
     """A polling server never reads half a config: write beside it, then rename over."""
     model_dir.mkdir(parents=True, exist_ok=True)
-    tmp = model_dir / f".{CONFIG_FILENAME}.{secrets.token_hex(4)}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, model_dir / CONFIG_FILENAME)
+    write_atomic(model_dir / CONFIG_FILENAME, text.encode())
 
 
 def config_mismatch(existing: pb.ModelConfig, generated: pb.ModelConfig) -> str:

@@ -7,7 +7,6 @@ Triton's Python-backend API.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import resources
@@ -16,6 +15,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
+from kiln._files import write_atomic
 from kiln.demo.models import build_mlp, build_simple
 from kiln.demo.resnet import build_resnet50
 
@@ -133,16 +133,6 @@ def _dims(value: onnx.ValueInfoProto, batched: bool) -> list[int]:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    if path.is_file() and path.read_bytes() == data:
+    if path.is_file() and path.read_bytes() == data:  # identical: a polling server sees no change, no reload
         return
-    # Same folder, so os.replace is a rename on one filesystem; a dot name keeps it out of version scans.
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, data)

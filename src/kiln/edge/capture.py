@@ -18,7 +18,6 @@ import http.client
 import io
 import json
 import logging
-import os
 import socket
 import ssl
 import threading
@@ -26,13 +25,15 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kiln._files import write_atomic
+from kiln.edge.counters import Counters
 from kiln.edge.runner import EdgeRunner
 from kiln.edge.tls import cloud_endpoint
 from kiln.errors import ConfigError
@@ -44,21 +45,11 @@ QUEUE_FOLDER = ".kiln-capture-queue"
 
 
 @dataclass
-class CaptureStats:
+class CaptureStats(Counters):
     queued: int = 0
     uploaded: int = 0
     dropped: int = 0  # pushed out of a full queue, or not writable
     rejected: int = 0  # refused by the cloud as malformed (400); retrying would not help
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                setattr(self, name, getattr(self, name) + value)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {name: value for name, value in vars(self).items() if not name.startswith("_")}
 
 
 class CaptureQueue:
@@ -94,8 +85,8 @@ class CaptureQueue:
         sample_id = f"{time.time_ns():020d}-{uuid.uuid4().hex[:12]}"  # sorts by time: oldest first
         meta = {"id": sample_id, "version": version or "0", "reason": "; ".join(reasons), "source": source}
         with self._lock:
-            _write_atomic(self.folder / f"{sample_id}.npz", buffer.getvalue())
-            _write_atomic(self.folder / f"{sample_id}.json", json.dumps(meta).encode())
+            write_atomic(self.folder / f"{sample_id}.npz", buffer.getvalue())
+            write_atomic(self.folder / f"{sample_id}.json", json.dumps(meta).encode())
             self._bound()
         self.stats.add(queued=1)
         self.added.set()
@@ -257,11 +248,3 @@ def _size(path: Path) -> int:
     except OSError:
         return 0
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    with temporary.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)

@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -28,6 +28,7 @@ import numpy.typing as npt
 import kiln
 from kiln.config.model_dir import open_model_dir
 from kiln.edge.cloud import ANSWERED, FAILED, UNREACHABLE, CloudClient, CloudResult, parse_url
+from kiln.edge.counters import Counters
 from kiln.edge.policy import CLOUD_FALLBACK, LOCAL_ONLY, SHADOW, Decision, Policy, decide
 from kiln.engines.base import Engine
 from kiln.engines.checks import check_inputs, check_outputs
@@ -65,7 +66,7 @@ class EdgeResult:
 
 
 @dataclass
-class EdgeStats:
+class EdgeStats(Counters):
     requests: int = 0
     flagged: int = 0  # requests the policy (or a local failure) sent toward the cloud
     cloud_answers: int = 0
@@ -75,16 +76,6 @@ class EdgeStats:
     shadow_sent: int = 0
     shadow_failed: int = 0
     shadow_dropped: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, value in counts.items():
-                setattr(self, name, getattr(self, name) + value)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {name: value for name, value in vars(self).items() if not name.startswith("_")}
 
 
 class EdgeRunner:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln._files import write_atomic
 from kiln.errors import InvalidArgumentError
 from kiln.server.staging import check_model_name
 
@@ -99,7 +100,7 @@ class CaptureStore:
                 return False
             name = f"{folder.next_seq}.npz"
             path = folder.path / name
-            _write_atomic(path, payload)
+            write_atomic(path, payload)
             now = time.time()
             folder.append({"id": sample.id, "time": now, "reason": sample.reason, "source": sample.source,
                            "edge": sample.edge, "file": name, "bytes": len(payload)})
@@ -174,11 +175,3 @@ def live_samples(folder: Path) -> list[dict[str, Any]]:
     deleted = {e["deleted"] for e in entries if "deleted" in e}
     return [e for e in entries if "deleted" not in e and e["file"] not in deleted and (folder / e["file"]).exists()]
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    with temporary.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
