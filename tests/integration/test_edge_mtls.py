@@ -7,14 +7,10 @@ another CA) are made with the openssl command line for each test module."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shutil
 import ssl
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -80,19 +76,6 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _wait_ready(url: str, context: ssl.SSLContext, process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"kiln serve exited with status {process.returncode} before it was ready")
-        with contextlib.suppress(urllib.error.URLError, OSError):
-            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=1.0, context=context) as response:
-                if response.status == 200:
-                    return
-        time.sleep(0.05)
-    raise TimeoutError(f"kiln serve was not ready within {timeout_s}s")
-
-
 @pytest.fixture(scope="module")
 def cloud(pki: Path, repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The https URL of a kiln serve that requires a client certificate from ca.pem."""
@@ -105,7 +88,8 @@ def cloud(pki: Path, repo: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"https://127.0.0.1:{port}"
     try:
-        _wait_ready(url, client_context(pki / "ca.pem", pki / "client.pem", pki / "client.key"), process)
+        wait_ready(f"127.0.0.1:{port}", process,
+                   context=client_context(pki / "ca.pem", pki / "client.pem", pki / "client.key"))
         yield url
     finally:
         process.terminate()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -30,16 +31,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_ready(http_url: str, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+def wait_ready(http_url: str, process: subprocess.Popen[bytes], timeout_s: float = 60.0, *,
+               context: ssl.SSLContext | None = None) -> None:
+    """Poll ``/v2/health/ready`` (over https with ``context``, e.g. a server started with --https-certfile)."""
+    scheme = "https" if context is not None else "http"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"kiln serve exited with status {process.returncode} before it was ready")
         try:
-            with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=1.0) as response:
+            with urllib.request.urlopen(f"{scheme}://{http_url}/v2/health/ready", timeout=1.0,
+                                        context=context) as response:
                 if response.status == 200:
                     return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+        except (urllib.error.URLError, OSError):  # not listening yet; TLS and timeouts are OSErrors too
             pass
         time.sleep(0.05)
     raise TimeoutError(f"kiln serve was not ready within {timeout_s}s")
