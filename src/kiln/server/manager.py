@@ -18,7 +18,10 @@ from pathlib import Path
 
 from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.model_dir import ModelDir, open_model_dir
-from kiln.errors import InvalidArgumentError, KilnError, ModelNotFoundError, UnsupportedError
+from kiln.config.spec import ModelSpec
+from kiln.errors import InvalidArgumentError, KilnError, ModelNotFoundError, ModelNotReadyError, UnsupportedError
+from kiln.server.ensemble import LATEST, StepDispatch
+from kiln.server.ensemble.loading import is_ensemble, load_ensemble, rebind
 from kiln.server.fingerprint import folder_fingerprint, model_fingerprint
 from kiln.server.instances import cpu_thread_share
 from kiln.server.lifecycle import Retirements, load_version, resize_version
@@ -46,8 +49,10 @@ class ManagerOptions:
 
 class RepositoryManager:
     def __init__(self, options: ManagerOptions, models: dict[str, ModelRecord],
-                 observers: list[RequestObserver]) -> None:
+                 observers: list[RequestObserver], dispatch: StepDispatch) -> None:
+        """``dispatch`` sends an ensemble step's request to its model (the Server's request path)."""
         self.options = options
+        self._dispatch = dispatch
         self.models = models  # shared with the Server, which reads it on the request path
         self._observers = observers
         self._lock = threading.RLock()  # API calls and polls one at a time; requests never take it
@@ -74,8 +79,14 @@ class RepositoryManager:
         self._threads = cpu_thread_share(self.options.cpu_threads,
                                          [(d.spec, len(d.served_versions())) for d in dirs.values()
                                           if isinstance(d, ModelDir)])
+        # Ensembles last: their steps are checked against the models they call.
+        ensembles = [n for n in names if is_ensemble(dirs[n])]
         with ThreadPoolExecutor(max_workers=max(1, self.options.model_load_thread_count)) as pool:
-            list(pool.map(lambda n: self._apply(n, scan.models[n], dirs[n]), names))
+            list(pool.map(lambda n: self._apply(n, scan.models[n], dirs[n]), [n for n in names
+                                                                              if n not in ensembles]))
+        for name in ensembles:
+            self._apply(name, scan.models[name], dirs[name])
+        self._rebind_ensembles()
         return sorted(name for name, record in self.models.items() if record.reason)
 
     def poll(self) -> list[str]:
@@ -87,7 +98,7 @@ class RepositoryManager:
             scan = self._scan()
             self._mark_duplicates(scan)
             changed: list[str] = []
-            for name, path in sorted(scan.models.items()):
+            for name, path in sorted(scan.models.items(), key=lambda item: self._is_ensemble_folder(item[0])):
                 record = self.models.get(name)
                 if record is None or record.path != path or record.fingerprint != model_fingerprint(path):
                     changed.append(name)
@@ -96,6 +107,7 @@ class RepositoryManager:
                 if self.models[name].versions or self.models[name].wanted:
                     changed.append(name)
                     self._unload(name, "removed from the model repository")
+            self._rebind_ensembles()
             return changed
 
     def load(self, name: str, config: pb.ModelConfig | None = None, path: Path | None = None) -> None:
@@ -106,7 +118,11 @@ class RepositoryManager:
             if folder is None:
                 raise ModelNotFoundError(f"failed to load '{name}': no model folder named '{name}' in "
                                          f"{', '.join(str(r) for r in self.options.repositories)}")
-            self._apply(name, folder, None, config=config, force=config is not None or path is not None)
+            opened = self._open(folder, config)
+            if not isinstance(opened, KilnError) and is_ensemble(opened):
+                self._load_composing(opened.spec, set())
+            self._apply(name, folder, opened, config=config, force=config is not None or path is not None)
+            self._rebind_ensembles()
             record = self.models[name]
             if record.reason and not record.ready_versions():
                 raise InvalidArgumentError(f"failed to load '{name}': {record.reason}")
@@ -115,12 +131,21 @@ class RepositoryManager:
                 raise InvalidArgumentError(f"failed to load '{name}' (the previous version keeps serving): "
                                            f"{failed[0][len(_RELOAD_FAILED):]}")
 
-    def unload(self, name: str) -> None:
+    def unload(self, name: str, unload_dependents: bool = False) -> None:
+        """``unload_dependents``: unloading an ensemble also unloads the models its steps call, except those
+        another loaded ensemble still calls."""
         self._require_explicit("unload", name)
         with self._lock:
-            if name not in self.models:
+            record = self.models.get(name)
+            if record is None:
                 raise ModelNotFoundError(f"failed to unload '{name}': the model is not loaded")
+            composing = _step_models(record.spec) if unload_dependents else set()
             self._unload(name, "unloaded")
+            still_called = set().union(*(_step_models(r.spec) for r in self.models.values() if r.wanted))
+            for model in sorted(composing - still_called):
+                if model in self.models and self.models[model].wanted:
+                    self._unload(model, f"unloaded with the ensemble '{name}'")
+            self._rebind_ensembles()
 
     def close(self, timeout_s: float | None = None) -> None:
         with self._lock:
@@ -175,7 +200,10 @@ class RepositoryManager:
                 return
         if current is None or current.state is not ModelState.READY:
             record.versions[version] = VersionRecord(version, ModelState.LOADING, fingerprint=fingerprint)
-        fresh = load_version(model_dir, version, fingerprint, self._threads, self._observers)
+        if is_ensemble(model_dir):
+            fresh = load_ensemble(model_dir, version, fingerprint, self._step_spec, self._dispatch, self._observers)
+        else:
+            fresh = load_version(model_dir, version, fingerprint, self._threads, self._observers)
         if fresh.state is not ModelState.READY and current is not None and current.state is ModelState.READY:
             current.reason = f"{_RELOAD_FAILED}{fresh.reason}"
             record.versions[version] = current
@@ -219,6 +247,46 @@ class RepositoryManager:
         in_use = any(v.loaded is not None and v.loaded.path == folder for v in record.versions.values())
         # <model>/.kiln-staging/<n>/<model>: remove the numbered folder.
         return None if in_use else (folder.parent if folder.parent.parent.name == STAGING_FOLDER else folder)
+
+    # -- ensembles -------------------------------------------------------------------------------------------
+
+    def _step_spec(self, name: str, version: int) -> ModelSpec:
+        """The spec an ensemble step reaches: ``version`` of ``name``, or its newest ready version."""
+        record = self.models.get(name)
+        if record is None or not record.wanted:
+            raise ModelNotFoundError(f"model '{name}' is not loaded" + (f" ({record.reason})" if record else ""))
+        numbers = record.ready_versions() if version == LATEST else [version]
+        found = record.versions.get(numbers[-1]) if numbers else None
+        if found is None or found.state is not ModelState.READY or found.loaded is None:
+            which = "no version" if version == LATEST else f"version {version}"
+            why = (found.reason if found is not None else "") or record.reason or record.unloaded.get(version, "")
+            raise ModelNotReadyError(f"model '{name}' has {which} ready" + (f": {why}" if why else ""))
+        return found.loaded.spec
+
+    def _rebind_ensembles(self) -> None:
+        """Re-check every ensemble against the models it calls (after any load, unload or reload)."""
+        for record in self.models.values():
+            if is_ensemble(record) and any(rebind(v, self._step_spec) for v in record.versions.values()):
+                ready = record.ready_versions()
+                failed = [v.reason for v in record.versions.values() if v.state is not ModelState.READY]
+                record.reason = "" if ready or not failed else failed[0]
+
+    def _load_composing(self, spec: ModelSpec, seen: set[str]) -> None:
+        """Explicit mode: loading an ensemble loads the models its steps call that are not loaded yet."""
+        scan = self._scan()
+        for model in sorted(_step_models(spec) - seen):
+            seen.add(model)
+            record = self.models.get(model)
+            if (record is not None and record.wanted and record.ready_versions()) or model not in scan.models:
+                continue  # a model missing from the repositories is reported when the ensemble binds
+            opened = self._open(scan.models[model], None)
+            if not isinstance(opened, KilnError) and is_ensemble(opened):
+                self._load_composing(opened.spec, seen)
+            self._apply(model, scan.models[model], opened)
+
+    def _is_ensemble_folder(self, name: str) -> bool:
+        record = self.models.get(name)
+        return record is not None and is_ensemble(record)
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -268,3 +336,8 @@ def _only_instances_changed(current: VersionRecord, model_dir: ModelDir, fingerp
     new.ClearField("instance_group")
     return old == new and old_kinds == new_kinds
 
+
+def _step_models(spec: ModelSpec | None) -> set[str]:
+    if spec is None or spec.backend != "ensemble":
+        return set()
+    return {step.model_name for step in spec.config.ensemble_scheduling.step}

@@ -24,6 +24,7 @@ from kiln.errors import (
     UnsupportedError,
     VersionUnloadingError,
 )
+from kiln.server.ensemble import EnsembleScheduler, StepStats
 from kiln.server.manager import CONTROL_MODES, ManagerOptions, RepositoryManager
 from kiln.server.registry import IndexEntry, ModelRecord, ModelState, VersionRecord
 from kiln.server.repository import scan_repositories
@@ -45,6 +46,7 @@ EXTENSIONS = (
     "parameters",
     "sequence",
     "schedule_policy",
+    "model_repository(unload_dependents)",
 )
 
 
@@ -89,7 +91,8 @@ class Server:
         self.options = options
         self._models: dict[str, ModelRecord] = {}
         self._observers: list[RequestObserver] = []  # one list shared by every model's statistics
-        self._manager = RepositoryManager(options.manager_options(), self._models, self._observers)
+        self._manager = RepositoryManager(options.manager_options(), self._models, self._observers,
+                                          self._dispatch_step)
         self._live = False
         self._stopping = False
         self._inflight = 0
@@ -132,10 +135,11 @@ class Server:
                                           for v in record.versions.values())
 
     def unload_model(self, name: str, unload_dependents: bool = False) -> None:
-        """Explicit mode: stop serving a model; its versions finish their in-flight requests first.
-        ``unload_dependents`` has nothing to act on until ensembles exist."""
+        """Explicit mode: stop serving a model; its versions finish their in-flight requests first. Ensembles
+        that call it become unavailable. ``unload_dependents`` on an ensemble also unloads the models its steps
+        call (those no other loaded ensemble calls)."""
         check_model_name(name)
-        self._manager.unload(name)
+        self._manager.unload(name, unload_dependents)
 
     def load_failures(self) -> dict[str, int]:
         """Failed (re)loads per model since start, including reloads that left an older version serving."""
@@ -327,6 +331,35 @@ class Server:
         batch_size = validate_request(record.loaded.spec, request)
         return record.scheduler, batch_size
 
+    # -- ensembles -------------------------------------------------------------------------------------------
+
+    async def _dispatch_step(self, request: InferRequest) -> InferResponse:
+        """An ensemble step's request: through its model's own scheduler, also while the server shuts down (the
+        ensemble request that needs it was accepted before)."""
+        record = self._resolve(request.model_name, request.model_version)
+        assert record.loaded is not None and record.scheduler is not None
+        batch_size = validate_request(record.loaded.spec, request)
+        try:
+            return await record.scheduler.submit(request, batch_size)
+        except VersionUnloadingError:
+            record = self._resolve(request.model_name, request.model_version)
+            assert record.scheduler is not None
+            return await record.scheduler.submit(request, batch_size)
+
+    def ensemble_step_statistics(self, name: str, version: str = "") -> list[StepStats]:
+        """Per-step success and failure counts and durations of an ensemble version (each step's model also
+        counts the requests in its own statistics)."""
+        found = self._resolve(name, version) if version else self._newest_loaded(name)
+        if not isinstance(found.scheduler, EnsembleScheduler):
+            raise InvalidArgumentError(f"model '{name}' is not an ensemble")
+        return found.scheduler.step_statistics()
+
+    def _newest_loaded(self, name: str) -> VersionRecord:
+        loaded = self._loaded_versions(self._record(name))
+        if not loaded:
+            raise ModelNotReadyError(f"model '{name}' has no loaded version")
+        return loaded[-1]
+
     # -- lookup ----------------------------------------------------------------------------------------------
 
     def _record(self, name: str) -> ModelRecord:
@@ -342,7 +375,9 @@ class Server:
         if not version:
             ready = record.ready_versions()
             if not ready:
-                raise ModelNotReadyError(f"model '{name}' has no version ready to serve")
+                reasons = [v.reason for _, v in sorted(record.versions.items(), reverse=True) if v.reason]
+                raise ModelNotReadyError(f"model '{name}' has no version ready to serve"
+                                         + (f": {reasons[0]}" if reasons else ""))
             return record.versions[ready[-1]]
         try:
             number = int(version)

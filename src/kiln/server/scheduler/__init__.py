@@ -1,6 +1,5 @@
 """Schedulers decide when and on which instance a model's requests run."""
 
-from kiln.errors import UnsupportedError
 from kiln.server.model import LoadedModel
 from kiln.server.scheduler.base import Scheduler
 from kiln.server.scheduler.direct import DirectScheduler
@@ -13,10 +12,7 @@ def make_scheduler(model: LoadedModel) -> Scheduler:
     a time per instance."""
     from kiln.server.scheduler.sequence import SequenceBatcher
 
-    choice = model.spec.config.WhichOneof("scheduling_choice")
-    if choice == "ensemble_scheduling":
-        raise UnsupportedError(f"model '{model.name}': {choice} is not supported by this kiln version; "
-                               f"use dynamic_batching, sequence_batching or no scheduler")
+    choice = model.spec.config.WhichOneof("scheduling_choice")  # ensembles get theirs in ensemble/loading.py
     if choice == "sequence_batching":
         return SequenceBatcher(model)
     if choice == "dynamic_batching":
