@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,18 @@ from kiln.server.manager import CONTROL_MODES, ManagerOptions, RepositoryManager
 from kiln.server.registry import IndexEntry, ModelRecord, ModelState, VersionRecord
 from kiln.server.repository import scan_repositories
 from kiln.server.request import InferRequest, InferResponse
+from kiln.server.routing import (
+    DEFAULT_KEY,
+    ModelRouting,
+    RoutingStatus,
+    RoutingTable,
+    check_weight,
+    check_weights,
+    parse_fraction,
+    parse_version,
+)
 from kiln.server.scheduler import Scheduler
+from kiln.server.shadow import mirror_request, uses_shared_memory
 from kiln.server.shm import RegionLease, RegionStatus, SharedMemoryRegistry
 from kiln.server.staging import check_model_name, parse_config_override, stage_files
 from kiln.server.stats import ModelStats, RequestObserver
@@ -288,6 +300,7 @@ class Server:
         lease = None
         try:
             lease = self._attach(request)
+            started = time.monotonic_ns()
             scheduler, batch_size = self._admit(request)
             try:
                 response = await scheduler.submit(request, batch_size)
@@ -295,6 +308,7 @@ class Server:
                 # Swapped out between lookup and enqueue: the replacement takes it.
                 scheduler, batch_size = self._admit(request)
                 response = await scheduler.submit(request, batch_size)
+            self._after_routing(request, response, started, sync=False)
             if lease is not None:
                 lease.finish(request, response)
             return response
@@ -309,12 +323,14 @@ class Server:
         lease = None
         try:
             lease = self._attach(request)
+            started = time.monotonic_ns()
             scheduler, batch_size = self._admit(request)
             try:
                 response = scheduler.submit_sync(request, batch_size)
             except VersionUnloadingError:
                 scheduler, batch_size = self._admit(request)
                 response = scheduler.submit_sync(request, batch_size)
+            self._after_routing(request, response, started, sync=True)
             if lease is not None:
                 lease.finish(request, response)
             return response
@@ -326,7 +342,8 @@ class Server:
     def _admit(self, request: InferRequest) -> tuple[Scheduler, int]:
         if self._stopping:
             raise UnavailableError("the server is shutting down and takes no new requests")
-        record = self._resolve(request.model_name, request.model_version)
+        record = self._route(request) if not request.model_version else self._resolve(request.model_name,
+                                                                                       request.model_version)
         assert record.loaded is not None and record.scheduler is not None
         batch_size = validate_request(record.loaded.spec, request)
         return record.scheduler, batch_size
@@ -359,6 +376,92 @@ class Server:
         if not loaded:
             raise ModelNotReadyError(f"model '{name}' has no loaded version")
         return loaded[-1]
+
+    # -- A/B routing -----------------------------------------------------------------------------------------
+
+    def routing(self, name: str) -> RoutingStatus:
+        """A model's A/B routing: the weights in force, per-version counts and recent latency percentiles, and what
+        shadow traffic found (docs/ab-testing.md)."""
+        record = self._record(name)
+        return self._routing_of(record).status(record.ready_versions())
+
+    def set_routing(self, name: str, weights: Mapping[str, float] | Mapping[int, float] | None = None,
+                    shadow_version: str | int | None = None, shadow_fraction: float | None = None) -> RoutingStatus:
+        """Change a model's routing now, without a reload: ``weights`` maps versions to weights (``{}``: serve the
+        newest version again); a shadow ``fraction`` of 0 stops shadow traffic. None leaves a setting unchanged.
+        These settings replace the config's until the model is reloaded with different ``kiln.*`` parameters."""
+        record = self._record(name)
+        routing = self._routing_of(record)
+        checked: dict[int, float] | None = None
+        if weights is not None:
+            checked = {}
+            for given, weight in weights.items():
+                version = parse_version(name, "routing weights", given)
+                checked[version] = check_weight(name, "routing weights", version, weight)
+            check_weights(name, "routing weights", checked)
+        shadow = None if shadow_version is None else parse_version(name, "shadow version", shadow_version)
+        fraction = None if shadow_fraction is None else parse_fraction(name, "shadow fraction", shadow_fraction)
+        if record.spec is not None and record.spec.config.HasField("sequence_batching"):
+            raise InvalidArgumentError(f"model '{name}': A/B routing and shadow traffic need a stateless model; "
+                                       f"this one uses sequence_batching")
+        routing.update(checked, shadow, fraction)
+        return routing.status(record.ready_versions())
+
+    def routing_key_parameter(self, name: str) -> str:
+        """The request parameter that carries a model's sticky routing key (frontends fill it from a header)."""
+        record = self._models.get(name)
+        try:
+            return self._routing_of(record).key_parameter if record is not None else DEFAULT_KEY
+        except KilnError:
+            return DEFAULT_KEY
+
+    @property
+    def _ab(self) -> RoutingTable:
+        # Made on first use, once: dict.setdefault is atomic, so racing threads end up with the same table.
+        table: RoutingTable | None = self.__dict__.get("_ab_routing")
+        return table if table is not None else self.__dict__.setdefault("_ab_routing", RoutingTable())
+
+    def _routing_of(self, record: ModelRecord) -> ModelRouting:
+        if record.spec is None:
+            raise ModelNotReadyError(f"model '{record.name}' is not available: {record.reason}")
+        return self._ab.model(record.spec)
+
+    def _route(self, request: InferRequest) -> VersionRecord:
+        """The version a request that names none goes to: by the model's weights, else the newest ready one."""
+        record = self._record(request.model_name)
+        chosen = None
+        if record.spec is not None:
+            chosen = self._routing_of(record).choose(record.ready_versions(), request.parameters)
+        return self._resolve(request.model_name, str(chosen) if chosen is not None else "")
+
+    def _after_routing(self, request: InferRequest, response: InferResponse, started_ns: int, sync: bool) -> None:
+        """Count a successful answer for the routing status, then mirror the request to the shadow version if
+        the model has one (the mirror runs later and never touches ``response``)."""
+        record = self._models.get(request.model_name)
+        if record is None or record.spec is None or not response.model_version.isdigit():
+            return
+        try:
+            routing = self._ab.model(record.spec)
+        except KilnError:
+            return  # bad kiln.* parameters: routed requests report it; explicit versions still serve
+        served = int(response.model_version)
+        routing.observe(served, not request.model_version, time.monotonic_ns() - started_ns)
+        shadow = routing.shadow
+        if shadow is None or shadow.version == served or uses_shared_memory(request) or not shadow.sample():
+            return
+        mirror = mirror_request(request, shadow.version)
+        try:
+            target = self._resolve(request.model_name, str(shadow.version))
+            assert target.loaded is not None and target.scheduler is not None
+            batch_size = validate_request(target.loaded.spec, mirror)
+        except KilnError:
+            shadow.skip()
+            return
+        scheduler, primary = target.scheduler, list(response.outputs)
+        if sync:
+            shadow.start_sync(lambda: scheduler.submit_sync(mirror, batch_size), primary)
+        else:
+            shadow.start(lambda: scheduler.submit(mirror, batch_size), primary)
 
     # -- lookup ----------------------------------------------------------------------------------------------
 
