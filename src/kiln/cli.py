@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kiln.ab_cli import add_ab_arguments, run_ab
 from kiln.advise.cli import add_advise_arguments, run_advise
 from kiln.bench.cli import add_bench_arguments, run_bench
 from kiln.bench.compare_cli import add_compare_arguments, run_compare
@@ -71,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     capture = commands.add_parser("capture", help="samples edges captured for retraining (kiln serve --capture-dir)")
     add_capture_arguments(capture)
     capture.set_defaults(run=run_capture)
+    ab = commands.add_parser("ab", help="compare a model's versions under A/B routing and shadow traffic "
+                                        "(kiln ab report MODEL)")
+    add_ab_arguments(ab)
+    ab.set_defaults(run=run_ab)
     advise = commands.add_parser("advise", help="direct engine, server or both: the decision rules, with measured "
                                                 "evidence")
     add_advise_arguments(advise)

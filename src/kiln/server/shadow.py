@@ -13,7 +13,7 @@ import asyncio
 import logging
 import random
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kiln.errors import KilnError
 from kiln.server.request import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput
 from kiln.tensor import DataType
 
@@ -62,15 +63,20 @@ class Comparison:
 def compare_outputs(primary: Sequence[OutputTensor], shadow: Sequence[OutputTensor], atol: float,
                     rtol: float) -> Comparison:
     """Whether the shadow's outputs agree with the primary's, name by name."""
-    theirs = {o.name: o for o in shadow}
+    return compare_arrays({o.name: o.data for o in primary}, {o.name: o.data for o in shadow}, atol, rtol)
+
+
+def compare_arrays(reference: Mapping[str, npt.NDArray[Any]], other: Mapping[str, npt.NDArray[Any]], atol: float,
+                   rtol: float) -> Comparison:
+    """Compare every array of ``reference`` with the same-named one of ``other`` (a missing one disagrees)."""
     agreed, max_diff, rows, top1 = True, 0.0, 0, 0
-    for mine in primary:
-        other = theirs.get(mine.name)
-        if other is None or other.data.shape != mine.data.shape:
+    for name, mine in reference.items():
+        theirs = other.get(name)
+        if theirs is None or theirs.shape != mine.shape:
             agreed = False
             continue
-        if mine.datatype in _FLOATS and other.datatype in _FLOATS:
-            a, b = _as_float(mine.data), _as_float(other.data)
+        if _is_float(mine.dtype) and _is_float(theirs.dtype):
+            a, b = mine.astype(np.float64), theirs.astype(np.float64)
             if a.size:
                 max_diff = max(max_diff, float(np.max(np.abs(a - b))))
             agreed = agreed and bool(np.allclose(a, b, atol=atol, rtol=rtol))
@@ -78,12 +84,15 @@ def compare_outputs(primary: Sequence[OutputTensor], shadow: Sequence[OutputTens
                 rows += a.shape[0]
                 top1 += int(np.count_nonzero(np.argmax(a, axis=1) == np.argmax(b, axis=1)))
         else:
-            agreed = agreed and bool(np.array_equal(mine.data, other.data))
+            agreed = agreed and bool(np.array_equal(mine, theirs))
     return Comparison(agreed, max_diff, rows, top1)
 
 
-def _as_float(data: npt.NDArray[Any]) -> npt.NDArray[np.float64]:
-    return np.asarray(data).astype(np.float64)
+def _is_float(dtype: np.dtype[Any]) -> bool:
+    try:
+        return DataType.from_numpy(dtype) in _FLOATS  # also bfloat16, which numpy does not call floating
+    except KilnError:
+        return False
 
 
 def mirror_request(request: InferRequest, version: int) -> InferRequest:

@@ -13,6 +13,7 @@ from starlette.routing import BaseRoute, Route
 from kiln.frontends.http.capture import CaptureEndpoints, CaptureOptions
 from kiln.frontends.http.endpoints import Endpoints, error_response
 from kiln.frontends.http.files import DownloadOptions, FileEndpoints
+from kiln.frontends.http.routing import RoutingEndpoints
 from kiln.server.server import Server
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -33,7 +34,8 @@ def build_app(server: Server, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE,
     see files.py and capture.py)."""
     files = FileEndpoints(server, downloads or DownloadOptions())
     captures = CaptureEndpoints(server, capture or CaptureOptions(), max_input_size)
-    return Starlette(routes=_routes(Endpoints(server, max_input_size), files, captures),
+    routing = RoutingEndpoints(server, max_input_size)
+    return Starlette(routes=_routes(Endpoints(server, max_input_size), files, captures) + _routing_routes(routing),
                      exception_handlers={HTTPException: _http_error, Exception: _unexpected})
 
 
@@ -75,6 +77,11 @@ def _routes(e: Endpoints, f: FileEndpoints, c: CaptureEndpoints) -> list[BaseRou
         (_CUDA_SHM + "/region/{region}/unregister", e.cuda_shared_memory, "POST"),
     ]
     return [Route(path, _guarded(handler), methods=[method]) for path, handler, method in table]
+
+
+def _routing_routes(r: RoutingEndpoints) -> list[BaseRoute]:
+    path = "/v2/repository/models/{model}/kiln/routing"
+    return [Route(path, _guarded(r.status), methods=["GET"]), Route(path, _guarded(r.update), methods=["POST"])]
 
 
 def _guarded(endpoint: Endpoint) -> Endpoint:

@@ -17,6 +17,7 @@ from kiln.config.render import config_to_json
 from kiln.errors import ModelNotReadyError, UnsupportedError
 from kiln.frontends.http import codec
 from kiln.frontends.http.body import read_body
+from kiln.frontends.http.routing import apply_routing_header
 from kiln.frontends.status import as_kiln_error, error_body, http_status
 from kiln.server.server import Server
 
@@ -91,6 +92,7 @@ class Endpoints:
             infer_request = codec.decode_raw_request(name, version, body, metadata)
         else:
             infer_request = codec.decode_request(name, version, body, json_size)
+        apply_routing_header(self.server, request, infer_request)
         response = await self.server.infer(infer_request)
         content, header_size = codec.encode_response(response, infer_request)
         if header_size is None:
