@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser(
-        "demo-repo", help="build the demo model repository (simple, mlp, simple_string, optional resnet50)")
+        "demo-repo", help="build the demo model repository (simple, mlp, simple_string, the mlp_pipeline "
+                             "ensemble, optional resnet50)")
     demo.add_argument("path", type=Path, help="folder to write the repository into")
     demo.add_argument("--resnet50", action="store_true", help="also build resnet50 (random weights, ~100 MB)")
     demo.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")

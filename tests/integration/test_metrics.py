@@ -175,7 +175,8 @@ def test_counters_match_the_statistics(server: Server) -> None:
     scrape = Scrape(registry)
     stats = server.model_statistics()
     assert {(s.name, s.version) for s in stats} == {("simple", "1"), ("mlp", "1"), ("simple_string", "1"),
-                                                    ("gated", "1"), ("bucketed", "1")}
+                                                    ("gated", "1"), ("bucketed", "1"), ("mlp_pipeline", "1"),
+                                                    ("mlp_preprocess", "1"), ("mlp_postprocess", "1")}
     for s in stats:
         labels = {"model": s.name, "version": s.version}
         assert scrape.value("nv_inference_request_success", **labels) == s.success.count
@@ -206,8 +207,12 @@ def test_exposition_has_triton_names_types_and_labels(server: Server) -> None:
         assert all(labels == expected for labels in scrape.label_sets(name)), name
     for name in ("nv_inference_pending_request_count", "nv_model_load_duration_secs", *CPU):
         assert scrape.types[name] == "gauge"
+    ensemble_steps = {"kiln_ensemble_step_success", "kiln_ensemble_step_failure", "kiln_ensemble_step_duration_us"}
+    for name in ensemble_steps:  # the demo pipeline's three steps
+        assert scrape.types[name] == "counter"
+        assert scrape.label_sets(name) == [{"model", "version", "step", "step_model"}] * 3
     assert scrape.sample_names() == {*COUNTERS, *DURATIONS, "nv_inference_pending_request_count",
-                                     "nv_model_load_duration_secs", *CPU}
+                                     "nv_model_load_duration_secs", *CPU, *ensemble_steps}
     assert len(scrape.samples["nv_inference_request_failure"]) == 4 * len(server.model_statistics())
 
 

@@ -1,7 +1,8 @@
 """Write the demo model repository (Triton layout: ``<name>/config.pbtxt`` and ``<name>/1/model.onnx``).
 
 ``simple_string`` is a Python-backend model (``<name>/1/model.py``): Triton's string example, written against
-Triton's Python-backend API.
+Triton's Python-backend API. ``mlp_pipeline`` is an ensemble: ``mlp_preprocess`` (Python) -> ``mlp`` ->
+``mlp_postprocess`` (Python).
 """
 
 from __future__ import annotations
@@ -76,11 +77,64 @@ def build_demo_repository(path: str | os.PathLike[str], *, include_resnet50: boo
     for demo in (_SIMPLE, _MLP):
         _write_demo(root / demo.name, demo, seed)
     _write_simple_string(root / SIMPLE_STRING)
-    names = [_SIMPLE.name, _MLP.name, SIMPLE_STRING]
+    _write_pipeline(root)
+    names = [_SIMPLE.name, _MLP.name, SIMPLE_STRING, *_PIPELINE_STEPS, PIPELINE]
     if include_resnet50:
         _write_demo(root / _RESNET50.name, _RESNET50, seed)
         names.append(_RESNET50.name)
     return names
+
+PIPELINE = "mlp_pipeline"
+# Python-backend steps of the pipeline: folder name, packaged source, config.
+_PIPELINE_STEPS = {
+    "mlp_preprocess": ("mlp_preprocess_model.py", """name: "mlp_preprocess"
+backend: "python"
+max_batch_size: 32
+input [ { name: "RAW" data_type: TYPE_INT32 dims: [ 64 ] } ]
+output [ { name: "FEATURES" data_type: TYPE_FP32 dims: [ 64 ] } ]
+"""),
+    "mlp_postprocess": ("mlp_postprocess_model.py", """name: "mlp_postprocess"
+backend: "python"
+max_batch_size: 32
+input [ { name: "LOGITS" data_type: TYPE_FP32 dims: [ 10 ] } ]
+output [
+  { name: "PROBS" data_type: TYPE_FP32 dims: [ 10 ] },
+  { name: "CLASS" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+"""),
+}
+# Raw INT32 counts -> preprocess -> mlp (dynamic batching) -> postprocess -> class probabilities and class.
+_PIPELINE_CONFIG = """name: "mlp_pipeline"
+platform: "ensemble"
+max_batch_size: 32
+input [ { name: "RAW" data_type: TYPE_INT32 dims: [ 64 ] } ]
+output [
+  { name: "PROBS" data_type: TYPE_FP32 dims: [ 10 ] },
+  { name: "CLASS" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+ensemble_scheduling {
+  step [
+    {
+      model_name: "mlp_preprocess"
+      model_version: -1
+      input_map { key: "RAW" value: "RAW" }
+      output_map { key: "FEATURES" value: "features" }
+    },
+    {
+      model_name: "mlp"
+      model_version: -1
+      input_map { key: "INPUT0" value: "features" }
+      output_map { key: "OUTPUT0" value: "logits" }
+    },
+    {
+      model_name: "mlp_postprocess"
+      model_version: -1
+      input_map { key: "LOGITS" value: "logits" }
+      output_map [ { key: "PROBS" value: "PROBS" }, { key: "CLASS" value: "CLASS" } ]
+    }
+  ]
+}
+"""
 
 
 def _write_demo(folder: Path, demo: _DemoModel, seed: int) -> None:
@@ -90,6 +144,15 @@ def _write_demo(folder: Path, demo: _DemoModel, seed: int) -> None:
     # The model first: a server that sees the config should find the model it names.
     _write_atomic(folder / "1" / "model.onnx", model.SerializeToString(deterministic=True))
     _write_atomic(folder / "config.pbtxt", render_config(demo.name, model, demo.max_batch_size, demo.extra_config))
+
+
+def _write_pipeline(root: Path) -> None:
+    for name, (source, config) in _PIPELINE_STEPS.items():
+        (root / name / "1").mkdir(parents=True, exist_ok=True)
+        _write_atomic(root / name / "1" / "model.py", resources.files("kiln.demo").joinpath(source).read_bytes())
+        _write_atomic(root / name / "config.pbtxt", config.encode())
+    (root / PIPELINE / "1").mkdir(parents=True, exist_ok=True)  # an ensemble's version folder holds no file
+    _write_atomic(root / PIPELINE / "config.pbtxt", _PIPELINE_CONFIG.encode())
 
 
 def _write_simple_string(folder: Path) -> None:

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.frontends.metrics_cpu import CpuCollector
+from kiln.frontends.metrics_ensemble import ensemble_step_families
 from kiln.frontends.metrics_gpu import gpu_collector
 from kiln.frontends.metrics_latency import DEFAULT_BUCKETS_MS, DEFAULT_QUANTILES, HISTOGRAM_NAME, LatencyRecorder
 from kiln.server.server import Server
@@ -124,6 +125,7 @@ class ModelCollector(Collector):
         yield self._gauge("nv_model_load_duration_secs", "Model load time in seconds",
                           stats, lambda s: s.load_duration_s)
         yield self._load_failures()
+        yield from ensemble_step_families(self._server)
         if self._latency is not None:
             yield from self._latency.families([(s.name, s.version) for s in stats], listed_ns)
 

@@ -76,6 +76,13 @@ class RepositoryManager:
             names = [n for n in names if n in wanted]
         self._mark_duplicates(scan)
         dirs = self._open_all({n: scan.models[n] for n in names})
+        while True:  # an ensemble named at start brings the models its steps call (Triton does the same)
+            called = set().union(*(_step_models(d.spec) for d in dirs.values() if isinstance(d, ModelDir)))
+            extra = sorted((called & set(scan.models)) - set(dirs))
+            if not extra:
+                break
+            dirs.update(self._open_all({n: scan.models[n] for n in extra}))
+        names = sorted(dirs)
         self._threads = cpu_thread_share(self.options.cpu_threads,
                                          [(d.spec, len(d.served_versions())) for d in dirs.values()
                                           if isinstance(d, ModelDir)])

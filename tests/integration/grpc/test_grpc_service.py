@@ -133,14 +133,16 @@ async def test_statistics_count_inferences(client: tc_aio.InferenceServerClient)
     assert any(int(b["batch_size"]) == 2 for b in stats["batch_stats"])
     everything = await client.get_inference_statistics(as_json=True)
     assert {s["name"] for s in everything["model_stats"]} == {"echo_bytes", "echo_fp16", "mlp", "simple",
-                                                               "simple_string"}
+                                                               "simple_string", "mlp_pipeline", "mlp_preprocess",
+                                                               "mlp_postprocess"}
 
 
 async def test_repository_index(client: tc_aio.InferenceServerClient) -> None:
     index = (await client.get_model_repository_index(as_json=True))["models"]
     assert [(m["name"], m["version"], m["state"]) for m in index] == [
-        ("echo_bytes", "1", "READY"), ("echo_fp16", "1", "READY"), ("mlp", "1", "READY"), ("simple", "1", "READY"),
-        ("simple_string", "1", "READY"),
+        ("echo_bytes", "1", "READY"), ("echo_fp16", "1", "READY"), ("mlp", "1", "READY"),
+        ("mlp_pipeline", "1", "READY"), ("mlp_postprocess", "1", "READY"), ("mlp_preprocess", "1", "READY"),
+        ("simple", "1", "READY"), ("simple_string", "1", "READY"),
     ]
 
 

@@ -14,6 +14,8 @@ from kiln.frontends.http import build_app
 from kiln.server.request import InferRequest, InferResponse
 from kiln.server.server import Server, ServerOptions
 
+PIPELINE = ["mlp", "mlp_pipeline", "mlp_postprocess", "mlp_preprocess"]  # demo models, sorted
+
 _BROKEN = 'name: "broken"\nbackend: "identity"\ninput [ { name: "INPUT0" data_type: TYPE_NOPE dims: [ 1 ] } ]\n'
 
 
@@ -88,7 +90,7 @@ async def test_a_failed_model_makes_the_server_not_ready(broken_server: Server) 
         broken = next(entry for entry in index if entry["name"] == "broken")
         assert broken["state"] == "UNAVAILABLE" and "TYPE_NOPE" in broken["reason"]
         ready = (await http.post("/v2/repository/index", json={"ready": True})).json()
-        assert [entry["name"] for entry in ready] == ["mlp", "simple", "simple_string"]
+        assert [entry["name"] for entry in ready] == [*PIPELINE, "simple", "simple_string"]
 
 
 async def test_server_metadata(client: httpx.AsyncClient) -> None:
@@ -159,7 +161,7 @@ async def test_statistics_count_inferences(client: httpx.AsyncClient) -> None:
 
 async def test_statistics_for_all_models_and_errors(client: httpx.AsyncClient) -> None:
     doc = (await client.get("/v2/models/stats")).json()
-    assert [s["name"] for s in doc["model_stats"]] == ["mlp", "simple", "simple_string"]
+    assert [s["name"] for s in doc["model_stats"]] == [*PIPELINE, "simple", "simple_string"]
     assert _error(await client.get("/v2/models/nope/stats"), 404).startswith("Request for unknown model")
 
 
@@ -167,8 +169,8 @@ async def test_statistics_for_all_models_and_errors(client: httpx.AsyncClient) -
 
 
 async def test_repository_index(client: httpx.AsyncClient) -> None:
-    expected = [{"name": "mlp", "version": "1", "state": "READY", "reason": ""},
-                {"name": "simple", "version": "1", "state": "READY", "reason": ""},
+    expected = [{"name": name, "version": "1", "state": "READY", "reason": ""} for name in PIPELINE]
+    expected += [{"name": "simple", "version": "1", "state": "READY", "reason": ""},
                 {"name": "simple_string", "version": "1", "state": "READY", "reason": ""}]
     assert (await client.post("/v2/repository/index")).json() == expected
     assert (await client.post("/v2/repository/index", json={"ready": True})).json() == expected

@@ -15,7 +15,8 @@ from kiln.demo import build_demo_repository
 from kiln.demo.resnet import build_resnet50
 
 ONNX_DEMOS = ["simple", "mlp"]
-DEMO_NAMES = [*ONNX_DEMOS, "simple_string"]
+PIPELINE = ["mlp_preprocess", "mlp_postprocess", "mlp_pipeline"]
+DEMO_NAMES = [*ONNX_DEMOS, "simple_string", *PIPELINE]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,9 @@ def test_layout_and_names(tmp_path: Path) -> None:
     assert build_demo_repository(root) == DEMO_NAMES
     expected = {f"{name}/{leaf}" for name in ONNX_DEMOS for leaf in ("config.pbtxt", "1/model.onnx")}
     expected |= {"simple_string/config.pbtxt", "simple_string/1/model.py"}
+    expected |= {f"{name}/{leaf}" for name in PIPELINE[:2] for leaf in ("config.pbtxt", "1/model.py")}
+    expected |= {"mlp_pipeline/config.pbtxt"}  # its version folder 1/ holds no file
+    assert (root / "mlp_pipeline" / "1").is_dir()
     assert set(_files(root)) == expected  # and no temp files left behind
     for name in ONNX_DEMOS:
         model = onnx.load(root / name / "1" / "model.onnx")

@@ -76,7 +76,8 @@ def test_readiness_and_index_report_the_broken_model(server: Server, repo: Path)
     assert index[("simple", "1")] == ("READY", "")
     state, reason = index[("broken", "")]
     assert state == "UNAVAILABLE" and "no_such_backend" in reason
-    assert [e.name for e in server.repository_index(ready_only=True)] == ["mlp", "simple", "simple_string"]
+    ready = [e.name for e in server.repository_index(ready_only=True)]
+    assert ready == ["mlp", "mlp_pipeline", "mlp_postprocess", "mlp_preprocess", "simple", "simple_string"]
 
 
 def test_unknown_model_and_version(server: Server) -> None:
