@@ -184,3 +184,12 @@ def test_a_missing_or_reshaped_output_disagrees() -> None:
     a = np.zeros((1, 4), dtype=np.float32)
     assert not compare_arrays({"y": a}, {}, 1e-3, 1e-3).agreed
     assert not compare_arrays({"y": a}, {"y": a.reshape(4, 1)}, 1e-3, 1e-3).agreed
+
+
+def test_shadow_statistics_list_models_that_mirror(server: Server) -> None:
+    server.infer_sync(request())
+    settled(server, 1)
+    [(model, stats)] = server.shadow_statistics()
+    assert (model, stats.version, stats.agreed) == ("ab", "3", 1)
+    server.set_routing("ab", shadow_fraction=0)
+    assert server.shadow_statistics() == []

@@ -324,6 +324,12 @@ class RoutingTable:
         self._models: dict[str, ModelRouting] = {}
         self._pool = _ShadowPool()
 
+    def shadows(self) -> list[tuple[str, ShadowStats]]:
+        """(model, stats) of every model with shadow traffic on, by model name."""
+        with self._lock:
+            routings = sorted(self._models.items())
+        return [(name, r.shadow.stats()) for name, r in routings if r.shadow is not None]
+
     def model(self, spec: ModelSpec) -> ModelRouting:
         current = self._models.get(spec.name)
         if current is not None and current.spec is spec:

@@ -41,7 +41,7 @@ from kiln.server.routing import (
     parse_version,
 )
 from kiln.server.scheduler import Scheduler
-from kiln.server.shadow import mirror_request, uses_shared_memory
+from kiln.server.shadow import ShadowStats, mirror_request, uses_shared_memory
 from kiln.server.shm import RegionLease, RegionStatus, SharedMemoryRegistry
 from kiln.server.staging import check_model_name, parse_config_override, stage_files
 from kiln.server.stats import ModelStats, RequestObserver
@@ -406,6 +406,10 @@ class Server:
                                        f"this one uses sequence_batching")
         routing.update(checked, shadow, fraction)
         return routing.status(record.ready_versions())
+
+    def shadow_statistics(self) -> list[tuple[str, ShadowStats]]:
+        """(model, shadow stats) of every model that mirrors requests now (for metrics)."""
+        return self._ab.shadows()
 
     def routing_key_parameter(self, name: str) -> str:
         """The request parameter that carries a model's sticky routing key (frontends fill it from a header)."""
