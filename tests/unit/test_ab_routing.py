@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from onnx import TensorProto, helper
 
 from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.spec import ModelSpec
-from kiln.errors import InvalidArgumentError, ModelNotFoundError
+from kiln.errors import InvalidArgumentError, ModelNotFoundError, ModelNotReadyError
 from kiln.server import InferRequest, InputTensor, Server, ServerOptions
 from kiln.server.routing import parse_routing_config, parse_weights, rendezvous
 from kiln.tensor import DataType
@@ -151,14 +152,16 @@ def test_without_weights_the_newest_version_serves(tmp_path: Path) -> None:
         server.close()
 
 
-def test_bad_config_parameters_fail_routed_requests_but_not_explicit_ones(tmp_path: Path) -> None:
+def test_bad_config_parameters_fail_the_load(tmp_path: Path) -> None:
     write_ab(tmp_path, ab_config(**{"kiln.ab.weights": "1:70,2:lots"}))
     server = Server(ServerOptions(repositories=[tmp_path]))
-    server.start()
     try:
-        with pytest.raises(InvalidArgumentError, match=r"model 'ab'.*kiln\.ab\.weights.*'lots'.*number >= 0"):
-            server.infer_sync(request())
-        assert served(server, request("1")) == "1"
+        assert server.start() == ["ab"]
+        [entry] = server.repository_index()
+        assert entry.state == "UNAVAILABLE"
+        assert re.search(r"model 'ab'.*kiln\.ab\.weights.*'lots'.*number >= 0", entry.reason)
+        with pytest.raises(ModelNotReadyError, match=r"kiln\.ab\.weights"):
+            server.infer_sync(request("1"))
     finally:
         server.close()
 

@@ -13,7 +13,9 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+from prometheus_client.parser import text_string_to_metric_families
 
+from kiln.frontends.metrics import MetricsOptions, metrics_registry, render_metrics
 from kiln.server import InferRequest, InputTensor, Server, ServerOptions
 from kiln.server.shadow import Shadow, ShadowStats, compare_arrays
 from kiln.tensor import DataType
@@ -191,5 +193,10 @@ def test_shadow_statistics_list_models_that_mirror(server: Server) -> None:
     settled(server, 1)
     [(model, stats)] = server.shadow_statistics()
     assert (model, stats.version, stats.agreed) == ("ab", "3", 1)
+    scrape = render_metrics(metrics_registry(server, MetricsOptions(cpu_metrics=False, gpu_metrics=False)))
+    samples = {s.labels["result"]: s.value for family in text_string_to_metric_families(scrape.decode())
+               if family.name == "kiln_shadow_requests" for s in family.samples}
+    assert samples == {"agreed": 1, "disagreed": 0, "error": 0, "skipped": 0}
+    assert b"# TYPE kiln_shadow_requests counter" in scrape
     server.set_routing("ab", shadow_fraction=0)
     assert server.shadow_statistics() == []

@@ -126,6 +126,7 @@ class ModelCollector(Collector):
                           stats, lambda s: s.load_duration_s)
         yield self._load_failures()
         yield from ensemble_step_families(self._server)
+        yield self._shadow_requests()
         if self._latency is not None:
             yield from self._latency.families([(s.name, s.version) for s in stats], listed_ns)
 
@@ -135,6 +136,16 @@ class ModelCollector(Collector):
         family = Metric(name, "Number of failed model loads and reloads since start, per model", "counter")
         for model, count in sorted(self._server.load_failures().items()):
             family.add_sample(name, {"model": model}, count)
+        return family
+
+    def _shadow_requests(self) -> Metric:
+        """kiln's own: requests mirrored to a shadow version, by result."""
+        name = "kiln_shadow_requests"
+        family = Metric(name, "Requests mirrored to a shadow version, by result", "counter")
+        for model, s in self._server.shadow_statistics():
+            for result, count in (("agreed", s.agreed), ("disagreed", s.disagreed), ("error", s.errors),
+                                  ("skipped", s.skipped)):
+                family.add_sample(name, {"model": model, "version": s.version, "result": result}, count)
         return family
 
     @staticmethod

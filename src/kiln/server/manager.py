@@ -27,6 +27,7 @@ from kiln.server.instances import cpu_thread_share
 from kiln.server.lifecycle import Retirements, load_version, resize_version
 from kiln.server.registry import ModelRecord, ModelState, VersionRecord
 from kiln.server.repository import RepositoryScan, scan_repositories
+from kiln.server.routing import parse_routing_config
 from kiln.server.staging import STAGING_FOLDER
 from kiln.server.stats import RequestObserver
 
@@ -309,8 +310,10 @@ class RepositoryManager:
 
     def _open(self, path: Path, config: pb.ModelConfig | None) -> ModelDir | KilnError:
         try:
-            return open_model_dir(path, autocomplete=self.options.autocomplete,
-                                  default_max_batch_size=self.options.default_max_batch_size, config=config)
+            model_dir = open_model_dir(path, autocomplete=self.options.autocomplete,
+                                       default_max_batch_size=self.options.default_max_batch_size, config=config)
+            parse_routing_config(model_dir.spec)  # bad kiln.ab.* / kiln.shadow.* values fail the load
+            return model_dir
         except KilnError as exc:
             return exc
 
