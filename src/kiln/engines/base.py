@@ -22,6 +22,7 @@ from kiln.config.backend_autocomplete import register_config_completer
 from kiln.config.backends import register_backend_name
 from kiln.config.spec import ModelSpec, TensorSpec
 from kiln.engines.checks import check_inputs, check_outputs
+from kiln.engines.dlpack import outputs_like, prepare_inputs
 from kiln.errors import InvalidArgumentError, UnsupportedError
 
 Array = npt.NDArray[Any]
@@ -67,10 +68,14 @@ class Engine(abc.ABC):
         return self.spec.outputs
 
     def infer(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None = None) -> dict[str, Array]:
-        """Run one batch. Raises InvalidArgumentError naming the tensor and what was expected."""
-        arrays = check_inputs(self.spec, inputs, keep_torch_tensors=self.accepts_torch_tensors)
+        """Run one batch. Raises InvalidArgumentError naming the tensor and what was expected.
+
+        Inputs may be numpy arrays or DLPack objects (torch tensors, cupy arrays, ...). Device inputs give device
+        outputs of the same kind; see :mod:`kiln.engines.dlpack` for the rule."""
+        prepared, device = prepare_inputs(self.spec.name, inputs, keep_torch=self.accepts_torch_tensors)
+        arrays = check_inputs(self.spec, prepared, keep_torch_tensors=self.accepts_torch_tensors)
         names = check_outputs(self.spec, outputs)
-        return self.execute(arrays, names)
+        return outputs_like(self.execute(arrays, names), device)
 
     @abc.abstractmethod
     def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:

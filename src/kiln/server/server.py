@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from kiln import __version__
 from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.spec import TensorSpec
 from kiln.errors import (
+    AlreadyExistsError,
     InvalidArgumentError,
     KilnError,
     ModelNotFoundError,
@@ -25,6 +27,9 @@ from kiln.errors import (
     UnsupportedError,
     VersionUnloadingError,
 )
+from kiln.server.cuda_ipc import CudaIpcMemory
+from kiln.server.cuda_ipc import unavailable_reason as cuda_unavailable_reason
+from kiln.server.cuda_shm import CudaRegionStatus, CudaSharedMemoryRegistry, RequestLeases
 from kiln.server.ensemble import EnsembleScheduler, StepStats
 from kiln.server.manager import CONTROL_MODES, ManagerOptions, RepositoryManager
 from kiln.server.registry import IndexEntry, ModelRecord, ModelState, VersionRecord
@@ -42,7 +47,7 @@ from kiln.server.routing import (
 )
 from kiln.server.scheduler import Scheduler
 from kiln.server.shadow import ShadowStats, mirror_request, uses_shared_memory
-from kiln.server.shm import RegionLease, RegionStatus, SharedMemoryRegistry
+from kiln.server.shm import RegionStatus, SharedMemoryRegistry, region_names
 from kiln.server.staging import check_model_name, parse_config_override, stage_files
 from kiln.server.stats import ModelStats, RequestObserver
 from kiln.server.validate import validate_request
@@ -196,6 +201,8 @@ class Server:
 
     def metadata(self) -> dict[str, object]:
         extensions = [*EXTENSIONS, "system_shared_memory"] if self._shm is not None else list(EXTENSIONS)
+        if self._shm is not None and (self._cuda_registry is not None or cuda_unavailable_reason() is None):
+            extensions.append("cuda_shared_memory")
         return {"name": "kiln", "version": __version__, "extensions": extensions}
 
     def model_ready(self, name: str, version: str = "") -> bool:
@@ -287,11 +294,74 @@ class Server:
                                    "tensor data in the request")
         return self._shm
 
-    def _attach(self, request: InferRequest) -> RegionLease | None:
-        if self._shm is None and (any(t.shared_memory for t in request.inputs)
-                                  or any(o.shared_memory for o in request.outputs)):
+    def _attach(self, request: InferRequest) -> RequestLeases | None:
+        """Fill the request's shared-memory inputs from their regions (system or CUDA) and hold the regions."""
+        names = region_names(request)
+        if not names:
+            return None
+        if self._shm is None:
             self._shared_memory()  # raises the "disabled" error
-        return self._shm.attach(request) if self._shm is not None else None
+        cuda_names = names & self._cuda_registry.names() if self._cuda_registry is not None else set()
+        leases = RequestLeases([])
+        try:
+            if cuda_names and self._cuda_registry is not None:
+                on_device = self._takes_device_tensors(request)
+                leases.leases.append(self._cuda_registry.attach(request, cuda_names, on_device))
+            system = self._shm.attach(request, skip=cuda_names) if self._shm is not None else None
+            if system is not None:
+                leases.leases.append(system)
+        except BaseException:
+            leases.release()
+            raise
+        return leases
+
+    # -- CUDA shared memory --------------------------------------------------------------------------------------
+
+    _cuda_registry: CudaSharedMemoryRegistry | None = None  # opened on first use: only GPU hosts need it
+    _cuda_registry_lock = threading.Lock()
+
+    def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        registry = self._cuda_shared_memory()
+        if self._shm is not None and any(s.name == name for s in self._shm.status()):
+            raise AlreadyExistsError(f"shared memory region '{name}' is already registered (as system shared "
+                                     f"memory); unregister it first or choose another name")
+        registry.register(name, raw_handle, device_id, byte_size)
+
+    def cuda_shared_memory_status(self, name: str = "") -> list[CudaRegionStatus]:
+        return self._cuda_shared_memory().status(name)
+
+    def unregister_cuda_shared_memory(self, name: str = "") -> None:
+        """Blocks while the region is in use (bounded): call it from a thread in async code."""
+        self._cuda_shared_memory().unregister(name)
+
+    def check_cuda_shm(self) -> None:
+        """Raise UnsupportedError unless clients may use CUDA shared memory on this server."""
+        self._cuda_shared_memory()
+
+    def close_cuda_shared_memory(self) -> None:
+        """Close every CUDA region (server shutdown)."""
+        if self._cuda_registry is not None:
+            self._cuda_registry.close()
+
+    def _cuda_shared_memory(self) -> CudaSharedMemoryRegistry:
+        if self._shm is None:
+            raise UnsupportedError("CUDA shared memory is disabled on this server; start it with `kiln serve "
+                                   "--allow-client-shm` (on a host with a CUDA GPU) to let clients register "
+                                   "regions, or send tensor data in the request")
+        with self._cuda_registry_lock:
+            if self._cuda_registry is None:
+                self._cuda_registry = CudaSharedMemoryRegistry(CudaIpcMemory())  # UnsupportedError without a GPU
+            return self._cuda_registry
+
+    def _takes_device_tensors(self, request: InferRequest) -> bool:
+        """Whether the engine that will run ``request`` computes on torch tensors where they lie; others get host
+        copies of CUDA-region inputs."""
+        try:
+            record = self._resolve(request.model_name, request.model_version)
+        except KilnError:
+            return False  # host copies suit every engine; _admit reports what is wrong with the request
+        return record.loaded is not None and bool(record.loaded.engines) and \
+            record.loaded.engines[0].accepts_torch_tensors
 
     # -- inference -------------------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -166,21 +167,21 @@ class SharedMemoryRegistry:
 
     # -- use by requests -------------------------------------------------------------------------------------
 
-    def attach(self, request: InferRequest) -> RegionLease | None:
+    def attach(self, request: InferRequest, skip: AbstractSet[str] = frozenset()) -> RegionLease | None:
         """Point the request's shared-memory inputs at their regions (zero-copy views) and hold every region
-        it names until the returned lease is released. None when the request names no region."""
-        refs = [t.shared_memory for t in request.inputs] + [o.shared_memory for o in request.outputs]
-        names = {ref.region for ref in refs if ref is not None}
+        it names until the returned lease is released. Regions named in ``skip`` (CUDA regions) are left alone.
+        None when the request names no other region."""
+        names = region_names(request) - skip
         if not names:
             return None
         lease = RegionLease(self, self._acquire(names))
         try:
             for tensor in request.inputs:
-                if tensor.shared_memory is not None:
+                if tensor.shared_memory is not None and tensor.shared_memory.region in names:
                     where = f"model '{request.model_name}': input '{tensor.name}'"
                     tensor.data = lease.read(tensor.shared_memory, tensor.datatype, tensor.shape, where)
             for output in request.outputs:
-                if output.shared_memory is not None:
+                if output.shared_memory is not None and output.shared_memory.region in names:
                     lease.window(output.shared_memory, f"model '{request.model_name}': output '{output.name}'")
         except BaseException:
             lease.release()
@@ -220,14 +221,7 @@ class RegionLease:
     def window(self, ref: SharedMemoryRef, where: str) -> tuple[_Region, int]:
         """The region and the absolute start of ``ref`` in its mapping, after the bounds checks."""
         region = self.regions[ref.region]
-        size = region.status.byte_size
-        if ref.offset >= size:
-            raise InvalidArgumentError(f"{where}: shared_memory_offset {ref.offset} is outside shared memory region "
-                                       f"'{ref.region}' ({size} bytes)")
-        if ref.offset + ref.byte_size > size:
-            raise InvalidArgumentError(f"{where}: shared_memory_offset {ref.offset} + shared_memory_byte_size "
-                                       f"{ref.byte_size} = {ref.offset + ref.byte_size} exceeds shared memory "
-                                       f"region '{ref.region}' ({size} bytes)")
+        check_window(ref, region.status.byte_size, where)
         return region, region.status.offset + ref.offset
 
     def read(self, ref: SharedMemoryRef, datatype: DataType, shape: tuple[int, ...],
@@ -256,7 +250,8 @@ class RegionLease:
         response keeps only the parameters that say where the data went), and give every other output that
         views region memory (a model returning its input) its own copy, since the frontend serialises it after
         the regions may be unregistered, truncated or reused by the client."""
-        wanted = {o.name: o.shared_memory for o in request.outputs if o.shared_memory is not None}
+        wanted = {o.name: o.shared_memory for o in request.outputs
+                  if o.shared_memory is not None and o.shared_memory.region in self.regions}
         response.outputs = [self._write(output, wanted[output.name], response.model_name)
                             if output.name in wanted else self._own(output)
                             for output in response.outputs]
@@ -295,6 +290,23 @@ class RegionLease:
         if not self.released:
             self.released = True
             self.registry._release(self.regions.values())
+
+
+def region_names(request: InferRequest) -> set[str]:
+    """Every shared-memory region a request's inputs and outputs name."""
+    refs = [t.shared_memory for t in request.inputs] + [o.shared_memory for o in request.outputs]
+    return {ref.region for ref in refs if ref is not None}
+
+
+def check_window(ref: SharedMemoryRef, region_size: int, where: str) -> None:
+    """``ref``'s offset and size must lie inside a region of ``region_size`` bytes."""
+    if ref.offset >= region_size:
+        raise InvalidArgumentError(f"{where}: shared_memory_offset {ref.offset} is outside shared memory region "
+                                   f"'{ref.region}' ({region_size} bytes)")
+    if ref.offset + ref.byte_size > region_size:
+        raise InvalidArgumentError(f"{where}: shared_memory_offset {ref.offset} + shared_memory_byte_size "
+                                   f"{ref.byte_size} = {ref.offset + ref.byte_size} exceeds shared memory "
+                                   f"region '{ref.region}' ({region_size} bytes)")
 
 
 def _map(status: RegionStatus, path: Path) -> _Region:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from kiln.config.spec import ModelSpec
 from kiln.engines.checks import check_shape
 from kiln.errors import InvalidArgumentError
@@ -26,8 +28,9 @@ def validate_request(spec: ModelSpec, request: InferRequest) -> int:
             raise InvalidArgumentError(f"model '{spec.name}': input '{tensor.name}' has datatype "
                                        f"{tensor.datatype.wire_name}; expected {spec_tensor.datatype.wire_name}")
         check_shape(spec, spec_tensor, tensor.shape)
-        if tensor.data.size != element_count(tensor.shape):
-            raise InvalidArgumentError(f"model '{spec.name}': input '{tensor.name}' has {tensor.data.size} "
+        # math.prod of the data's shape: a numpy array's size, and a torch tensor's (CUDA shared memory) too.
+        if (size := math.prod(tensor.data.shape)) != element_count(tensor.shape):
+            raise InvalidArgumentError(f"model '{spec.name}': input '{tensor.name}' has {size} "
                                        f"elements but its shape {list(tensor.shape)} needs "
                                        f"{element_count(tensor.shape)}")
     missing = [t.name for t in spec.inputs if t.name not in seen and not t.optional] \

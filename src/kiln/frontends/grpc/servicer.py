@@ -205,17 +205,23 @@ class GRPCInferenceService:
     @rpc
     async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest,
                                      context: Context) -> pb.CudaSharedMemoryStatusResponse:
-        raise _unsupported("CUDA shared memory")
+        region = pb.CudaSharedMemoryStatusResponse.RegionStatus
+        return pb.CudaSharedMemoryStatusResponse(regions={
+            s.name: region(name=s.name, device_id=s.device_id, byte_size=s.byte_size)
+            for s in self._server.cuda_shared_memory_status(request.name)})
 
     @rpc
     async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest,
                                        context: Context) -> pb.CudaSharedMemoryRegisterResponse:
-        raise _unsupported("CUDA shared memory")
+        await asyncio.to_thread(self._server.register_cuda_shared_memory, request.name, request.raw_handle,
+                                request.device_id, request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
 
     @rpc
     async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
                                          context: Context) -> pb.CudaSharedMemoryUnregisterResponse:
-        raise _unsupported("CUDA shared memory")
+        await asyncio.to_thread(self._server.unregister_cuda_shared_memory, request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
     @rpc
     async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> pb.TraceSettingResponse:
@@ -262,11 +268,6 @@ async def answer_in_order(requests: AsyncIterator[R], answer: Callable[[R], Awai
             leftover = pending.get_nowait()
             if leftover is not None:
                 leftover.cancel()
-
-
-def _unsupported(feature: str) -> UnsupportedError:
-    return UnsupportedError(f"{feature} is not supported by kiln's gRPC endpoint; send tensor data in the request "
-                            f"itself (raw_input_contents) or in system shared memory instead")
 
 
 def _check_repository_name(name: str) -> None:

@@ -70,11 +70,11 @@ def _routes(e: Endpoints, f: FileEndpoints, c: CaptureEndpoints) -> list[BaseRou
         (_SYSTEM_SHM + "/region/{region}/register", e.system_shared_memory_register, "POST"),
         (_SYSTEM_SHM + "/unregister", e.system_shared_memory_unregister, "POST"),
         (_SYSTEM_SHM + "/region/{region}/unregister", e.system_shared_memory_unregister, "POST"),
-        (_CUDA_SHM + "/status", e.cuda_shared_memory, "GET"),
-        (_CUDA_SHM + "/region/{region}/status", e.cuda_shared_memory, "GET"),
-        (_CUDA_SHM + "/region/{region}/register", e.cuda_shared_memory, "POST"),
-        (_CUDA_SHM + "/unregister", e.cuda_shared_memory, "POST"),
-        (_CUDA_SHM + "/region/{region}/unregister", e.cuda_shared_memory, "POST"),
+        (_CUDA_SHM + "/status", e.cuda_shared_memory_status, "GET"),
+        (_CUDA_SHM + "/region/{region}/status", e.cuda_shared_memory_status, "GET"),
+        (_CUDA_SHM + "/region/{region}/register", e.cuda_shared_memory_register, "POST"),
+        (_CUDA_SHM + "/unregister", e.cuda_shared_memory_unregister, "POST"),
+        (_CUDA_SHM + "/region/{region}/unregister", e.cuda_shared_memory_unregister, "POST"),
     ]
     return [Route(path, _guarded(handler), methods=[method]) for path, handler, method in table]
 

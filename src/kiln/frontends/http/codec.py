@@ -22,6 +22,7 @@ import orjson
 from kiln.config.spec import TensorSpec
 from kiln.errors import InvalidArgumentError
 from kiln.frontends.http.body import parse_json
+from kiln.server.cuda_shm import CudaRegionStatus
 from kiln.server.registry import IndexEntry
 from kiln.server.request import (
     InferRequest,
@@ -463,3 +464,33 @@ def shm_register_request(body: bytes, region: str) -> tuple[str, int, int]:
                                        f"got {value!r}")
     assert isinstance(offset, int) and isinstance(size, int)
     return key, offset, size
+
+
+def cuda_shm_status_doc(regions: list[CudaRegionStatus]) -> list[dict[str, Any]]:
+    return [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in regions]
+
+
+def cuda_shm_register_request(body: bytes, region: str) -> tuple[bytes, int, int]:
+    """``{"raw_handle": {"b64": str}, "device_id": int, "byte_size": int}`` of a CUDA shared-memory registration:
+    the CUDA IPC handle's bytes, the device and the size."""
+    where = f"register of CUDA shared memory region '{region}'"
+    doc = parse_json(body, where) if body.strip() else None
+    if not isinstance(doc, dict):
+        raise InvalidArgumentError(f"{where}: the body must be a JSON object with 'raw_handle', 'device_id' and "
+                                   f"'byte_size'")
+    handle = doc.get("raw_handle")
+    encoded = handle.get("b64") if isinstance(handle, dict) else None
+    if not isinstance(encoded, str):
+        raise InvalidArgumentError(f"{where}: field 'raw_handle' must be {{\"b64\": <base64 of the CUDA IPC "
+                                   f"handle>}}, got {handle!r}")
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgumentError(f"{where}: raw_handle.b64 is not valid base64") from None
+    device_id, size = doc.get("device_id"), doc.get("byte_size")
+    for field_name, value in (("device_id", device_id), ("byte_size", size)):
+        if type(value) is not int or value < 0:
+            raise InvalidArgumentError(f"{where}: field '{field_name}' must be a non-negative integer, "
+                                       f"got {value!r}")
+    assert isinstance(device_id, int) and isinstance(size, int)
+    return raw, device_id, size

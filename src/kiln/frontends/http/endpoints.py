@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.config.render import config_to_json
-from kiln.errors import ModelNotReadyError, UnsupportedError
+from kiln.errors import ModelNotReadyError
 from kiln.frontends.http import codec
 from kiln.frontends.http.body import read_body
 from kiln.frontends.http.routing import apply_routing_header
@@ -24,9 +24,6 @@ from kiln.server.server import Server
 NOT_READY = HTTPStatus.BAD_REQUEST
 """KServe's answer to a health or model-readiness probe that fails. Not an error mapping: the protocol fixes it
 (Triton's ``EVHTP_RES_BADREQ`` in ``HandleServerHealth`` / ``HandleModelReady``)."""
-
-_NO_CUDA_SHARED_MEMORY = ("CUDA shared memory is not supported by kiln: send tensor data in the request body "
-                          "(JSON, or the binary tensor data extension for large tensors) or in system shared memory")
 
 
 def error_response(exc: Exception) -> Response:
@@ -134,8 +131,21 @@ class Endpoints:
         await asyncio.to_thread(self.server.unregister_system_shared_memory, request.path_params.get("region", ""))
         return Response()
 
-    async def cuda_shared_memory(self, request: Request) -> Response:
-        raise UnsupportedError(_NO_CUDA_SHARED_MEMORY)
+    async def cuda_shared_memory_status(self, request: Request) -> Response:
+        regions = self.server.cuda_shared_memory_status(request.path_params.get("region", ""))
+        return _json(codec.cuda_shm_status_doc(regions))
+
+    async def cuda_shared_memory_register(self, request: Request) -> Response:
+        name = request.path_params["region"]
+        self.server.check_cuda_shm()  # a server that cannot serve it refuses before looking at the body
+        raw_handle, device_id, byte_size = codec.cuda_shm_register_request(
+            await read_body(request, self.max_input_size), name)
+        await asyncio.to_thread(self.server.register_cuda_shared_memory, name, raw_handle, device_id, byte_size)
+        return Response()
+
+    async def cuda_shared_memory_unregister(self, request: Request) -> Response:
+        await asyncio.to_thread(self.server.unregister_cuda_shared_memory, request.path_params.get("region", ""))
+        return Response()
 
 
 def _model(request: Request) -> tuple[str, str]:

@@ -1,0 +1,208 @@
+"""Shared memory on a GPU server: requests/s of batch-1 ResNet-50 FP16 (PyTorch backend, CUDA graphs) over HTTP
+and gRPC, with the input and output in the request body, in system shared memory, and in CUDA shared memory, next
+to the direct engine (numpy in, and a torch CUDA tensor in).
+
+Every client thread owns its tritonclient client and, for the shared-memory rows, its own input and output
+regions (written once, registered once); each request names them. `kiln serve --allow-client-shm` runs in a
+subprocess on the same host. The direct rows call `engine.infer()` from the same number of threads.
+Run on a GPU host: python benchmarks/shm_gpu.py --output benchmarks/results/shm_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import functools
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command_line, format_table, write_json
+
+import kiln
+from kiln.build import BuildOptions, build
+from kiln.demo.resnet import build_resnet50
+from kiln.testing.serve import kiln_serve
+
+MODEL = "resnet50"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--concurrency", default="16,64")
+    parser.add_argument("--seconds", type=float, default=5.0, help="timed window per row")
+    parser.add_argument("--dynamic-batching", action="store_true", help="add dynamic_batching to the config")
+    parser.add_argument("--repo", type=Path, default=None, help="a repository with resnet50 built (else built here)")
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+    import torch
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-shm-") as tmp:
+        repo = args.repo or _build(Path(tmp))
+        if args.dynamic_batching:
+            config = repo / MODEL / "config.pbtxt"
+            if "dynamic_batching" not in config.read_text():
+                config.write_text(config.read_text() + "\ndynamic_batching { max_queue_delay_microseconds: 500 }\n")
+        rows = _served_rows(repo, levels, args.seconds) + _direct_rows(repo, levels, args.seconds)
+    lines = ["# Shared memory on a GPU server: ResNet-50 FP16, batch-1 requests",
+             f"command: {command_line()}", f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+             f"gpu: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, kiln {kiln.__version__}, "
+             f"dynamic batching: {'on' if args.dynamic_batching else 'off'}", ""]
+    lines += format_table(["path", "tensors", "concurrency", "requests/s"],
+                          [[r["path"], r["tensors"], r["concurrency"], f"{r['requests_per_s']:,.0f}"] for r in rows])
+    print("\n".join(lines))
+    if args.output:
+        write_json(args.output, {"command": command_line(), "dynamic_batching": args.dynamic_batching, "rows": rows})
+        args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+def _build(root: Path) -> Path:
+    source = root / "resnet50.onnx"
+    onnx.save(build_resnet50(0), str(source))
+    repo = root / "repo"
+    build(source, repo / MODEL, BuildOptions(backend="torch", device="cuda", precision="fp16", channels_last=True,
+                                             torch_format="export", max_batch_size=64, samples=16))
+    return repo
+
+
+def _rate(concurrency: int, seconds: float, make: Callable[[int], Callable[[], None]]) -> float:
+    """Requests/s of ``concurrency`` threads each calling its own request function for ``seconds``."""
+    calls = [make(i) for i in range(concurrency)]
+    for call in calls:
+        call()  # warm: first requests of each client, and the output check below
+    counts = [0] * concurrency
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def loop(i: int) -> None:
+        try:
+            while not stop.is_set():
+                calls[i]()
+                counts[i] += 1
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(concurrency)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return sum(counts) / (time.perf_counter() - started)
+
+
+def _served_rows(repo: Path, levels: list[int], seconds: float) -> list[dict[str, Any]]:
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    rows: list[dict[str, Any]] = []
+    with kiln_serve([repo], "--allow-client-shm", "true", ready_timeout_s=300) as server:
+        meta = httpclient.InferenceServerClient(server.http_url).get_model_metadata(MODEL)
+        (inp,), (out,) = meta["inputs"], meta["outputs"]
+        image = np.random.default_rng(0).standard_normal([1, *inp["shape"][1:]]).astype(np.float32)
+        image = image.astype({"FP32": np.float32, "FP16": np.float16}[inp["datatype"]])
+        out_bytes = int(np.prod(out["shape"][1:])) * 4
+        for protocol, module, url in (("http", httpclient, server.http_url), ("grpc", grpcclient, server.grpc_url)):
+            for tensors in ("request body", "system shm", "cuda shm"):
+                for concurrency in levels:
+                    cleanup: list[Callable[[], None]] = []
+                    make = functools.partial(_client_request, module, url, tensors, inp, out, image, out_bytes,
+                                             cleanup)
+                    try:
+                        rate = _rate(concurrency, seconds, make)
+                    finally:
+                        for undo in cleanup:
+                            undo()
+                    rows.append({"path": f"kiln serve, {protocol}", "tensors": tensors, "concurrency": concurrency,
+                                 "requests_per_s": rate})
+                    print(rows[-1], flush=True)
+    return rows
+
+
+def _client_request(module: Any, url: str, tensors: str, inp: dict[str, Any], out: dict[str, Any],
+                    image: np.ndarray, out_bytes: int, cleanup: list[Callable[[], None]],
+                    index: int) -> Callable[[], None]:
+    """One client thread's request function, with its own client and regions."""
+    return _request(module.InferenceServerClient(url), module, tensors, inp, out, image, out_bytes, cleanup)
+
+
+def _request(client: Any, module: Any, tensors: str, inp: dict[str, Any], out: dict[str, Any], image: np.ndarray,
+             out_bytes: int, cleanup: list[Callable[[], None]]) -> Callable[[], None]:
+    infer_input = module.InferInput(inp["name"], list(image.shape), inp["datatype"])
+    requested = module.InferRequestedOutput(out["name"], **({"binary_data": True} if module.__name__.endswith(
+        "http") else {}))
+    name = f"b{uuid.uuid4().hex[:10]}"
+    if tensors == "request body":
+        infer_input.set_data_from_numpy(image)
+    elif tensors == "system shm":
+        import tritonclient.utils.shared_memory as shm
+
+        handle = shm.create_shared_memory_region(name, f"/{name}", image.nbytes + out_bytes)
+        shm.set_shared_memory_region(handle, [image])
+        client.register_system_shared_memory(name, f"/{name}", image.nbytes + out_bytes)
+        cleanup.append(lambda: (client.unregister_system_shared_memory(name),
+                                shm.destroy_shared_memory_region(handle)))
+    else:
+        region = _CudaRegion(image.nbytes + out_bytes, image)
+        client.register_cuda_shared_memory(name, region.raw_handle, 0, image.nbytes + out_bytes)
+        cleanup.append(lambda: (client.unregister_cuda_shared_memory(name), region.destroy()))
+    if tensors != "request body":
+        infer_input.set_shared_memory(name, image.nbytes)
+        requested.set_shared_memory(name, out_bytes, offset=image.nbytes)
+    return lambda: client.infer(MODEL, [infer_input], outputs=[requested])
+
+
+class _CudaRegion:
+    """Client device memory holding ``image``: tritonclient's CUDA utilities, or cupy where cuda-python is absent."""
+
+    def __init__(self, byte_size: int, image: np.ndarray) -> None:
+        try:
+            import tritonclient.utils.cuda_shared_memory as cudashm
+        except (ImportError, RuntimeError):
+            import cupy
+
+            self._keep: Any = cupy.zeros(byte_size, dtype=cupy.uint8)
+            self._keep[:image.nbytes] = cupy.asarray(image.reshape(-1).view(np.uint8))
+            self.raw_handle = base64.b64encode(cupy.cuda.runtime.ipcGetMemHandle(self._keep.data.ptr))
+            self.destroy: Callable[[], None] = lambda: None
+        else:
+            self._keep = cudashm.create_shared_memory_region(uuid.uuid4().hex, byte_size, 0)
+            cudashm.set_shared_memory_region(self._keep, [image])
+            self.raw_handle = cudashm.get_raw_handle(self._keep)
+            self.destroy = lambda: cudashm.destroy_shared_memory_region(self._keep)
+
+
+def _direct_rows(repo: Path, levels: list[int], seconds: float) -> list[dict[str, Any]]:
+    import torch
+
+    rows: list[dict[str, Any]] = []
+    with kiln.load(repo / MODEL, kind="gpu") as engine:
+        spec = engine.inputs[0]
+        image = np.random.default_rng(0).standard_normal((1, *spec.dims)).astype(spec.datatype.numpy_dtype)
+        feeds = {"numpy": {spec.name: image}, "torch CUDA tensor": {spec.name: torch.from_numpy(image).cuda()}}
+        for tensors, feed in feeds.items():
+            for concurrency in levels:
+                rate = _rate(concurrency, seconds, lambda i, feed=feed: lambda: engine.infer(feed))
+                rows.append({"path": "direct engine.infer()", "tensors": tensors, "concurrency": concurrency,
+                             "requests_per_s": rate})
+                print(rows[-1], flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""CUDA shared-memory regions registered by clients (Triton's CUDA shared-memory extension), protocol-free.
+
+A region is device memory a client exported as a CUDA IPC handle (``raw_handle``, ``device_id``, ``byte_size``),
+opened once at registration (see cuda_ipc.py) and kept as a 1-D ``torch.uint8`` tensor. A request input that names
+a region becomes, without any copy, a torch CUDA tensor view of it when the model's engine takes torch tensors
+(the PyTorch backend runs it where it lies); any other engine gets a host copy (numpy), since it computes on the
+host anyway. Outputs asked for in a region are copied into it on the device (device-to-device when the engine
+returned device tensors, host-to-device otherwise) and the device is synchronized before the response goes out,
+so the client reads complete data.
+
+Safety: every offset and size is checked against the region. A region counts the requests using it, so
+unregistering a busy region waits (bounded) and then fails, instead of closing memory a request still reads;
+device tensors are turned into host arrays before a request lets go of its regions. Unlike system shared memory
+nothing can shrink a region behind the server's back: the client cannot free memory another process has open.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kiln.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, UnavailableError
+from kiln.server.cuda_ipc import RegionMemory
+from kiln.server.request import InferRequest, InferResponse, OutputTensor, SharedMemoryRef
+from kiln.server.shm import BUSY_TIMEOUT_S, RegionLease, check_window
+from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
+
+
+@dataclass(frozen=True)
+class CudaRegionStatus:
+    name: str
+    device_id: int
+    byte_size: int
+
+
+@dataclass(eq=False)
+class _CudaRegion:
+    status: CudaRegionStatus
+    memory: Any  # 1-D torch.uint8 tensor over the region
+    inflight: int = 0
+    unregistering: int = 0
+
+
+class CudaSharedMemoryRegistry:
+    """The registered CUDA shared-memory regions of one server. Thread-safe."""
+
+    def __init__(self, memory: RegionMemory, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
+        self._memory = memory
+        self._busy_timeout_s = busy_timeout_s
+        self._regions: dict[str, _CudaRegion] = {}
+        self._changed = threading.Condition()
+
+    def names(self) -> set[str]:
+        with self._changed:
+            return set(self._regions)
+
+    def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Open the client's IPC handle (``raw_handle``) on ``device_id`` as region ``name`` of ``byte_size``."""
+        what = f"CUDA shared memory region '{name}'"
+        if not name:
+            raise InvalidArgumentError("a CUDA shared memory region needs a non-empty name")
+        if type(device_id) is not int or device_id < 0:
+            raise InvalidArgumentError(f"{what}: device_id must be a non-negative integer, got {device_id!r}")
+        if type(byte_size) is not int or byte_size <= 0:
+            raise InvalidArgumentError(f"{what}: byte_size must be a positive integer, got {byte_size!r}")
+        with self._changed:
+            if name in self._regions:
+                raise AlreadyExistsError(f"{what} is already registered; unregister it first or choose another "
+                                         f"name")
+            memory = self._memory.open(raw_handle, device_id, byte_size, f"cannot register {what}")
+            self._regions[name] = _CudaRegion(CudaRegionStatus(name, device_id, byte_size), memory)
+
+    def status(self, name: str = "") -> list[CudaRegionStatus]:
+        """Every region (sorted by name), or the one named."""
+        with self._changed:
+            if not name:
+                return [self._regions[n].status for n in sorted(self._regions)]
+            region = self._regions.get(name)
+            if region is None:
+                raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
+            return [region.status]
+
+    def unregister(self, name: str = "") -> None:
+        """Close the region ``name`` (every region when empty); an unknown name is not an error, as in Triton.
+        Waits (bounded) for the requests using it, as system shared memory does."""
+        with self._changed:
+            names = [name] if name else sorted(self._regions)
+            regions = [r for r in (self._regions.get(n) for n in names) if r is not None]
+            for region in regions:
+                region.unregistering += 1
+            deadline = time.monotonic() + self._busy_timeout_s
+            while any(r.inflight for r in regions) and (left := deadline - time.monotonic()) > 0:
+                self._changed.wait(left)
+            busy: list[tuple[str, int]] = []
+            for region in regions:
+                region.unregistering -= 1
+                if self._regions.get(region.status.name) is not region:
+                    continue  # another unregister removed it while we waited
+                if region.inflight:
+                    busy.append((region.status.name, region.inflight))
+                else:
+                    del self._regions[region.status.name]
+                    self._memory.close(region.memory)
+        if busy:
+            listed = ", ".join(f"'{n}' ({count} request(s))" for n, count in busy)
+            raise UnavailableError(f"cannot unregister CUDA shared memory region(s) {listed}: still in use by "
+                                   f"in-flight requests after {self._busy_timeout_s:g}s; retry when they finish")
+
+    def close(self) -> None:
+        """Close every region now (server shutdown; no request runs any more)."""
+        with self._changed:
+            for region in self._regions.values():
+                self._memory.close(region.memory)
+            self._regions.clear()
+            self._changed.notify_all()
+
+    # -- use by requests -------------------------------------------------------------------------------------
+
+    def attach(self, request: InferRequest, names: Iterable[str], on_device: bool) -> CudaRegionLease:
+        """Fill the request's inputs that name one of ``names`` from their regions: torch CUDA views when
+        ``on_device`` (the engine takes torch tensors), host copies otherwise. The regions stay held until the
+        lease is released."""
+        lease = CudaRegionLease(self, self._acquire(names))
+        try:
+            for tensor in request.inputs:
+                ref = tensor.shared_memory
+                if ref is not None and ref.region in lease.regions:
+                    where = f"model '{request.model_name}': input '{tensor.name}'"
+                    tensor.data = lease.read(ref, tensor.datatype, tensor.shape, where, on_device)
+            for output in request.outputs:
+                ref = output.shared_memory
+                if ref is not None and ref.region in lease.regions:
+                    lease.window(ref, f"model '{request.model_name}': output '{output.name}'")
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def _acquire(self, names: Iterable[str]) -> dict[str, _CudaRegion]:
+        with self._changed:
+            held: dict[str, _CudaRegion] = {}
+            for name in sorted(names):
+                region = self._regions.get(name)
+                if region is None:
+                    raise NotFoundError(f"Unable to find shared memory region: '{name}' (register it first)")
+                if region.unregistering:
+                    raise UnavailableError(f"CUDA shared memory region '{name}' is being unregistered")
+                held[name] = region
+            for region in held.values():
+                region.inflight += 1
+            return held
+
+    def _release(self, regions: Iterable[_CudaRegion]) -> None:
+        with self._changed:
+            for region in regions:
+                region.inflight -= 1
+            self._changed.notify_all()
+
+
+@dataclass(eq=False)
+class CudaRegionLease:
+    """The CUDA regions one request uses, held until :meth:`release`."""
+
+    registry: CudaSharedMemoryRegistry
+    regions: dict[str, _CudaRegion]
+    released: bool = field(default=False)
+
+    def window(self, ref: SharedMemoryRef, where: str) -> tuple[_CudaRegion, int]:
+        region = self.regions[ref.region]
+        check_window(ref, region.status.byte_size, where)
+        return region, ref.offset
+
+    def read(self, ref: SharedMemoryRef, datatype: DataType, shape: tuple[int, ...], where: str,
+             on_device: bool) -> Any:
+        region, start = self.window(ref, where)
+        raw = region.memory[start:start + ref.byte_size]
+        count = element_count(shape)
+        if datatype is DataType.BYTES:  # length-prefixed strings are parsed on the host
+            try:
+                return decode_bytes(memoryview(raw.cpu().numpy()), count).reshape(shape)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"{where} (BYTES in CUDA shared memory region '{ref.region}'): "
+                                           f"{exc.message}") from None
+        itemsize = datatype.numpy_dtype.itemsize
+        if ref.byte_size != count * itemsize:
+            raise InvalidArgumentError(f"{where}: shared_memory_byte_size is {ref.byte_size} but shape "
+                                       f"{list(shape)} of {datatype.wire_name} needs {count * itemsize} bytes")
+        if not on_device:
+            return raw.cpu().numpy().view(datatype.numpy_dtype).reshape(shape)
+        if start % itemsize:
+            raise InvalidArgumentError(f"{where}: shared_memory_offset {ref.offset} in CUDA shared memory region "
+                                       f"'{ref.region}' is not a multiple of the {itemsize}-byte size of "
+                                       f"{datatype.wire_name} elements, so the input cannot be read in place")
+        return raw.view(torch_dtype(datatype)).view(shape)
+
+    def finish(self, request: InferRequest, response: InferResponse) -> None:
+        """Before :meth:`release`: copy every output asked for in one of these regions into it (on the device),
+        then make every other output a host array (the frontends encode numpy; a device tensor may also be a
+        view of region memory)."""
+        wanted = {o.name: o.shared_memory for o in request.outputs
+                  if o.shared_memory is not None and o.shared_memory.region in self.regions}
+        outputs = [self._write(output, wanted[output.name], response.model_name) if output.name in wanted
+                   else replace(output, data=host_array(output.data, output.datatype))
+                   for output in response.outputs]
+        devices = {r.memory.device for r in self.regions.values() if r.memory.is_cuda}
+        if wanted and devices:
+            import torch
+
+            for device in devices:
+                torch.cuda.synchronize(device)  # the client reads the region as soon as the response arrives
+        response.outputs = outputs
+
+    def _write(self, output: OutputTensor, ref: SharedMemoryRef, model: str) -> OutputTensor:
+        import torch
+
+        where = f"model '{model}': output '{output.name}'"
+        region, start = self.window(ref, where)
+        if output.datatype is DataType.BYTES:
+            source = torch.from_numpy(np.frombuffer(encode_bytes(host_array(output.data, output.datatype)),
+                                                    np.uint8))
+        elif isinstance(output.data, torch.Tensor):
+            source = output.data.detach().to(torch_dtype(output.datatype)).contiguous().reshape(-1) \
+                .view(torch.uint8)
+        else:
+            array = np.ascontiguousarray(output.data, dtype=output.datatype.numpy_dtype).reshape(-1)
+            source = torch.from_numpy(array.view(np.uint8))
+        size = int(source.numel())
+        if size > ref.byte_size:
+            raise InvalidArgumentError(f"{where} has {size} bytes (shape {list(output.shape)}) but "
+                                       f"shared_memory_byte_size in CUDA region '{ref.region}' is {ref.byte_size}")
+        region.memory[start:start + size].copy_(source, non_blocking=False)
+        parameters = {**output.parameters, "shared_memory_region": ref.region, "shared_memory_byte_size": size}
+        if ref.offset:
+            parameters["shared_memory_offset"] = ref.offset
+        # The data is in the region now; the response carries none (and no device tensor outlives the lease).
+        return replace(output, data=np.empty(0, output.datatype.numpy_dtype), parameters=parameters,
+                       shared_memory=ref)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.registry._release(self.regions.values())
+
+
+def torch_dtype(datatype: DataType) -> Any:
+    """The torch dtype with the same bits as ``datatype`` (numpy's dtype names are torch's attribute names)."""
+    import torch
+
+    return getattr(torch, datatype.numpy_dtype.name)
+
+
+def host_array(data: Any, datatype: DataType) -> npt.NDArray[Any]:
+    """``data`` as a numpy array: torch tensors (on any device) are copied to the host, bit for bit (numpy has no
+    bfloat16 of its own, so the bits go through uint8)."""
+    if not hasattr(data, "detach") or datatype is DataType.BYTES:
+        return np.asarray(data)
+    import torch
+
+    tensor = data.detach().to(torch_dtype(datatype)).contiguous()
+    host: npt.NDArray[Any] = tensor.reshape(-1).view(torch.uint8).cpu().numpy()
+    return host.view(datatype.numpy_dtype).reshape(tuple(tensor.shape))
+
+
+@dataclass(eq=False)
+class RequestLeases:
+    """Every region lease of one request (CUDA first: it turns device outputs into host arrays, which the system
+    shared-memory lease then writes or checks)."""
+
+    leases: list[CudaRegionLease | RegionLease]
+
+    def finish(self, request: InferRequest, response: InferResponse) -> None:
+        for lease in self.leases:
+            lease.finish(request, response)
+
+    def release(self) -> None:
+        for lease in self.leases:
+            lease.release()
