@@ -93,7 +93,7 @@ class TorchBuilder:
                                                "PyTorch backend, prefer --torch-format export for kiln")
             else:
                 self._export(context, module, example, dynamic_first, target, origin)
-        parameters = _engine_parameters(options)
+        parameters = _engine_parameters(options, context.max_batch_size)
         context.report.details["torch"] = {"format": options.torch_format, "torch_version": torch.__version__,
                                            "parameters": parameters}
         return BuildResult(backend="pytorch", platform=platform, file_io=context.file_io,
@@ -183,8 +183,13 @@ def _for_device(module: torch.nn.Module, example: tuple[torch.Tensor, ...],
     return module, tuple(moved)
 
 
-def _engine_parameters(options: BuildOptions) -> dict[str, str]:
-    """Config parameters for kiln's PyTorch engine (docs/pytorch-backend.md)."""
+GRAPHS_AT_LOAD = 64  # batch sizes up to this are captured when the model loads; larger ones on first use
+
+
+def _engine_parameters(options: BuildOptions, max_batch_size: int) -> dict[str, str]:
+    """Config parameters for kiln's PyTorch engine (docs/pytorch-backend.md). With CUDA graphs and batching, every
+    batch size the dynamic batcher may form (up to GRAPHS_AT_LOAD) is captured at load, so that no request waits
+    behind a capture while the model serves."""
     parameters: dict[str, str] = {}
     if options.precision != "fp32":
         parameters["precision"] = options.precision
@@ -193,6 +198,8 @@ def _engine_parameters(options: BuildOptions) -> dict[str, str]:
     cuda_graphs = options.cuda_graphs if options.cuda_graphs is not None else options.device == "cuda"
     if cuda_graphs:
         parameters["cuda_graphs"] = "true"
+        if max_batch_size > 0:
+            parameters["cuda_graph_batch_sizes"] = f"1-{min(max_batch_size, GRAPHS_AT_LOAD)}"
     if options.compile_mode != "none":
         parameters["compile_mode"] = options.compile_mode
     return parameters

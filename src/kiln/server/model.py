@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -46,11 +46,11 @@ class LoadedModel:
                   rows: list[int]) -> tuple[list[InferResponse], ExecutionTimes]:
         """Execute requests with identical input shapes as one batch; split the outputs back per request."""
         start = time.monotonic_ns()
-        feed = _concatenate(requests)
+        parts = [{tensor.name: tensor.data for tensor in request.inputs} for request in requests]
         names = _output_names(self.spec, requests)
         infer_start = time.monotonic_ns()
         try:
-            results = engine.execute(feed, names)
+            results = _execute(engine, parts, names)
         except KilnError:
             raise
         except Exception as exc:  # an engine's own failure: report it as INTERNAL, never crash the worker
@@ -81,12 +81,16 @@ class LoadedModel:
         return OutputTensor(name, self.spec.output_map[name].datatype, data.shape, data)
 
 
-def _concatenate(requests: list[InferRequest]) -> dict[str, npt.NDArray[Any]]:
-    if len(requests) == 1:
-        return {tensor.name: tensor.data for tensor in requests[0].inputs}
-    names = [tensor.name for tensor in requests[0].inputs]
-    columns = [{t.name: t.data for t in request.inputs} for request in requests]
-    return {name: np.concatenate([column[name] for column in columns]) for name in names}
+def _execute(engine: Engine, parts: list[dict[str, npt.NDArray[Any]]], names: list[str]) -> dict[str, Any]:
+    """Run the requests' inputs as one batch. An engine with an ``execute_parts(parts, outputs)`` method stages the
+    rows itself (each request's rows copied once, straight into its device-ready buffers); any other engine gets
+    them concatenated."""
+    if len(parts) == 1:
+        return engine.execute(parts[0], names)
+    stage = getattr(engine, "execute_parts", None)
+    if stage is not None:
+        return cast("dict[str, Any]", stage(parts, names))
+    return engine.execute({name: np.concatenate([part[name] for part in parts]) for name in parts[0]}, names)
 
 
 def _output_names(spec: ModelSpec, requests: list[InferRequest]) -> list[str]:

@@ -111,7 +111,7 @@ def test_fp16_cuda_graph_build_on_gpu(cnn_file: Path, tmp_path: Path) -> None:
     assert report.passed
     parameters = report.details["torch"]["parameters"]
     assert parameters == {"precision": "fp16", "channels_last": "true", "cuda_graphs": "true",
-                          "compile_mode": "default"}
+                          "cuda_graph_batch_sizes": "1-16", "compile_mode": "default"}
     assert {t.batch_size for t in report.speed} == {1, 16}
 
 

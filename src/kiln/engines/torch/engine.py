@@ -5,8 +5,9 @@ CUDA graph per batch size. See docs/pytorch-backend.md.
 Thread safety: a plain module runs on several threads at once (torch releases the GIL, and a forward pass keeps no
 state). A compiled module does not (``thread_safe`` is False): dynamo and inductor are not thread-safe
 (pytorch/pytorch#118260, #123177), so calls into any compiled module of the process also take one process-wide
-lock. CUDA graphs replay shared static buffers, so replays of one engine take turns under the graphs' lock; the GPU
-runs one replay at a time on the stream anyway, and per-thread graphs would multiply the graph memory.
+lock. CUDA graphs replay static buffers, so each concurrent caller takes a lane (lanes.py): a CUDA stream with its
+own graphs and pinned staging buffers, up to ``cuda_streams`` of them, so that several callers' copies and kernels
+overlap on the GPU instead of taking turns under one lock.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kiln.config.spec import ModelSpec, TensorSpec
 from kiln.engines.base import Array, Engine, EngineOptions
 from kiln.engines.torch.cuda_graphs import CudaGraphs
+from kiln.engines.torch.lanes import LanePool
 from kiln.engines.torch.loading import LoadedModel, ModelFormat, detect_format, load_model
 from kiln.engines.torch.naming import input_positions, output_positions, select_outputs
 from kiln.engines.torch.options import (
@@ -32,12 +36,22 @@ from kiln.engines.torch.options import (
     TorchSettings,
     read_settings,
 )
-from kiln.engines.torch.tensors import host_tensor, to_device, to_numpy, torch_dtype
+from kiln.engines.torch.staging import RowStaging, numpy_view
+from kiln.engines.torch.tensors import checked_output, download, host_tensor, to_device, to_numpy, torch_dtype
 from kiln.errors import ConfigError, InternalError, KilnError, UnavailableError
 
 _COMPILED_CALLS = threading.Lock()
 
 Tensors = Sequence[torch.Tensor | None]
+
+
+@dataclass
+class GraphLane:
+    """What one caller holds while it runs a batch on the GPU: a stream, its graphs, its pinned input buffers."""
+
+    stream: torch.cuda.Stream
+    graphs: CudaGraphs
+    staging: dict[str, RowStaging]
 
 
 class TorchEngine(Engine):
@@ -64,23 +78,32 @@ class TorchEngine(Engine):
         self._compiled = self.settings.compile_mode != "none"
         self.thread_safe = not self._compiled
         self._function: Callable[..., Any] | None = _prepare(loaded, self.settings)
-        self._graphs: CudaGraphs | None = None
+        self._lanes: LanePool[GraphLane] | None = None
         if self.settings.cuda_graphs:
-            self._graphs = CudaGraphs(spec.name, self.device, self._call)
+            # An AOTInductor package runs single-threaded for capture and may keep buffers between runs, so its
+            # graphs are not replayed on several streams at once.
+            streams = 1 if self.format is ModelFormat.AOTI else self.settings.cuda_streams
+            self._lanes = LanePool(self._new_lane, streams)
             self._capture_listed()
 
     @property
     def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
-        """Batch sizes with a captured CUDA graph (0 stands for a model without a batch dimension)."""
-        return self._graphs.batch_sizes if self._graphs is not None else ()
+        """Batch sizes with a captured CUDA graph on any lane (0 stands for a model without a batch dimension)."""
+        lanes = self._lanes.lanes if self._lanes is not None else ()
+        return tuple(sorted({size for lane in lanes for size in lane.graphs.batch_sizes}))
+
+    @property
+    def cuda_streams_in_use(self) -> int:
+        """How many lanes (CUDA streams, each with its own graphs) concurrent callers have needed so far."""
+        return len(self._lanes.lanes) if self._lanes is not None else 0
 
     def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
         if self._function is None:
             raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
         try:
             with torch.inference_mode(), self._on_device():
-                if self._graphs is not None:
-                    return self._execute_graph(self._graphs, inputs, outputs)
+                if self._lanes is not None:
+                    return self._execute_graph(self._lanes, [inputs], outputs)
                 tensors = [self._input(name, inputs.get(name)) for name in self._order]
                 return self._collect(self._call(tensors), outputs)
         except KilnError:
@@ -88,10 +111,29 @@ class TorchEngine(Engine):
         except Exception as exc:  # anything torch raises while running the model
             raise InternalError(f"model '{self.spec.name}': PyTorch failed: {exc}") from exc
 
+    def execute_parts(self, parts: Sequence[Mapping[str, Array]], outputs: Sequence[str]) -> dict[str, Array]:
+        """Several requests' validated inputs as one batch, rows in order (the server's hook for a dynamic batch).
+        With CUDA graphs each request's rows are copied once, straight into the lane's pinned buffers."""
+        lanes = self._lanes
+        if lanes is None or len(parts) == 1:
+            if len(parts) == 1:
+                return self.execute(parts[0], outputs)
+            return self.execute({name: np.concatenate([part[name] for part in parts]) for name in parts[0]}, outputs)
+        if self._function is None:
+            raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
+        try:
+            with torch.inference_mode(), self._on_device():
+                return self._execute_graph(lanes, parts, outputs)
+        except KilnError:
+            raise
+        except Exception as exc:  # anything torch raises while running the model
+            raise InternalError(f"model '{self.spec.name}': PyTorch failed: {exc}") from exc
+
     def close(self) -> None:
-        if self._graphs is not None:
-            self._graphs.close()
-            self._graphs = None
+        if self._lanes is not None:
+            for lane in self._lanes.lanes:
+                lane.graphs.close()
+            self._lanes = None
         self._function = None
         if self.device.type == "cuda":
             # Hand the blocks the weights and graphs held back to the driver, for other models and processes.
@@ -140,23 +182,52 @@ class TorchEngine(Engine):
         selected = select_outputs(self.spec, result, self._output_positions, wanted)
         arrays: dict[str, Array] = {}
         for name, value in selected.items():
-            tensor = self.spec.output(name)
-            array = to_numpy(self.spec, tensor, value, self._output_dtypes[name])
-            if tensor.reshape is not None:
-                lead = (array.shape[0],) if self.spec.batching else ()
-                array = array.reshape(lead + tensor.dims)
-            arrays[name] = array
+            array = to_numpy(self.spec, self.spec.output(name), value, self._output_dtypes[name])
+            arrays[name] = self._output_shape(name, array)
         return arrays
 
-    def _execute_graph(self, graphs: CudaGraphs, inputs: Mapping[str, Array],
+    def _execute_graph(self, lanes: LanePool[GraphLane], parts: Sequence[Mapping[str, Array]],
                        outputs: Sequence[str]) -> dict[str, Array]:
-        hosts = [self._tensor_shape(name, value) if isinstance(value := inputs[name], torch.Tensor)
-                 else host_tensor(self._to_model_shape(name, value)).pin_memory() for name in self._order]
-        batch = hosts[0].shape[0] if self.spec.batching and hosts else 0
-        with graphs.lock:
-            captured = graphs.get(batch, functools.partial(self._static_inputs, batch))
-            # The outputs are overwritten by the next replay: copy them out before letting it start.
-            return self._collect(graphs.replay(captured, hosts), outputs)
+        caller = torch.cuda.current_stream(self.device)
+        with lanes.lane() as lane, torch.cuda.stream(lane.stream), lane.graphs.lock:
+            sources = [self._source(lane, caller, name, parts) for name in self._order]
+            batch = sources[0].shape[0] if self.spec.batching and sources else 0
+            captured = lane.graphs.get(batch, functools.partial(self._static_inputs, batch))
+            result = lane.graphs.replay(captured, sources)
+            selected = select_outputs(self.spec, result, self._output_positions, outputs)
+            hosts = {name: download(checked_output(self.spec, self.spec.output(name), value,
+                                                   self._output_dtypes[name]), self._output_dtypes[name])
+                     for name, value in selected.items()}
+            # The lane's staging buffers and static outputs are reused by its next call: finish with them first.
+            lane.stream.synchronize()
+        return {name: self._output_shape(name, numpy_view(host)) for name, host in hosts.items()}
+
+    def _source(self, lane: GraphLane, caller: torch.cuda.Stream, name: str,
+                parts: Sequence[Mapping[str, Array]]) -> torch.Tensor:
+        """What the graph's static input ``name`` is copied from: the lane's pinned buffer holding every part's
+        rows, or a caller's own tensor (which the lane's stream must wait for, as the caller's stream made it)."""
+        first = parts[0][name]
+        if isinstance(first, torch.Tensor):
+            if first.is_cuda:
+                lane.stream.wait_stream(caller)
+            return self._tensor_shape(name, first)
+        return lane.staging[name].fill([self._to_model_shape(name, part[name]) for part in parts])
+
+    def _output_shape(self, name: str, array: Array) -> Array:
+        """An output in the config's dims (a model whose output the config reshapes returns it in the model's)."""
+        tensor = self.spec.output(name)
+        if tensor.reshape is None:
+            return array
+        lead = (array.shape[0],) if self.spec.batching else ()
+        return array.reshape(lead + tensor.dims)
+
+    def _new_lane(self, index: int) -> GraphLane:
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        graphs = CudaGraphs(f"{self.spec.name}", self.device, self._call)
+        staging = {name: RowStaging(self._input_dtypes[name], _model_dims(self.spec.input(name)),
+                                    batching=self.spec.batching, max_rows=self.spec.max_batch_size, pinned=True)
+                   for name in self._order}
+        return GraphLane(stream, graphs, staging)
 
     def _static_inputs(self, batch: int) -> list[torch.Tensor]:
         tensors: list[torch.Tensor] = []
@@ -169,11 +240,13 @@ class TorchEngine(Engine):
         return tensors
 
     def _capture_listed(self) -> None:
-        assert self._graphs is not None
+        """Capture the listed batch sizes on the first lane at load; other lanes capture on first use."""
+        assert self._lanes is not None
         sizes = self.settings.cuda_graph_batch_sizes if self.spec.batching else (0,)
-        with torch.inference_mode(), self._on_device(), self._graphs.lock:
+        with torch.inference_mode(), self._on_device(), self._lanes.lane() as lane, \
+                torch.cuda.stream(lane.stream), lane.graphs.lock:
             for batch in sizes:
-                self._graphs.get(batch, functools.partial(self._static_inputs, batch))
+                lane.graphs.get(batch, functools.partial(self._static_inputs, batch))
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:

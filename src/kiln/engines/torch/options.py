@@ -1,8 +1,9 @@
 """The PyTorch backend's config parameters (``parameters { key: ... value: { string_value: ... } }``), validated once.
 
 Keys: ``precision`` (fp32 | fp16 | bf16), ``channels_last`` (true | false), ``cuda_graphs`` (true | false),
-``cuda_graph_batch_sizes`` ("1,2,4,8"), ``compile_mode`` (none | default | reduce-overhead | max-autotune |
-max-autotune-no-cudagraphs) and ``num_threads`` (CPU intra-op threads).
+``cuda_graph_batch_sizes`` ("1,2,4,8" or "1-16,32": captured at load), ``cuda_streams`` (how many threads replay
+the graphs at once, each on its own CUDA stream with its own graphs; default 8), ``compile_mode`` (none | default |
+reduce-overhead | max-autotune | max-autotune-no-cudagraphs) and ``num_threads`` (CPU intra-op threads).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ PRECISION = "precision"
 CHANNELS_LAST = "channels_last"
 CUDA_GRAPHS = "cuda_graphs"
 CUDA_GRAPH_BATCH_SIZES = "cuda_graph_batch_sizes"
+CUDA_STREAMS = "cuda_streams"
+DEFAULT_CUDA_STREAMS = 8  # concurrent callers of one engine; each stream made costs one set of graph memory
 COMPILE_MODE = "compile_mode"
 NUM_THREADS = "num_threads"
 
@@ -37,6 +40,7 @@ class TorchSettings:
     channels_last: bool = False
     cuda_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] = ()
+    cuda_streams: int = DEFAULT_CUDA_STREAMS
     compile_mode: str = "none"
     num_threads: int | None = None
 
@@ -55,6 +59,7 @@ def read_settings(spec: ModelSpec, options: EngineOptions) -> TorchSettings:
         channels_last=_boolean(spec, CHANNELS_LAST),
         cuda_graphs=_boolean(spec, CUDA_GRAPHS),
         cuda_graph_batch_sizes=_batch_sizes(spec),
+        cuda_streams=_positive_int(spec, CUDA_STREAMS) or DEFAULT_CUDA_STREAMS,
         compile_mode=compile_mode,
         num_threads=_positive_int(spec, NUM_THREADS),
     )
@@ -75,6 +80,9 @@ def _check_combinations(spec: ModelSpec, settings: TorchSettings, options: Engin
     if settings.cuda_graph_batch_sizes and not settings.cuda_graphs:
         raise ConfigError(f"model '{name}': parameter '{CUDA_GRAPH_BATCH_SIZES}' is set, but '{CUDA_GRAPHS}' is "
                           f"not 'true'; set {CUDA_GRAPHS}: true or remove {CUDA_GRAPH_BATCH_SIZES}")
+    if _raw(spec, CUDA_STREAMS) is not None and not settings.cuda_graphs:
+        raise ConfigError(f"model '{name}': parameter '{CUDA_STREAMS}' is set, but '{CUDA_GRAPHS}' is not 'true'; "
+                          f"the streams replay CUDA graphs, so set {CUDA_GRAPHS}: true or remove {CUDA_STREAMS}")
     if settings.cuda_graphs and settings.compile_mode in GRAPH_CAPTURING_MODES:
         raise ConfigError(f"model '{name}': parameter '{COMPILE_MODE}' is '{settings.compile_mode}', which records "
                           f"CUDA graphs itself, and '{CUDA_GRAPHS}' is 'true'; use one of the two (for example "
@@ -125,10 +133,12 @@ def _batch_sizes(spec: ModelSpec) -> tuple[int, ...]:
                           f"remove the parameter")
     sizes: list[int] = []
     for part in value.split(","):
-        part = part.strip()
-        if not (part.isascii() and part.isdigit()) or not 1 <= int(part) <= spec.max_batch_size:
+        first, _, last = part.strip().partition("-")
+        ends = [first.strip(), last.strip() or first.strip()]
+        if not all(e.isascii() and e.isdigit() and 1 <= int(e) <= spec.max_batch_size for e in ends) \
+                or int(ends[0]) > int(ends[1]):
             raise ConfigError(f"model '{spec.name}': parameter '{CUDA_GRAPH_BATCH_SIZES}' is '{value}'; expected "
-                              f"comma-separated batch sizes from 1 to {spec.max_batch_size} (max_batch_size), "
-                              f"e.g. \"1,2,4,8\"")
-        sizes.append(int(part))
+                              f"comma-separated batch sizes or ranges from 1 to {spec.max_batch_size} "
+                              f"(max_batch_size), e.g. \"1,2,4,8\" or \"1-16,32\"")
+        sizes.extend(range(int(ends[0]), int(ends[1]) + 1))
     return tuple(sorted(set(sizes)))

@@ -62,16 +62,34 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def to_numpy(spec: ModelSpec, tensor_spec: TensorSpec, value: object, target: torch.dtype) -> npt.NDArray[Any]:
     """A model output as a numpy array of the config's dtype. Floating outputs are cast (the engine may compute in
     fp16/bf16); any other mismatch is the model disagreeing with its config."""
-    if not isinstance(value, torch.Tensor):
-        raise InternalError(f"model '{spec.name}': output '{tensor_spec.name}' is a {type(value).__name__}, not a "
-                            f"tensor; the model must return tensors")
+    value = checked_output(spec, tensor_spec, value, target)
     if value.dtype != target:
-        if not (value.is_floating_point() and target.is_floating_point):
-            raise InternalError(f"model '{spec.name}': output '{tensor_spec.name}' has dtype {value.dtype}, but the "
-                                f"config declares {tensor_spec.datatype.config_name}; make the config's data_type "
-                                f"match what the model returns")
         value = value.to(target)
     value = value.detach().to("cpu").contiguous()
     if target == torch.bfloat16:
         return value.view(torch.int16).numpy().view(_BF16)
     return value.numpy()
+
+
+def checked_output(spec: ModelSpec, tensor_spec: TensorSpec, value: object, target: torch.dtype) -> torch.Tensor:
+    """``value`` if it is a tensor the config's dtype can take (a floating output may differ in width)."""
+    if not isinstance(value, torch.Tensor):
+        raise InternalError(f"model '{spec.name}': output '{tensor_spec.name}' is a {type(value).__name__}, not a "
+                            f"tensor; the model must return tensors")
+    if value.dtype != target and not (value.is_floating_point() and target.is_floating_point):
+        raise InternalError(f"model '{spec.name}': output '{tensor_spec.name}' has dtype {value.dtype}, but the "
+                            f"config declares {tensor_spec.datatype.config_name}; make the config's data_type "
+                            f"match what the model returns")
+    return value
+
+
+def download(value: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+    """Start copying a device tensor into a new pinned host tensor of ``target`` dtype (cast on the device).
+
+    The copy is asynchronous on the current stream: synchronize it before reading. Pinned blocks come from
+    PyTorch's caching host allocator, so a batch's outputs cost no page-locking once the cache is warm, and the
+    block returns to the cache when the last numpy view of it is gone.
+    """
+    host = torch.empty(value.shape, dtype=target, pin_memory=True)
+    host.copy_(value.detach(), non_blocking=True)
+    return host

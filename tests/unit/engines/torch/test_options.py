@@ -46,11 +46,17 @@ def fake_aoti_package(path: Path) -> Path:
     ({"cuda_graph_batch_sizes": "1,2"}, "parameter 'cuda_graph_batch_sizes' is set, but 'cuda_graphs' is not "
                                         "'true'; set cuda_graphs: true or remove cuda_graph_batch_sizes"),
     ({"cuda_graphs": "true", "cuda_graph_batch_sizes": "1,x"},
-     "parameter 'cuda_graph_batch_sizes' is '1,x'; expected comma-separated batch sizes from 1 to 8 "
-     "(max_batch_size), e.g. \"1,2,4,8\""),
+     "parameter 'cuda_graph_batch_sizes' is '1,x'; expected comma-separated batch sizes or ranges from 1 to 8 "
+     "(max_batch_size), e.g. \"1,2,4,8\" or \"1-16,32\""),
     ({"cuda_graphs": "true", "cuda_graph_batch_sizes": "4,16"},
-     "parameter 'cuda_graph_batch_sizes' is '4,16'; expected comma-separated batch sizes from 1 to 8 "
-     "(max_batch_size), e.g. \"1,2,4,8\""),
+     "parameter 'cuda_graph_batch_sizes' is '4,16'; expected comma-separated batch sizes or ranges from 1 to 8 "
+     "(max_batch_size), e.g. \"1,2,4,8\" or \"1-16,32\""),
+    ({"cuda_graphs": "true", "cuda_graph_batch_sizes": "4-2"},
+     "parameter 'cuda_graph_batch_sizes' is '4-2'; expected comma-separated batch sizes or ranges from 1 to 8 "
+     "(max_batch_size), e.g. \"1,2,4,8\" or \"1-16,32\""),
+    ({"cuda_streams": "4"}, "parameter 'cuda_streams' is set, but 'cuda_graphs' is not 'true'; the streams replay "
+                            "CUDA graphs, so set cuda_graphs: true or remove cuda_streams"),
+    ({"cuda_streams": "0"}, "parameter 'cuda_streams' is '0'; expected a whole number of 1 or more"),
     ({"compile_mode": "fast"}, "parameter 'compile_mode' is 'fast'; expected one of: none, default, reduce-overhead, "
                                "max-autotune, max-autotune-no-cudagraphs"),
     ({"compile_mode": "default"}, "parameter 'compile_mode' is 'default', but torch.compile cannot compile "
@@ -84,13 +90,13 @@ def test_cuda_graphs_conflict_with_compile_modes_that_record_graphs(tmp_path: Pa
 
 def test_settings_parse_every_parameter(tmp_path: Path, files: dict[str, Path]) -> None:
     parameters = {"precision": " FP16 ", "channels_last": "True", "cuda_graphs": "true",
-                  "cuda_graph_batch_sizes": "8, 2,2 ,1", "compile_mode": "max-autotune-no-cudagraphs",
-                  "num_threads": "3"}
+                  "cuda_graph_batch_sizes": "8, 2,2 ,1, 4-5", "cuda_streams": "3",
+                  "compile_mode": "max-autotune-no-cudagraphs", "num_threads": "3"}
     text = config("torch_aoti", *TWO_HEADS_IO, kind="KIND_GPU", parameters=parameters)
     spec = open_model_dir(write_model_folder(tmp_path, "m", text, files["export"])).spec
     assert read_settings(spec, EngineOptions(kind="gpu")) == TorchSettings(
-        precision="fp16", channels_last=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 8),
-        compile_mode="max-autotune-no-cudagraphs", num_threads=3)
+        precision="fp16", channels_last=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 4, 5, 8),
+        cuda_streams=3, compile_mode="max-autotune-no-cudagraphs", num_threads=3)
     assert read_settings(spec, EngineOptions(kind="gpu")).compute_dtype == torch.float16
     assert TorchSettings().compute_dtype is None  # fp32 leaves the module and its inputs as they are
 

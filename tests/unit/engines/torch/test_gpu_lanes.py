@@ -1,0 +1,92 @@
+"""Lanes on a CUDA device: several threads replay one engine's graphs at once, each on its own stream with its own
+graphs and pinned staging buffers, and a dynamic batch's requests are staged row by row. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.server.request import InferRequest, InputTensor
+from kiln.server.server import Server, ServerOptions
+from kiln.tensor import DataType
+
+from ._models import config, write_model_folder
+from .test_gpu import GPU_PARAMETERS, IMAGE_IO, fp32_reference, images, load_gpu
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; PyTorch sees none")]
+
+
+def test_threads_run_on_their_own_lanes_up_to_cuda_streams(tmp_path: Path, files: dict[str, Path]) -> None:
+    engine = load_gpu(tmp_path, files["conv_export"], {**GPU_PARAMETERS, "cuda_streams": "3"})
+    inputs = [images(1 + i % 4) for i in range(8)]
+    expected = [fp32_reference(image) for image in inputs]
+    start = threading.Barrier(len(inputs))
+    failures: list[str] = []
+
+    def worker(index: int) -> None:
+        start.wait()
+        for _ in range(30):
+            got = engine.infer({"image": inputs[index]})["logits"]
+            if not np.allclose(got, expected[index], rtol=2e-2, atol=2e-2):
+                failures.append(f"thread {index} got another call's result")
+                return
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert 1 < engine.cuda_streams_in_use <= 3  # 8 threads, at most 3 lanes
+    engine.close()
+
+
+def test_staged_parts_match_the_concatenated_batch(tmp_path: Path, files: dict[str, Path]) -> None:
+    engine = load_gpu(tmp_path, files["conv_export"], GPU_PARAMETERS)
+    parts = [images(1), images(3), images(2)]
+    staged = engine.execute_parts([{"image": p} for p in parts], ["logits"])["logits"]
+    assert staged.shape == (6, 5) and staged.dtype == np.float32
+    np.testing.assert_allclose(staged, fp32_reference(np.concatenate(parts)), rtol=2e-2, atol=2e-2)
+    again = engine.execute_parts([{"image": p} for p in parts[:2]], ["logits"])["logits"]  # the buffer is reused
+    np.testing.assert_allclose(again, fp32_reference(np.concatenate(parts[:2])), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(staged, fp32_reference(np.concatenate(parts)), rtol=2e-2, atol=2e-2)  # still intact
+    engine.close()
+
+
+def test_a_cuda_tensor_input_is_copied_on_the_lanes_stream(tmp_path: Path, files: dict[str, Path]) -> None:
+    engine = load_gpu(tmp_path, files["conv_export"], GPU_PARAMETERS)
+    image = images(4)
+    logits = engine.infer({"image": torch.from_numpy(image).cuda()})["logits"]
+    got = logits.cpu().numpy() if isinstance(logits, torch.Tensor) else logits  # device inputs may give device outputs
+    np.testing.assert_allclose(got, fp32_reference(image), rtol=2e-2, atol=2e-2)
+    engine.close()
+
+
+def test_served_with_dynamic_batching_and_two_instances(tmp_path: Path, files: dict[str, Path]) -> None:
+    import asyncio
+
+    text = config("torch_aoti", *IMAGE_IO, kind="KIND_GPU", parameters=GPU_PARAMETERS,
+                  extra="dynamic_batching { max_queue_delay_microseconds: 2000 }")
+    text = text.replace("count: 1", "count: 2")
+    write_model_folder(tmp_path / "repo", "m", text, files["conv_export"])
+    server = Server(ServerOptions(repositories=[tmp_path / "repo"]))
+    assert not server.start()
+    inputs = [images(1) for _ in range(16)]
+
+    async def send_all() -> list[np.ndarray]:
+        requests = [InferRequest(model_name="m", inputs=[InputTensor("image", DataType.FP32, i.shape, i)])
+                    for i in inputs]
+        responses = await asyncio.gather(*(server.infer(r) for r in requests))
+        return [r.outputs[0].data for r in responses]
+
+    try:
+        got = asyncio.run(send_all())
+    finally:
+        server.close()
+    for image, logits in zip(inputs, got, strict=True):
+        np.testing.assert_allclose(logits, fp32_reference(image), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,101 @@
+"""The lane pool (made on demand, reused, bounded) and the row staging buffers, on the CPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from kiln.engines.torch.lanes import LanePool
+from kiln.engines.torch.staging import RowStaging, numpy_view
+
+
+def test_a_free_lane_is_reused_before_a_new_one_is_made() -> None:
+    made: list[int] = []
+    pool = LanePool(lambda index: made.append(index) or f"lane{index}", limit=4)
+    for _ in range(3):
+        with pool.lane() as lane:
+            assert lane == "lane0"
+    assert made == [0] and pool.lanes == ("lane0",)
+
+
+def test_concurrent_callers_get_distinct_lanes_up_to_the_limit() -> None:
+    pool = LanePool(lambda index: index, limit=2)
+    held: list[int] = []
+    inside = threading.Barrier(2)
+    release = threading.Event()
+    waiter_got: list[int] = []
+
+    def hold() -> None:
+        with pool.lane() as lane:
+            held.append(lane)
+            inside.wait()
+            release.wait()
+
+    holders = [threading.Thread(target=hold) for _ in range(2)]
+    for thread in holders:
+        thread.start()
+    while len(held) < 2:
+        time.sleep(0.001)
+
+    def third() -> None:
+        with pool.lane() as lane:
+            waiter_got.append(lane)
+
+    waiter = threading.Thread(target=third)
+    waiter.start()
+    waiter.join(0.05)
+    assert waiter.is_alive() and waiter_got == []  # the limit is reached: the third caller waits
+    release.set()
+    for thread in [*holders, waiter]:
+        thread.join()
+    assert sorted(held) == [0, 1] and waiter_got[0] in (0, 1) and len(pool.lanes) == 2
+
+
+def test_a_pool_needs_at_least_one_lane() -> None:
+    with pytest.raises(ValueError, match="limit of 1 or more, got 0"):
+        LanePool(lambda index: index, limit=0)
+
+
+def test_rows_of_each_part_land_back_to_back() -> None:
+    staging = RowStaging(torch.float32, (2, 3), batching=True, max_rows=8, pinned=False)
+    parts = [np.full((1, 2, 3), 1.0, np.float32), np.full((3, 2, 3), 2.0, np.float32),
+             np.arange(12, dtype=np.float32).reshape(2, 2, 3)]
+    filled = staging.fill(parts)
+    assert filled.shape == (6, 2, 3) and filled.dtype == torch.float32
+    np.testing.assert_array_equal(filled.numpy(), np.concatenate(parts))
+
+
+def test_the_buffer_is_reused_and_grows_only_when_needed() -> None:
+    staging = RowStaging(torch.int64, (4,), batching=True, max_rows=16, pinned=False)
+    first = staging.fill([np.ones((3, 4), np.int64)])
+    assert staging.capacity == 3
+    second = staging.fill([np.zeros((2, 4), np.int64)])
+    assert staging.capacity == 3 and second.data_ptr() == first.data_ptr()  # no new buffer for fewer rows
+    staging.fill([np.ones((4, 4), np.int64)])
+    assert staging.capacity == 6  # doubled
+    staging.fill([np.ones((13, 4), np.int64)])
+    assert staging.capacity == 13  # doubling gives 12, too few: exactly the rows asked for
+    staging.fill([np.ones((14, 4), np.int64)])
+    assert staging.capacity == 16  # doubling capped at max_rows
+
+
+def test_a_model_without_batching_stages_its_whole_shape() -> None:
+    staging = RowStaging(torch.float32, (2, 2), batching=False, max_rows=0, pinned=False)
+    array = np.array([[1, 2], [3, 4]], np.float32)
+    filled = staging.fill([array])
+    assert filled.shape == (2, 2)
+    np.testing.assert_array_equal(filled.numpy(), array)
+
+
+def test_bfloat16_rows_keep_their_bits() -> None:
+    staging = RowStaging(torch.bfloat16, (3,), batching=True, max_rows=4, pinned=False)
+    array = np.array([[1.5, -2.0, 0.25]], dtype=ml_dtypes.bfloat16)
+    filled = staging.fill([array, array])
+    assert filled.dtype == torch.bfloat16
+    np.testing.assert_array_equal(filled.float().numpy(), np.concatenate([array, array]).astype(np.float32))
+    assert numpy_view(filled).dtype == np.dtype(ml_dtypes.bfloat16)
