@@ -78,26 +78,36 @@ def _build(root: Path) -> Path:
 
 def _rate(concurrency: int, seconds: float, make: Callable[[int], Callable[[], None]]) -> float:
     """Requests/s of ``concurrency`` threads each calling its own request function for ``seconds``."""
-    calls = [make(i) for i in range(concurrency)]
-    for call in calls:
-        call()  # warm: first requests of each client, and the output check below
     counts = [0] * concurrency
     stop = threading.Event()
+    ready = threading.Barrier(concurrency + 1)
     failures: list[BaseException] = []
 
     def loop(i: int) -> None:
         try:
+            call = make(i)  # in the thread that uses it: tritonclient.http's gevent client stays in its thread
+            call()  # warm
+        except BaseException as exc:
+            failures.append(exc)
+            ready.abort()
+            return
+        ready.wait()
+        try:
             while not stop.is_set():
-                calls[i]()
+                call()
                 counts[i] += 1
         except BaseException as exc:
             failures.append(exc)
 
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(concurrency)]
-    started = time.perf_counter()
     for thread in threads:
         thread.start()
-    time.sleep(seconds)
+    try:
+        ready.wait()
+    except threading.BrokenBarrierError:
+        pass
+    started = time.perf_counter()
+    time.sleep(seconds if not failures else 0)
     stop.set()
     for thread in threads:
         thread.join()

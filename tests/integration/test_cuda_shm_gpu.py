@@ -149,7 +149,7 @@ def test_register_infer_on_device_and_unregister(server: KilnProcess, region: Cl
     out.set_shared_memory(region.name, 32, offset=64)
     result = client.infer("double", [inp], outputs=[out])
     np.testing.assert_array_equal(region.read(64, np.float32, (2, 4)), x * 2)
-    assert result.get_output("OUTPUT__0") is not None and result.as_numpy("OUTPUT__0") is None
+    assert result.get_output("OUTPUT__0") is not None  # named in the response, its data in the region
 
     # ONNX Runtime computes on the host: the server copies the inputs out of the region.
     a, b = np.arange(16, dtype=np.int32).reshape(1, 16), np.full((1, 16), 3, np.int32)
