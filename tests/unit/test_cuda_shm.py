@@ -108,7 +108,6 @@ def server(repo: Path, memory: HostRegionMemory) -> Iterator[Server]:
     server.start()
     server._cuda_registry = CudaSharedMemoryRegistry(memory, busy_timeout_s=0.2)  # host memory for the device
     yield server
-    server.close_cuda_shared_memory()
     server.close()
 
 
@@ -229,6 +228,8 @@ def test_names_are_one_namespace_and_unknown_regions_are_not_found(server: Serve
                                                                    memory: HostRegionMemory) -> None:
     handle, _ = memory.allocate(64)
     server.register_cuda_shared_memory("r", handle, 0, 64)
+    with pytest.raises(AlreadyExistsError, match="'r' is already registered \\(as CUDA shared memory\\)"):
+        server.register_system_shared_memory("r", "/kiln-never-opened", 0, 64)
     with pytest.raises(NotFoundError, match="Unable to find shared memory region: 'nope'"):
         server.infer_sync(_simple("nope"))
     assert server.cuda_shared_memory_status("r") == [CudaRegionStatus("r", 0, 64)]

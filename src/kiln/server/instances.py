@@ -11,6 +11,8 @@ from kiln.engines.base import Engine, EngineOptions, create_engine
 
 # Config parameters with which a model sets its own thread counts (onnxruntime and PyTorch backends).
 _THREAD_PARAMETERS = ("intra_op_thread_count", "inter_op_thread_count", "num_threads")
+# Backends without an intra-op thread pool (Python models run in the caller's thread; ensembles only route).
+_NO_THREAD_POOL = ("python", "ensemble")
 
 
 def cpu_instance_count(spec: ModelSpec) -> int:
@@ -25,7 +27,8 @@ def cpu_thread_share(cpu_threads: int | None, models: list[tuple[ModelSpec, int]
     """
     budget = cpu_threads or os.cpu_count() or 1
     instances = sum(cpu_instance_count(spec) * versions for spec, versions in models
-                    if not any(spec.parameters.get(key) for key in _THREAD_PARAMETERS))
+                    if spec.backend not in _NO_THREAD_POOL
+                    and not any(spec.parameters.get(key) for key in _THREAD_PARAMETERS))
     if instances <= 1:
         return None
     return max(1, budget // instances)

@@ -114,6 +114,9 @@ class Server:
         self._stopping = False
         self._inflight = 0
         self._shm = SharedMemoryRegistry() if options.allow_client_shm else None
+        self._cuda_registry: CudaSharedMemoryRegistry | None = None  # opened on first use: only GPU hosts need it
+        self._cuda_registry_lock = threading.Lock()
+        self._ab_routing = RoutingTable()
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -173,6 +176,7 @@ class Server:
         self._manager.close(timeout_s)
         if self._shm is not None:
             self._shm.close()
+        self.close_cuda_shared_memory()
         self._live = False
 
     def begin_shutdown(self) -> None:
@@ -274,7 +278,11 @@ class Server:
     # -- system shared memory --------------------------------------------------------------------------------
 
     def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        self._shared_memory().register(name, key, offset, byte_size)
+        registry = self._shared_memory()
+        if self._cuda_registry is not None and name in self._cuda_registry.names():
+            raise AlreadyExistsError(f"shared memory region '{name}' is already registered (as CUDA shared "
+                                     f"memory); unregister it first or choose another name")
+        registry.register(name, key, offset, byte_size)
 
     def system_shared_memory_status(self, name: str = "") -> list[RegionStatus]:
         return self._shared_memory().status(name)
@@ -316,9 +324,6 @@ class Server:
         return leases
 
     # -- CUDA shared memory --------------------------------------------------------------------------------------
-
-    _cuda_registry: CudaSharedMemoryRegistry | None = None  # opened on first use: only GPU hosts need it
-    _cuda_registry_lock = threading.Lock()
 
     def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         registry = self._cuda_shared_memory()
@@ -491,9 +496,7 @@ class Server:
 
     @property
     def _ab(self) -> RoutingTable:
-        # Made on first use, once: dict.setdefault is atomic, so racing threads end up with the same table.
-        table: RoutingTable | None = self.__dict__.get("_ab_routing")
-        return table if table is not None else self.__dict__.setdefault("_ab_routing", RoutingTable())
+        return self._ab_routing
 
     def _routing_of(self, record: ModelRecord) -> ModelRouting:
         if record.spec is None:

@@ -199,7 +199,7 @@ async def test_load_and_unload_are_not_implemented(client: httpx.AsyncClient, ac
 async def test_shared_memory_is_not_supported(client: httpx.AsyncClient, method: str, path: str) -> None:
     message = _error(await client.request(method, path), 501)
     if "/cuda" in path:
-        assert "CUDA shared memory is not supported by kiln: send tensor data in the request body" in message
+        assert "CUDA shared memory is disabled on this server" in message and "--allow-client-shm" in message
     else:  # system shared memory is off unless the server allows it
         assert "system shared memory is disabled on this server" in message and "--allow-client-shm" in message
 

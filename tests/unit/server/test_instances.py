@@ -49,3 +49,10 @@ def test_versions_count_as_instances_and_gpu_instances_do_not() -> None:
     cpu = spec("instance_group [ { kind: KIND_CPU count: 1 } ]")
     gpu = spec("instance_group [ { kind: KIND_GPU count: 4 } ]")
     assert cpu_thread_share(6, [(cpu, 3), (gpu, 1)]) == 2
+
+
+def test_python_models_do_not_take_a_share_of_the_budget() -> None:
+    cpu = spec("instance_group [ { kind: KIND_CPU count: 1 } ]")
+    python = validate_config(parse_config_text(f'name: "p" {IO.replace("identity", "python")}'), "p",
+                             "config.pbtxt", None)
+    assert cpu_thread_share(6, [(cpu, 2), (python, 1)]) == 3
