@@ -72,32 +72,41 @@ def _build(root: Path) -> Path:
     onnx.save(build_resnet50(0), str(source))
     repo = root / "repo"
     build(source, repo / MODEL, BuildOptions(backend="torch", device="cuda", precision="fp16", channels_last=True,
-                                             torch_format="export", max_batch_size=64, samples=16))
+                                             max_batch_size=64, samples=16))
     return repo
 
 
-def _rate(concurrency: int, seconds: float, make: Callable[[int], Callable[[], None]]) -> float:
-    """Requests/s of ``concurrency`` threads each calling its own request function for ``seconds``."""
+Call = Callable[[], object]
+
+
+def _rate(concurrency: int, seconds: float, make: Callable[[int], tuple[Call, Call]]) -> float:
+    """Requests/s of ``concurrency`` threads each calling its own request function for ``seconds``. ``make`` gives
+    a thread its request function and what undoes its set-up; both run in that thread (tritonclient.http's gevent
+    client must stay in the thread that made it)."""
     counts = [0] * concurrency
     stop = threading.Event()
     ready = threading.Barrier(concurrency + 1)
     failures: list[BaseException] = []
 
     def loop(i: int) -> None:
+        undo: Call = _nothing
         try:
-            call = make(i)  # in the thread that uses it: tritonclient.http's gevent client stays in its thread
+            call, undo = make(i)
             call()  # warm
         except BaseException as exc:
             failures.append(exc)
             ready.abort()
+            undo()
             return
-        ready.wait()
         try:
+            ready.wait()
             while not stop.is_set():
                 call()
                 counts[i] += 1
         except BaseException as exc:
             failures.append(exc)
+        finally:
+            undo()
 
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(concurrency)]
     for thread in threads:
@@ -130,29 +139,38 @@ def _served_rows(repo: Path, levels: list[int], seconds: float) -> list[dict[str
         for protocol, module, url in (("http", httpclient, server.http_url), ("grpc", grpcclient, server.grpc_url)):
             for tensors in ("request body", "system shm", "cuda shm"):
                 for concurrency in levels:
-                    cleanup: list[Callable[[], None]] = []
-                    make = functools.partial(_client_request, module, url, tensors, inp, out, image, out_bytes,
-                                             cleanup)
-                    try:
-                        rate = _rate(concurrency, seconds, make)
-                    finally:
-                        for undo in cleanup:
-                            undo()
+                    make = functools.partial(_client_request, module, url, tensors, inp, out, image, out_bytes)
+                    rate = _rate(concurrency, seconds, make)
                     rows.append({"path": f"kiln serve, {protocol}", "tensors": tensors, "concurrency": concurrency,
                                  "requests_per_s": rate})
                     print(rows[-1], flush=True)
     return rows
 
 
+def _nothing() -> None:
+    pass
+
+
 def _client_request(module: Any, url: str, tensors: str, inp: dict[str, Any], out: dict[str, Any],
-                    image: np.ndarray, out_bytes: int, cleanup: list[Callable[[], None]],
-                    index: int) -> Callable[[], None]:
-    """One client thread's request function, with its own client and regions."""
-    return _request(module.InferenceServerClient(url), module, tensors, inp, out, image, out_bytes, cleanup)
+                    image: np.ndarray, out_bytes: int, index: int) -> tuple[Call, Call]:
+    """One client thread's request function, with its own client and regions, and what releases them."""
+    client = module.InferenceServerClient(url)
+    cleanup: list[Call] = []
+
+    def undo() -> None:
+        for step in cleanup:
+            step()
+        client.close()
+
+    try:
+        return _request(client, module, tensors, inp, out, image, out_bytes, cleanup), undo
+    except BaseException:
+        undo()
+        raise
 
 
 def _request(client: Any, module: Any, tensors: str, inp: dict[str, Any], out: dict[str, Any], image: np.ndarray,
-             out_bytes: int, cleanup: list[Callable[[], None]]) -> Callable[[], None]:
+             out_bytes: int, cleanup: list[Call]) -> Call:
     infer_input = module.InferInput(inp["name"], list(image.shape), inp["datatype"])
     requested = module.InferRequestedOutput(out["name"], **({"binary_data": True} if module.__name__.endswith(
         "http") else {}))
@@ -165,12 +183,13 @@ def _request(client: Any, module: Any, tensors: str, inp: dict[str, Any], out: d
         handle = shm.create_shared_memory_region(name, f"/{name}", image.nbytes + out_bytes)
         shm.set_shared_memory_region(handle, [image])
         client.register_system_shared_memory(name, f"/{name}", image.nbytes + out_bytes)
-        cleanup.append(lambda: (client.unregister_system_shared_memory(name),
-                                shm.destroy_shared_memory_region(handle)))
+        cleanup.append(lambda: client.unregister_system_shared_memory(name))
+        cleanup.append(lambda: shm.destroy_shared_memory_region(handle))
     else:
         region = _CudaRegion(image.nbytes + out_bytes, image)
         client.register_cuda_shared_memory(name, region.raw_handle, 0, image.nbytes + out_bytes)
-        cleanup.append(lambda: (client.unregister_cuda_shared_memory(name), region.destroy()))
+        cleanup.append(lambda: client.unregister_cuda_shared_memory(name))
+        cleanup.append(region.destroy)
     if tensors != "request body":
         infer_input.set_shared_memory(name, image.nbytes)
         requested.set_shared_memory(name, out_bytes, offset=image.nbytes)
@@ -197,6 +216,10 @@ class _CudaRegion:
             self.destroy = lambda: cudashm.destroy_shared_memory_region(self._keep)
 
 
+def _direct_call(engine: Any, feed: dict[str, Any], index: int) -> tuple[Call, Call]:
+    return functools.partial(engine.infer, feed), _nothing
+
+
 def _direct_rows(repo: Path, levels: list[int], seconds: float) -> list[dict[str, Any]]:
     import torch
 
@@ -204,10 +227,11 @@ def _direct_rows(repo: Path, levels: list[int], seconds: float) -> list[dict[str
     with kiln.load(repo / MODEL, kind="gpu") as engine:
         spec = engine.inputs[0]
         image = np.random.default_rng(0).standard_normal((1, *spec.dims)).astype(spec.datatype.numpy_dtype)
-        feeds = {"numpy": {spec.name: image}, "torch CUDA tensor": {spec.name: torch.from_numpy(image).cuda()}}
+        feeds: dict[str, dict[str, Any]] = {"numpy": {spec.name: image},
+                                            "torch CUDA tensor": {spec.name: torch.from_numpy(image).cuda()}}
         for tensors, feed in feeds.items():
             for concurrency in levels:
-                rate = _rate(concurrency, seconds, lambda i, feed=feed: lambda: engine.infer(feed))
+                rate = _rate(concurrency, seconds, functools.partial(_direct_call, engine, feed))
                 rows.append({"path": "direct engine.infer()", "tensors": tensors, "concurrency": concurrency,
                              "requests_per_s": rate})
                 print(rows[-1], flush=True)
