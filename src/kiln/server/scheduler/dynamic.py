@@ -3,6 +3,10 @@
 A worker takes the next batch the queue's rule allows (see queue.py), runs it on its engine, and answers every
 request in it: exactly one response or error each. With preserve_ordering, answers are released in arrival order
 even when instances finish out of order.
+
+Answers to callers on an event loop go back in one hand-off per batch and loop: waking the loop once per request
+(what asyncio.wrap_future does) costs the worker a wake-up and the loop a callback for each, both under the GIL
+that the next batch is waiting for.
 """
 
 from __future__ import annotations
@@ -63,10 +67,12 @@ class DynamicBatcher:
             if request.parameters:
                 self.policy.priority_of(self.model.name, request)  # still reject bad parameters
             return await self._inline.submit(request, batch_size)
-        return await asyncio.wrap_future(self._enqueue(request, batch_size))
+        waiter: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
+        self._enqueue(request, batch_size, waiter)
+        return await waiter
 
     def submit_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
-        return self._enqueue(request, batch_size).result()
+        return self._enqueue(request, batch_size).future.result()
 
     def close(self) -> None:
         """Stop taking requests, run the queued ones, then release the engines."""
@@ -78,14 +84,15 @@ class DynamicBatcher:
         self._inline.close()  # requests admitted to run inline on the event loop finish too
         self.model.close()
 
-    def _enqueue(self, request: InferRequest, batch_size: int) -> Future[InferResponse]:
+    def _enqueue(self, request: InferRequest, batch_size: int,
+                 waiter: asyncio.Future[InferResponse] | None = None) -> Pending:
         name = self.model.name
         priority = self.policy.priority_of(name, request)
         timeout_us = self.policy.timeout_us_of(name, request, priority)
         now = self._clock()
         pending = Pending(request=request, rows=batch_size, signature=_signature(request), priority=priority,
                           enqueued_ns=now, deadline_ns=now + timeout_us * 1000 if timeout_us else 0,
-                          seq=next(self._seq))
+                          seq=next(self._seq), waiter=waiter)
         with self._cond:
             if self._closed:
                 raise VersionUnloadingError(f"model '{name}' version {self.model.version} is unloading")
@@ -98,19 +105,21 @@ class DynamicBatcher:
             if self._release is not None:
                 self._release.expect(pending.seq)
             self._cond.notify()
-        return pending.future
+        return pending
 
     def _work(self, engine: Engine) -> None:
         while True:
             batch = self._next_batch()
             if batch is None:
                 return
+            early: list[tuple[Pending, InferResponse | BaseException]] = []  # answered before the batch runs
             for pending in batch.expired:
                 waited_ns = self._clock() - pending.enqueued_ns
                 self.model.stats.record_failure(waited_ns, "REJECTED")
-                self._answer(pending, RequestTimeoutError(
-                    f"model '{self.model.name}': request timed out after waiting in the queue {waited_ns // 1000} us"))
-            live = self._drop_cancelled(batch.items)
+                early.append((pending, RequestTimeoutError(
+                    f"model '{self.model.name}': request timed out after waiting in the queue {waited_ns // 1000} us")))
+            live = self._drop_cancelled(batch.items, early)
+            self._answer(early)
             if live:
                 with self._cond:
                     self._busy += 1
@@ -120,16 +129,16 @@ class DynamicBatcher:
                     with self._cond:
                         self._busy -= 1
                 # Answer once the worker counts as idle, so the next request may already run inline.
-                for pending, outcome in outcomes:
-                    self._answer(pending, outcome)
+                self._answer(outcomes)
 
-    def _drop_cancelled(self, items: list[Pending]) -> list[Pending]:
+    def _drop_cancelled(self, items: list[Pending],
+                        answers: list[tuple[Pending, InferResponse | BaseException]]) -> list[Pending]:
         """Requests whose client went away before they ran are not run (counted as CANCELED)."""
-        live = [p for p in items if not p.future.cancelled()]
+        live = [p for p in items if not p.cancelled()]
         for pending in items:
-            if pending.future.cancelled():
+            if pending.cancelled():
                 self.model.stats.record_failure(self._clock() - pending.enqueued_ns, "CANCELED")
-                self._answer(pending, CancelledError(f"model '{self.model.name}': the request was cancelled"))
+                answers.append((pending, CancelledError(f"model '{self.model.name}': the request was cancelled")))
         return live
 
     def _next_batch(self) -> Batch | None:
@@ -157,23 +166,48 @@ class DynamicBatcher:
         self.model.stats.record_success(times, [p.enqueued_ns for p in items], self._clock())
         return list(zip(items, responses, strict=True))
 
-    def _answer(self, pending: Pending, outcome: InferResponse | BaseException) -> None:
+    def _answer(self, answers: list[tuple[Pending, InferResponse | BaseException]]) -> None:
+        if not answers:
+            return
         with self._cond:
-            self._inflight -= 1
-        if self._release is None:
-            _settle(pending, outcome)
+            self._inflight -= len(answers)
+        if self._release is not None:
+            answers = self._release.done(answers)
+        _deliver(answers)
+
+
+def _deliver(answers: list[tuple[Pending, InferResponse | BaseException]]) -> None:
+    """Hand answers to their callers: event-loop callers in one call per loop, blocking callers directly."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Pending, InferResponse | BaseException]]] = {}
+    for pending, outcome in answers:
+        if pending.waiter is None:
+            _settle(pending.future, outcome)
         else:
-            self._release.done(pending, outcome)
+            by_loop.setdefault(pending.waiter.get_loop(), []).append((pending, outcome))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_settle_all, items)
+        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+            pass
 
 
-def _settle(pending: Pending, outcome: InferResponse | BaseException) -> None:
+def _settle_all(items: list[tuple[Pending, InferResponse | BaseException]]) -> None:
+    for pending, outcome in items:
+        assert pending.waiter is not None
+        _settle(pending.waiter, outcome)
+
+
+def _settle(future: Future[InferResponse] | asyncio.Future[InferResponse],
+            outcome: InferResponse | BaseException) -> None:
     """Deliver an answer, unless the client gave up (a cancelled future must not take it, nor kill the worker)."""
+    if future.done():
+        return
     try:
         if isinstance(outcome, BaseException):
-            pending.future.set_exception(outcome)
+            future.set_exception(outcome)
         else:
-            pending.future.set_result(outcome)
-    except InvalidStateError:
+            future.set_result(outcome)
+    except (InvalidStateError, asyncio.InvalidStateError):
         pass
 
 
@@ -200,11 +234,13 @@ class _OrderedRelease:
         with self._lock:
             self._expected.append(seq)
 
-    def done(self, pending: Pending, outcome: InferResponse | BaseException) -> None:
+    def done(self, answers: list[tuple[Pending, InferResponse | BaseException]],
+             ) -> list[tuple[Pending, InferResponse | BaseException]]:
+        """Record ``answers``; return every answer that may be released now, in arrival order."""
         with self._lock:
-            self._ready[pending.seq] = (pending, outcome)
+            for pending, outcome in answers:
+                self._ready[pending.seq] = (pending, outcome)
             releasable: list[tuple[Pending, InferResponse | BaseException]] = []
             while self._expected and self._expected[0] in self._ready:
                 releasable.append(self._ready.pop(self._expected.popleft()))
-        for item, result in releasable:
-            _settle(item, result)
+        return releasable

@@ -9,6 +9,7 @@ or moved behind every other request (DELAY).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from collections.abc import Hashable, Iterator
 from concurrent.futures import Future
@@ -31,6 +32,12 @@ class Pending:
     deadline_ns: int  # 0 = no timeout
     seq: int
     future: Future[InferResponse] = field(default_factory=Future)
+    # Set for a caller on an event loop: answered on its loop, together with the rest of its batch.
+    waiter: asyncio.Future[InferResponse] | None = None
+
+    def cancelled(self) -> bool:
+        """Whether the caller gave up before the answer came."""
+        return self.waiter.cancelled() if self.waiter is not None else self.future.cancelled()
 
 
 @dataclass

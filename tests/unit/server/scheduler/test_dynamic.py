@@ -153,7 +153,7 @@ async def test_preserve_ordering_releases_answers_in_arrival_order() -> None:
 
 def test_close_runs_queued_requests_then_refuses_new_ones() -> None:
     batcher, (engine,) = make()
-    futures = [batcher._enqueue(request(float(v)), 1) for v in range(3)]
+    futures = [batcher._enqueue(request(float(v)), 1).future for v in range(3)]
     batcher.close()
     assert all(f.result(5).outputs[0].data.shape == (1, 3) for f in futures)
     with pytest.raises(Exception, match="unloading"):
@@ -175,4 +175,32 @@ async def test_a_cancelled_client_neither_runs_nor_kills_the_worker() -> None:
     assert (after.outputs[0].data == 6.0).all()
     assert engine.batches == [1, 1]  # the cancelled queued request never ran
     assert batcher.model.stats.snapshot().failures_by_reason.get("CANCELED") == 1
+    batcher.close()
+
+
+async def test_a_batch_is_answered_on_the_loop_in_one_hand_off() -> None:
+    batcher, (engine,) = make()
+    engine.gate.clear()
+    loop = asyncio.get_running_loop()
+    hand_offs: list[object] = []
+    call_soon_threadsafe = loop.call_soon_threadsafe
+
+    def counting(callback: object, *args: object) -> object:
+        hand_offs.append(callback)
+        return call_soon_threadsafe(callback, *args)  # type: ignore[arg-type]
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        first = asyncio.ensure_future(batcher.submit(request(1.0), 1))
+        await asyncio.to_thread(engine.started.wait, 5)
+        rest = [asyncio.ensure_future(batcher.submit(request(float(v)), 1)) for v in range(2, 8)]
+        await asyncio.sleep(0.05)
+        hand_offs.clear()
+        engine.gate.set()
+        responses = await asyncio.gather(first, *rest)
+    finally:
+        del loop.call_soon_threadsafe
+    assert engine.batches == [1, 6]
+    assert [r.id for r in responses] == [str(float(v)) for v in range(1, 8)]
+    assert len(hand_offs) == 2  # one per batch, not one per request
     batcher.close()
