@@ -506,10 +506,14 @@ class Server:
     def _route(self, request: InferRequest) -> VersionRecord:
         """The version a request that names none goes to: by the model's weights, else the newest ready one."""
         record = self._record(request.model_name)
-        chosen = None
         if record.spec is not None:
-            chosen = self._routing_of(record).choose(record.ready_versions(), request.parameters)
-        return self._resolve(request.model_name, str(chosen) if chosen is not None else "")
+            ready = record.ready_versions()
+            chosen = self._routing_of(record).choose(ready, request.parameters)
+            if chosen is None and ready:
+                chosen = ready[-1]
+            if chosen is not None:
+                return self._resolve(request.model_name, str(chosen))
+        return self._resolve(request.model_name, "")
 
     def _after_routing(self, request: InferRequest, response: InferResponse, started_ns: int, sync: bool) -> None:
         """Count a successful answer for the routing status, then mirror the request to the shadow version if

@@ -294,8 +294,10 @@ class RegionLease:
 
 def region_names(request: InferRequest) -> set[str]:
     """Every shared-memory region a request's inputs and outputs name."""
-    refs = [t.shared_memory for t in request.inputs] + [o.shared_memory for o in request.outputs]
-    return {ref.region for ref in refs if ref is not None}
+    names = {t.shared_memory.region for t in request.inputs if t.shared_memory is not None}
+    if request.outputs:
+        names.update(o.shared_memory.region for o in request.outputs if o.shared_memory is not None)
+    return names
 
 
 def check_window(ref: SharedMemoryRef, region_size: int, where: str) -> None:

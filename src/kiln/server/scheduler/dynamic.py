@@ -72,7 +72,9 @@ class DynamicBatcher:
         return await waiter
 
     def submit_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
-        return self._enqueue(request, batch_size).future.result()
+        answer: Future[InferResponse] = Future()
+        self._enqueue(request, batch_size, answer)
+        return answer.result()
 
     def close(self) -> None:
         """Stop taking requests, run the queued ones, then release the engines."""
@@ -85,14 +87,14 @@ class DynamicBatcher:
         self.model.close()
 
     def _enqueue(self, request: InferRequest, batch_size: int,
-                 waiter: asyncio.Future[InferResponse] | None = None) -> Pending:
+                 answer: asyncio.Future[InferResponse] | Future[InferResponse]) -> None:
         name = self.model.name
         priority = self.policy.priority_of(name, request)
         timeout_us = self.policy.timeout_us_of(name, request, priority)
         now = self._clock()
         pending = Pending(request=request, rows=batch_size, signature=_signature(request), priority=priority,
                           enqueued_ns=now, deadline_ns=now + timeout_us * 1000 if timeout_us else 0,
-                          seq=next(self._seq), waiter=waiter)
+                          seq=next(self._seq), answer=answer)
         with self._cond:
             if self._closed:
                 raise VersionUnloadingError(f"model '{name}' version {self.model.version} is unloading")
@@ -105,7 +107,6 @@ class DynamicBatcher:
             if self._release is not None:
                 self._release.expect(pending.seq)
             self._cond.notify()
-        return pending
 
     def _work(self, engine: Engine) -> None:
         while True:
@@ -134,9 +135,9 @@ class DynamicBatcher:
     def _drop_cancelled(self, items: list[Pending],
                         answers: list[tuple[Pending, InferResponse | BaseException]]) -> list[Pending]:
         """Requests whose client went away before they ran are not run (counted as CANCELED)."""
-        live = [p for p in items if not p.cancelled()]
+        live = [p for p in items if not p.answer.cancelled()]
         for pending in items:
-            if pending.cancelled():
+            if pending.answer.cancelled():
                 self.model.stats.record_failure(self._clock() - pending.enqueued_ns, "CANCELED")
                 answers.append((pending, CancelledError(f"model '{self.model.name}': the request was cancelled")))
         return live
@@ -178,12 +179,14 @@ class DynamicBatcher:
 
 def _deliver(answers: list[tuple[Pending, InferResponse | BaseException]]) -> None:
     """Hand answers to their callers: event-loop callers in one call per loop, blocking callers directly."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Pending, InferResponse | BaseException]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[InferResponse], InferResponse | BaseException]]]
+    by_loop = {}
     for pending, outcome in answers:
-        if pending.waiter is None:
-            _settle(pending.future, outcome)
+        answer = pending.answer
+        if isinstance(answer, asyncio.Future):
+            by_loop.setdefault(answer.get_loop(), []).append((answer, outcome))
         else:
-            by_loop.setdefault(pending.waiter.get_loop(), []).append((pending, outcome))
+            _settle(answer, outcome)
     for loop, items in by_loop.items():
         try:
             loop.call_soon_threadsafe(_settle_all, items)
@@ -191,10 +194,9 @@ def _deliver(answers: list[tuple[Pending, InferResponse | BaseException]]) -> No
             pass
 
 
-def _settle_all(items: list[tuple[Pending, InferResponse | BaseException]]) -> None:
-    for pending, outcome in items:
-        assert pending.waiter is not None
-        _settle(pending.waiter, outcome)
+def _settle_all(items: list[tuple[asyncio.Future[InferResponse], InferResponse | BaseException]]) -> None:
+    for answer, outcome in items:
+        _settle(answer, outcome)
 
 
 def _settle(future: Future[InferResponse] | asyncio.Future[InferResponse],

@@ -31,13 +31,9 @@ class Pending:
     enqueued_ns: int
     deadline_ns: int  # 0 = no timeout
     seq: int
-    future: Future[InferResponse] = field(default_factory=Future)
-    # Set for a caller on an event loop: answered on its loop, together with the rest of its batch.
-    waiter: asyncio.Future[InferResponse] | None = None
-
-    def cancelled(self) -> bool:
-        """Whether the caller gave up before the answer came."""
-        return self.waiter.cancelled() if self.waiter is not None else self.future.cancelled()
+    # Where the answer goes: an asyncio future for a caller on an event loop (answered on that loop together with
+    # the rest of its batch), a concurrent future for a blocking caller.
+    answer: asyncio.Future[InferResponse] | Future[InferResponse] = field(default_factory=Future)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from kiln.config.validate import validate_config
 from kiln.engines.base import Array, Engine
 from kiln.errors import InternalError, QueueFullError, RequestTimeoutError
 from kiln.server.model import LoadedModel
-from kiln.server.request import InferRequest, InputTensor
+from kiln.server.request import InferRequest, InferResponse, InputTensor
 from kiln.server.scheduler.dynamic import DynamicBatcher
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.tensor import DataType
@@ -153,7 +154,9 @@ async def test_preserve_ordering_releases_answers_in_arrival_order() -> None:
 
 def test_close_runs_queued_requests_then_refuses_new_ones() -> None:
     batcher, (engine,) = make()
-    futures = [batcher._enqueue(request(float(v)), 1).future for v in range(3)]
+    futures: list[Future[InferResponse]] = [Future() for _ in range(3)]
+    for v, future in enumerate(futures):
+        batcher._enqueue(request(float(v)), 1, future)
     batcher.close()
     assert all(f.result(5).outputs[0].data.shape == (1, 3) for f in futures)
     with pytest.raises(Exception, match="unloading"):
