@@ -4,10 +4,15 @@ On a CUDA engine the buffer is pinned (page-locked), so the one host-to-device c
 asynchronously on the caller's stream; a fresh pinned buffer per batch would cost a page-locking allocation, and
 concatenating requests first would copy every byte twice. On the CPU the same class works unpinned, which is how
 its row bookkeeping is tested without a GPU.
+
+Rows are copied by torch rather than numpy: torch splits a large copy over its intra-op threads, numpy copies on one
+core. A batch of 64 FP32 images is 38 MB; served on an H200 host with numpy copies, such a batch spent about 10.6 ms
+in compute_infer against about 4.5 ms that the GPU needs for ResNet-50 at that size.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +22,10 @@ import numpy.typing as npt
 import torch
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+
+# torch.from_numpy warns, once per process, that a read-only array gives a writable tensor; staging only reads it.
+_READ_ONLY_WARNING = "The given NumPy array is not writable"
+_read_only_seen = False
 
 
 class RowStaging:
@@ -54,12 +63,16 @@ class RowStaging:
         total = sum(int(a.shape[0]) for a in arrays)
         view = self._reserve(total)
         offset = 0
+        buffer = self._buffer
+        assert buffer is not None
         for array in arrays:
             rows = int(array.shape[0])
-            view[offset:offset + rows] = array  # numpy copies without the GIL
+            if array.dtype == view.dtype and array.dtype != _BF16 and array.flags.c_contiguous:
+                buffer[offset:offset + rows].copy_(_source(array))  # intra-op threads, without the GIL
+            else:
+                view[offset:offset + rows] = array  # numpy casts (and keeps bfloat16 bits), on one core
             offset += rows
-        assert self._buffer is not None
-        return self._buffer[:total]
+        return buffer[:total]
 
     def _reserve(self, rows: int) -> npt.NDArray[Any]:
         if rows > self._rows or self._view is None:
@@ -70,6 +83,18 @@ class RowStaging:
             self._view = numpy_view(self._buffer)
             self._rows = grown
         return self._view
+
+
+def _source(array: npt.NDArray[Any]) -> torch.Tensor:
+    """A tensor over ``array``'s memory, to copy from."""
+    global _read_only_seen
+    if array.flags.writeable or _read_only_seen:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():  # only around the first read-only array: torch stays silent after it
+        warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning)
+        tensor = torch.from_numpy(array)
+    _read_only_seen = True
+    return tensor
 
 
 def numpy_view(tensor: torch.Tensor) -> npt.NDArray[Any]:

@@ -99,3 +99,14 @@ def test_bfloat16_rows_keep_their_bits() -> None:
     assert filled.dtype == torch.bfloat16
     np.testing.assert_array_equal(filled.float().numpy(), np.concatenate([array, array]).astype(np.float32))
     assert numpy_view(filled).dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+def test_read_only_strided_and_other_dtype_rows_are_staged_exactly() -> None:
+    staging = RowStaging(torch.float32, (2, 3), batching=True, max_rows=8, pinned=False)
+    received = np.frombuffer(np.arange(6, dtype=np.float32).tobytes(), np.float32).reshape(1, 2, 3)  # read-only
+    strided = np.asfortranarray(np.arange(12, dtype=np.float32).reshape(2, 2, 3) + 100)
+    wider = np.full((1, 2, 3), 0.5, np.float64)
+    filled = staging.fill([received, strided, wider])
+    expected = np.concatenate([received, strided, wider.astype(np.float32)])
+    assert filled.shape == (4, 2, 3)
+    np.testing.assert_array_equal(filled.numpy(), expected)
