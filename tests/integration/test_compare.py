@@ -44,11 +44,14 @@ def parse(repo: Path, *extra: str) -> argparse.Namespace:
     return parser.parse_args([*ARGS, "--model-repository", str(repo), *extra])
 
 
+PROGRESS: list[dict[str, Any]] = []
+
+
 @pytest.fixture(scope="module")
 def compared(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[int], Path]:
     args = parse(repo)
     comparison = Comparison(options_from_args(args))
-    doc = comparison.run()
+    doc = comparison.run(on_progress=PROGRESS.append)
     out = tmp_path_factory.mktemp("report")
     write_report(doc, out, command_line(args))
     return doc, comparison.pids, out
@@ -70,6 +73,16 @@ def test_every_scenario_is_measured_at_every_level(compared: tuple[dict[str, Any
         memory = scenario["memory_mb"]
         assert 10 < memory["idle"] <= memory["peak"]
         assert {"gpu_idle", "gpu_peak"} <= set(memory)  # None on a machine without a GPU
+
+
+def test_progress_reports_each_finished_scenario_as_partial(compared: tuple[dict[str, Any], list[int], Path]) -> None:
+    doc = compared[0]
+    assert [len(partial["scenarios"]) for partial in PROGRESS] == [1, 2, 3, 4]
+    for partial in PROGRESS:
+        done = len(partial["scenarios"])
+        assert partial["scenarios"] == doc["scenarios"][:done]
+        assert f"partial: {done} of 5 scenarios measured so far; the run did not finish" in partial["notes"]
+    assert not any(note.startswith("partial") for note in doc["notes"])
 
 
 def test_memory_figures_pick_the_batching_variant_with_the_higher_peak(
@@ -124,7 +137,10 @@ def test_stopping_compare_midway_stops_its_servers(repo: Path, tmp_path: Path) -
             compare.wait()
     assert compare.returncode == 128 + signal.SIGTERM, (tmp_path / "compare.log").read_text()
     assert not [pid for pid in seen if psutil.pid_exists(pid)]
-    assert not (tmp_path / "out" / "report.html").exists()
+    # The direct scenario had finished: its partial report stays.
+    partial = (tmp_path / "out" / "compare.md").read_text(encoding="utf-8")
+    assert "| direct |" in partial and "partial: 1 of 3 scenarios measured so far" in partial
+    assert (tmp_path / "out" / "report.html").exists()
 
 
 def _wait_for_server(pid: int, timeout_s: float = 60.0) -> set[int]:

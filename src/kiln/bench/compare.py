@@ -213,7 +213,9 @@ class Comparison:
         self.pids: list[int] = []
         self.notes: list[str] = []
 
-    def run(self) -> dict[str, Any]:
+    def run(self, on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Measure every scenario; ``on_progress`` gets the document so far after each one but the last (marked
+        partial), so a run stopped midway still leaves what it measured."""
         opts = self.options
         config = base_config(opts.model_repository / opts.model)
         batching = list(opts.batching)
@@ -224,17 +226,28 @@ class Comparison:
         if not batching:
             raise InvalidArgumentError(f"model '{opts.model}' has max_batch_size 0, so it has no variant with "
                                        "dynamic batching; use --batching off (or both)")
+        served = [(name, peers, batched) for name, peers in (("served", 0), ("served_with_others", opts.models))
+                  for batched in batching]
+        machine = machine_info()
         with ExitStack() as stack:
             work = opts.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-compare-")))
             scenarios = [self._direct(work)]
-            for name, peers in (("served", 0), ("served_with_others", opts.models)):
-                for batched in batching:
-                    scenarios.append(self._served(work, config, name, peers, batched))
-        return {"model": opts.model, "machine": machine_info(), "concurrency": list(opts.concurrency),
-                "protocol": opts.protocol, "scenarios": scenarios, "memory_mb": memory_summary(scenarios),
+            for name, peers, batched in served:
+                if on_progress is not None:
+                    on_progress(self._document(machine, scenarios, planned=1 + len(served)))
+                scenarios.append(self._served(work, config, name, peers, batched))
+        return self._document(machine, scenarios, planned=len(scenarios))
+
+    def _document(self, machine: dict[str, Any], scenarios: list[dict[str, Any]], planned: int) -> dict[str, Any]:
+        opts = self.options
+        notes = list(self.notes)
+        if len(scenarios) < planned:
+            notes.append(f"partial: {len(scenarios)} of {planned} scenarios measured so far; the run did not finish")
+        return {"model": opts.model, "machine": machine, "concurrency": list(opts.concurrency),
+                "protocol": opts.protocol, "scenarios": list(scenarios), "memory_mb": memory_summary(scenarios),
                 "settings": {"measurement_interval_ms": opts.measurement_interval_ms, "max_trials": opts.max_trials,
                              "stability_percentage": opts.stability_percentage, "device": opts.device},
-                "notes": self.notes}
+                "notes": notes}
 
     @contextmanager
     def _processes(self, log_dir: Path) -> Iterator[Processes]:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from kiln.bench.compare import PROTOCOLS, CompareOptions, Comparison
 from kiln.bench.options import parse_list
@@ -84,8 +85,12 @@ def run_compare(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"kiln bench compare: {text}", file=sys.stderr, flush=True)
 
+    def partial(doc: dict[str, Any]) -> None:
+        write_report(doc, output, command_line(args))
+        note(f"partial report written to {output} ({len(doc['scenarios'])} scenario(s) so far)")
+
     with _sigterm_unwinds():
-        doc = Comparison(options, note).run()
+        doc = Comparison(options, note).run(on_progress=partial)
     written = write_report(doc, output, command_line(args))
     print(markdown_table(comparison_table(doc)))
     print(markdown_table(memory_table(doc)))
