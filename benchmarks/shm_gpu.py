@@ -34,6 +34,8 @@ from kiln.demo.resnet import build_resnet50
 from kiln.testing.serve import kiln_serve
 
 MODEL = "resnet50"
+TENSORS = ("request body", "system shm", "cuda shm")
+Record = Callable[[dict[str, Any]], None]
 
 
 def main() -> int:
@@ -42,28 +44,46 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="timed window per row")
     parser.add_argument("--dynamic-batching", action="store_true", help="add dynamic_batching to the config")
     parser.add_argument("--repo", type=Path, default=None, help="a repository with resnet50 built (else built here)")
-    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--tensors", default=",".join(TENSORS), help="served rows to run (default: all)")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="JSON results, rewritten after every row; a .txt beside it gets the table")
     args = parser.parse_args()
     import torch
 
     levels = [int(c) for c in args.concurrency.split(",")]
+    tensors = [t.strip() for t in args.tensors.split(",")]
+    unknown = set(tensors) - set(TENSORS)
+    if unknown:
+        parser.error(f"--tensors: unknown {sorted(unknown)}; expected some of {', '.join(TENSORS)}")
+    header = ["# Shared memory on a GPU server: ResNet-50 FP16, batch-1 requests",
+              f"command: {command_line()}", f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+              f"gpu: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, kiln {kiln.__version__}, "
+              f"dynamic batching: {'on' if args.dynamic_batching else 'off'}", ""]
+    rows: list[dict[str, Any]] = []
+
+    def record(row: dict[str, Any]) -> None:
+        """Keep each row as soon as it is measured: a later row that crashes the process loses only itself."""
+        rows.append(row)
+        print(row, flush=True)
+        lines = header + format_table(["path", "tensors", "concurrency", "requests/s"],
+                                      [[r["path"], r["tensors"], r["concurrency"], f"{r['requests_per_s']:,.0f}"]
+                                       for r in rows])
+        if args.output:
+            write_json(args.output, {"command": command_line(), "dynamic_batching": args.dynamic_batching,
+                                     "rows": rows})
+            args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="kiln-bench-shm-") as tmp:
         repo = args.repo or _build(Path(tmp))
         if args.dynamic_batching:
             config = repo / MODEL / "config.pbtxt"
             if "dynamic_batching" not in config.read_text():
                 config.write_text(config.read_text() + "\ndynamic_batching { max_queue_delay_microseconds: 500 }\n")
-        rows = _served_rows(repo, levels, args.seconds) + _direct_rows(repo, levels, args.seconds)
-    lines = ["# Shared memory on a GPU server: ResNet-50 FP16, batch-1 requests",
-             f"command: {command_line()}", f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-             f"gpu: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, kiln {kiln.__version__}, "
-             f"dynamic batching: {'on' if args.dynamic_batching else 'off'}", ""]
-    lines += format_table(["path", "tensors", "concurrency", "requests/s"],
-                          [[r["path"], r["tensors"], r["concurrency"], f"{r['requests_per_s']:,.0f}"] for r in rows])
-    print("\n".join(lines))
-    if args.output:
-        write_json(args.output, {"command": command_line(), "dynamic_batching": args.dynamic_batching, "rows": rows})
-        args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+        _direct_rows(repo, levels, args.seconds, record)
+        _served_rows(repo, levels, args.seconds, tensors, record)
+    print("\n".join(header + format_table(
+        ["path", "tensors", "concurrency", "requests/s"],
+        [[r["path"], r["tensors"], r["concurrency"], f"{r['requests_per_s']:,.0f}"] for r in rows])))
     return 0
 
 
@@ -125,11 +145,10 @@ def _rate(concurrency: int, seconds: float, make: Callable[[int], tuple[Call, Ca
     return sum(counts) / (time.perf_counter() - started)
 
 
-def _served_rows(repo: Path, levels: list[int], seconds: float) -> list[dict[str, Any]]:
+def _served_rows(repo: Path, levels: list[int], seconds: float, tensors: list[str], record: Record) -> None:
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
-    rows: list[dict[str, Any]] = []
     with kiln_serve([repo], "--allow-client-shm", "true", ready_timeout_s=300) as server:
         meta = httpclient.InferenceServerClient(server.http_url).get_model_metadata(MODEL)
         (inp,), (out,) = meta["inputs"], meta["outputs"]
@@ -137,14 +156,12 @@ def _served_rows(repo: Path, levels: list[int], seconds: float) -> list[dict[str
         image = image.astype({"FP32": np.float32, "FP16": np.float16}[inp["datatype"]])
         out_bytes = int(np.prod(out["shape"][1:])) * 4
         for protocol, module, url in (("http", httpclient, server.http_url), ("grpc", grpcclient, server.grpc_url)):
-            for tensors in ("request body", "system shm", "cuda shm"):
+            for kind in tensors:
                 for concurrency in levels:
-                    make = functools.partial(_client_request, module, url, tensors, inp, out, image, out_bytes)
+                    make = functools.partial(_client_request, module, url, kind, inp, out, image, out_bytes)
                     rate = _rate(concurrency, seconds, make)
-                    rows.append({"path": f"kiln serve, {protocol}", "tensors": tensors, "concurrency": concurrency,
-                                 "requests_per_s": rate})
-                    print(rows[-1], flush=True)
-    return rows
+                    record({"path": f"kiln serve, {protocol}", "tensors": kind, "concurrency": concurrency,
+                            "requests_per_s": rate})
 
 
 def _nothing() -> None:
@@ -220,10 +237,9 @@ def _direct_call(engine: Any, feed: dict[str, Any], index: int) -> tuple[Call, C
     return functools.partial(engine.infer, feed), _nothing
 
 
-def _direct_rows(repo: Path, levels: list[int], seconds: float) -> list[dict[str, Any]]:
+def _direct_rows(repo: Path, levels: list[int], seconds: float, record: Record) -> None:
     import torch
 
-    rows: list[dict[str, Any]] = []
     with kiln.load(repo / MODEL, kind="gpu") as engine:
         spec = engine.inputs[0]
         image = np.random.default_rng(0).standard_normal((1, *spec.dims)).astype(spec.datatype.numpy_dtype)
@@ -232,10 +248,8 @@ def _direct_rows(repo: Path, levels: list[int], seconds: float) -> list[dict[str
         for tensors, feed in feeds.items():
             for concurrency in levels:
                 rate = _rate(concurrency, seconds, functools.partial(_direct_call, engine, feed))
-                rows.append({"path": "direct engine.infer()", "tensors": tensors, "concurrency": concurrency,
-                             "requests_per_s": rate})
-                print(rows[-1], flush=True)
-    return rows
+                record({"path": "direct engine.infer()", "tensors": tensors, "concurrency": concurrency,
+                        "requests_per_s": rate})
 
 
 if __name__ == "__main__":
