@@ -257,7 +257,7 @@ def test_many_requests_share_one_region(server: Server, memory: HostRegionMemory
         list(pool.map(run, range(count)))
     for i in range(count):
         np.testing.assert_array_equal(ints[i * 48 + 32:i * 48 + 48], np.arange(16) + 2 * i)
-    assert server._cuda_registry is not None and server._cuda_registry._regions["shared"].inflight == 0
+    assert server._cuda_registry is not None and server._cuda_registry._table.listed("shared")[0].inflight == 0
 
 
 def test_unregister_waits_for_a_busy_region_then_fails(registry: CudaSharedMemoryRegistry,

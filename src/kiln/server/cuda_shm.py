@@ -16,8 +16,6 @@ nothing can shrink a region behind the server's back: the client cannot free mem
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -25,8 +23,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, UnavailableError
+from kiln.errors import InvalidArgumentError
 from kiln.server.cuda_ipc import RegionMemory
+from kiln.server.region_table import RegionTable
 from kiln.server.request import InferRequest, InferResponse, OutputTensor, SharedMemoryRef
 from kiln.server.shm import BUSY_TIMEOUT_S, RegionLease, check_window
 from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
@@ -43,8 +42,19 @@ class CudaRegionStatus:
 class _CudaRegion:
     status: CudaRegionStatus
     memory: Any  # 1-D torch.uint8 tensor over the region
+    opener: RegionMemory  # what opened it, and closes it
     inflight: int = 0
     unregistering: int = 0
+    closed: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.status.name
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.opener.close(self.memory)
 
 
 class CudaSharedMemoryRegistry:
@@ -52,13 +62,11 @@ class CudaSharedMemoryRegistry:
 
     def __init__(self, memory: RegionMemory, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
         self._memory = memory
-        self._busy_timeout_s = busy_timeout_s
-        self._regions: dict[str, _CudaRegion] = {}
-        self._changed = threading.Condition()
+        self._table: RegionTable[_CudaRegion] = RegionTable("CUDA shared memory", "cuda shared memory",
+                                                             busy_timeout_s)
 
     def names(self) -> set[str]:
-        with self._changed:
-            return set(self._regions)
+        return self._table.names()
 
     def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         """Open the client's IPC handle (``raw_handle``) on ``device_id`` as region ``name`` of ``byte_size``."""
@@ -69,56 +77,25 @@ class CudaSharedMemoryRegistry:
             raise InvalidArgumentError(f"{what}: device_id must be a non-negative integer, got {device_id!r}")
         if type(byte_size) is not int or byte_size <= 0:
             raise InvalidArgumentError(f"{what}: byte_size must be a positive integer, got {byte_size!r}")
-        with self._changed:
-            if name in self._regions:
-                raise AlreadyExistsError(f"{what} is already registered; unregister it first or choose another "
-                                         f"name")
+
+        def open_region() -> _CudaRegion:
             memory = self._memory.open(raw_handle, device_id, byte_size, f"cannot register {what}")
-            self._regions[name] = _CudaRegion(CudaRegionStatus(name, device_id, byte_size), memory)
+            return _CudaRegion(CudaRegionStatus(name, device_id, byte_size), memory, self._memory)
+
+        self._table.add(name, open_region)
 
     def status(self, name: str = "") -> list[CudaRegionStatus]:
         """Every region (sorted by name), or the one named."""
-        with self._changed:
-            if not name:
-                return [self._regions[n].status for n in sorted(self._regions)]
-            region = self._regions.get(name)
-            if region is None:
-                raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
-            return [region.status]
+        return [region.status for region in self._table.listed(name)]
 
     def unregister(self, name: str = "") -> None:
         """Close the region ``name`` (every region when empty); an unknown name is not an error, as in Triton.
         Waits (bounded) for the requests using it, as system shared memory does."""
-        with self._changed:
-            names = [name] if name else sorted(self._regions)
-            regions = [r for r in (self._regions.get(n) for n in names) if r is not None]
-            for region in regions:
-                region.unregistering += 1
-            deadline = time.monotonic() + self._busy_timeout_s
-            while any(r.inflight for r in regions) and (left := deadline - time.monotonic()) > 0:
-                self._changed.wait(left)
-            busy: list[tuple[str, int]] = []
-            for region in regions:
-                region.unregistering -= 1
-                if self._regions.get(region.status.name) is not region:
-                    continue  # another unregister removed it while we waited
-                if region.inflight:
-                    busy.append((region.status.name, region.inflight))
-                else:
-                    del self._regions[region.status.name]
-                    self._memory.close(region.memory)
-        if busy:
-            listed = ", ".join(f"'{n}' ({count} request(s))" for n, count in busy)
-            raise UnavailableError(f"cannot unregister CUDA shared memory region(s) {listed}: still in use by "
-                                   f"in-flight requests after {self._busy_timeout_s:g}s; retry when they finish")
+        self._table.unregister(name)
 
     def close(self) -> None:
         """Close every region now (server shutdown; no request runs any more)."""
-        with self._changed:
-            for region in self._regions.values():
-                self._memory.close(region.memory)
-            self._regions.clear()
-            self._changed.notify_all()
+        self._table.close()
 
     # -- use by requests -------------------------------------------------------------------------------------
 
@@ -126,7 +103,7 @@ class CudaSharedMemoryRegistry:
         """Fill the request's inputs that name one of ``names`` from their regions: torch CUDA views when
         ``on_device`` (the engine takes torch tensors), host copies otherwise. The regions stay held until the
         lease is released."""
-        lease = CudaRegionLease(self, self._acquire(names))
+        lease = CudaRegionLease(self, self._table.acquire(names))
         try:
             for tensor in request.inputs:
                 ref = tensor.shared_memory
@@ -141,26 +118,6 @@ class CudaSharedMemoryRegistry:
             lease.release()
             raise
         return lease
-
-    def _acquire(self, names: Iterable[str]) -> dict[str, _CudaRegion]:
-        with self._changed:
-            held: dict[str, _CudaRegion] = {}
-            for name in sorted(names):
-                region = self._regions.get(name)
-                if region is None:
-                    raise NotFoundError(f"Unable to find shared memory region: '{name}' (register it first)")
-                if region.unregistering:
-                    raise UnavailableError(f"CUDA shared memory region '{name}' is being unregistered")
-                held[name] = region
-            for region in held.values():
-                region.inflight += 1
-            return held
-
-    def _release(self, regions: Iterable[_CudaRegion]) -> None:
-        with self._changed:
-            for region in regions:
-                region.inflight -= 1
-            self._changed.notify_all()
 
 
 @dataclass(eq=False)
@@ -245,7 +202,7 @@ class CudaRegionLease:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.registry._release(self.regions.values())
+            self.registry._table.release(self.regions.values())
 
 
 def torch_dtype(datatype: DataType) -> Any:

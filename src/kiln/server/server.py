@@ -327,7 +327,7 @@ class Server:
 
     def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         registry = self._cuda_shared_memory()
-        if self._shm is not None and any(s.name == name for s in self._shm.status()):
+        if self._shm is not None and name in self._shm.names():
             raise AlreadyExistsError(f"shared memory region '{name}' is already registered (as system shared "
                                      f"memory); unregister it first or choose another name")
         registry.register(name, raw_handle, device_id, byte_size)

@@ -22,8 +22,7 @@ import mmap
 import os
 import stat
 import threading
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -33,7 +32,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, UnavailableError
+from kiln.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from kiln.server.region_table import RegionTable
 from kiln.server.request import InferRequest, InferResponse, OutputTensor, SharedMemoryRef
 from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
 
@@ -64,6 +64,10 @@ class _Region:
     closed: bool = False
     guard: threading.Lock = field(default_factory=threading.Lock)  # orders close() against reads and writes
 
+    @property
+    def name(self) -> str:
+        return self.status.name
+
     def close(self) -> None:
         """Unmap and close the descriptor, once: a second close must not close a descriptor number reused since."""
         with self.guard:
@@ -89,9 +93,7 @@ class SharedMemoryRegistry:
 
     def __init__(self, shm_dir: Path = SHM_DIR, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
         self._dir = shm_dir
-        self._busy_timeout_s = busy_timeout_s
-        self._regions: dict[str, _Region] = {}
-        self._changed = threading.Condition()
+        self._table: RegionTable[_Region] = RegionTable("shared memory", "system shared memory", busy_timeout_s)
 
     # -- registration ----------------------------------------------------------------------------------------
 
@@ -105,57 +107,25 @@ class SharedMemoryRegistry:
         if type(byte_size) is not int or byte_size <= 0:
             raise InvalidArgumentError(f"{what}: byte_size must be a positive integer, got {byte_size!r}")
         path = self._path(name, key)
-        with self._changed:
-            existing = self._regions.get(name)
-            if existing is not None:
-                raise AlreadyExistsError(f"{what} is already registered (key '{existing.status.key}'); "
-                                         f"unregister it first or choose another name")
-            self._regions[name] = _map(RegionStatus(name, key, offset, byte_size), path)
+        self._table.add(name, lambda: _map(RegionStatus(name, key, offset, byte_size), path),
+                        lambda existing: f" (key '{existing.status.key}')")
+
+    def names(self) -> set[str]:
+        return self._table.names()
 
     def status(self, name: str = "") -> list[RegionStatus]:
         """Every region (sorted by name), or the one named."""
-        with self._changed:
-            if not name:
-                return [self._regions[n].status for n in sorted(self._regions)]
-            region = self._regions.get(name)
-            if region is None:
-                raise NotFoundError(f"Unable to find system shared memory region: '{name}'")
-            return [region.status]
+        return [region.status for region in self._table.listed(name)]
 
     def unregister(self, name: str = "") -> None:
         """Unmap the region ``name`` (every region when empty). An unknown name is not an error, as in Triton.
         A region in use by in-flight requests is unmapped once they finish; if they do not finish within the
         busy timeout the region stays registered and :class:`UnavailableError` says so."""
-        with self._changed:
-            names = [name] if name else sorted(self._regions)
-            regions = [r for r in (self._regions.get(n) for n in names) if r is not None]
-            for region in regions:
-                region.unregistering += 1
-            deadline = time.monotonic() + self._busy_timeout_s
-            while any(r.inflight and not r.closed for r in regions) and (left := deadline - time.monotonic()) > 0:
-                self._changed.wait(left)
-            busy: list[tuple[str, int]] = []
-            for region in regions:
-                region.unregistering -= 1
-                if self._regions.get(region.status.name) is not region:
-                    continue  # another unregister (or shutdown) removed it while we waited; it may be registered anew
-                if region.inflight:
-                    busy.append((region.status.name, region.inflight))
-                else:
-                    del self._regions[region.status.name]
-                    region.close()
-        if busy:
-            listed = ", ".join(f"'{name}' ({count} request(s))" for name, count in busy)
-            raise UnavailableError(f"cannot unregister shared memory region(s) {listed}: still in use by "
-                                   f"in-flight requests after {self._busy_timeout_s:g}s; retry when they finish")
+        self._table.unregister(name)
 
     def close(self) -> None:
         """Unmap every region now (server shutdown; no request runs any more)."""
-        with self._changed:
-            for region in self._regions.values():
-                region.close()
-            self._regions.clear()
-            self._changed.notify_all()  # unregister calls still waiting find their regions gone
+        self._table.close()
 
     def _path(self, name: str, key: str) -> Path:
         # A POSIX shm name is one component: refuse anything that could reach outside the shm folder.
@@ -174,7 +144,8 @@ class SharedMemoryRegistry:
         names = region_names(request) - skip
         if not names:
             return None
-        lease = RegionLease(self, self._acquire(names))
+        held = self._table.acquire(names, lambda region: _check_alive(region, f"shared memory region '{region.name}'"))
+        lease = RegionLease(self, held)
         try:
             for tensor in request.inputs:
                 if tensor.shared_memory is not None and tensor.shared_memory.region in names:
@@ -187,27 +158,6 @@ class SharedMemoryRegistry:
             lease.release()
             raise
         return lease
-
-    def _acquire(self, names: Iterable[str]) -> dict[str, _Region]:
-        with self._changed:
-            held: dict[str, _Region] = {}
-            for name in sorted(names):
-                region = self._regions.get(name)
-                if region is None:
-                    raise NotFoundError(f"Unable to find shared memory region: '{name}' (register it first)")
-                if region.unregistering:
-                    raise UnavailableError(f"shared memory region '{name}' is being unregistered")
-                _check_alive(region, f"shared memory region '{name}'")
-                held[name] = region
-            for region in held.values():
-                region.inflight += 1
-            return held
-
-    def _release(self, regions: Iterable[_Region]) -> None:
-        with self._changed:
-            for region in regions:
-                region.inflight -= 1
-            self._changed.notify_all()
 
 
 @dataclass(eq=False)
@@ -289,7 +239,7 @@ class RegionLease:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.registry._release(self.regions.values())
+            self.registry._table.release(self.regions.values())
 
 
 def region_names(request: InferRequest) -> set[str]:

@@ -279,7 +279,7 @@ def test_unregister_waits_for_in_flight_requests(tmp_path: Path) -> None:
     registry = SharedMemoryRegistry(tmp_path, busy_timeout_s=30.0)
     path = _object(tmp_path, "obj", 64)
     registry.register("r", "obj", 0, 64)
-    region = registry._regions["r"]
+    region = registry._table.listed("r")[0]
     tensor = _shm_input("INPUT0", SharedMemoryRef("r", 64))
     lease = registry.attach(_request([tensor]))
     assert lease is not None
@@ -302,7 +302,7 @@ def test_concurrent_unregisters_of_a_busy_region(tmp_path: Path) -> None:
     registry = SharedMemoryRegistry(tmp_path, busy_timeout_s=30.0)
     _object(tmp_path, "obj", 64)
     registry.register("r", "obj", 0, 64)
-    region = registry._regions["r"]
+    region = registry._table.listed("r")[0]
     lease = registry.attach(_request([_shm_input("INPUT0", SharedMemoryRef("r", 64))]))
     assert lease is not None
     errors: list[BaseException] = []
