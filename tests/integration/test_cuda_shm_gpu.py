@@ -41,6 +41,11 @@ input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]
 output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]
 instance_group [ { kind: KIND_GPU count: 1 } ]
 """
+# The same model batched and replayed from CUDA graphs: region inputs of several requests are joined on the device.
+_DOUBLE_BATCHED = _DOUBLE.replace('name: "double"', 'name: "double_batched"') + """
+dynamic_batching { max_queue_delay_microseconds: 20000 }
+parameters { key: "cuda_graphs" value { string_value: "true" } }
+"""
 
 
 class _Double(torch.nn.Module):
@@ -98,11 +103,12 @@ class ClientRegion:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     repo = tmp_path_factory.mktemp("repo")
     build_demo_repository(repo)
-    folder = write_model(repo, "double", config=_DOUBLE)
-    (folder / "1").mkdir(exist_ok=True)
-    with warnings.catch_warnings():  # torch deprecates TorchScript, which the backend still serves
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        torch.jit.script(_Double()).save(str(folder / "1" / "model.pt"))
+    for name, config in (("double", _DOUBLE), ("double_batched", _DOUBLE_BATCHED)):
+        folder = write_model(repo, name, config=config)
+        (folder / "1").mkdir(exist_ok=True)
+        with warnings.catch_warnings():  # torch deprecates TorchScript, which the backend still serves
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            torch.jit.script(_Double()).save(str(folder / "1" / "model.pt"))
     log = tmp_path_factory.mktemp("log") / "serve.log"
     with kiln_serve([repo], "--allow-client-shm", "true", "--exit-timeout-secs", "5", log_path=log) as process:
         yield process
@@ -192,8 +198,9 @@ def test_bad_handles_offsets_and_sizes(server: KilnProcess, region: ClientRegion
         client.unregister_cuda_shared_memory(region.name)
 
 
+@pytest.mark.parametrize("model", ["double", "double_batched"])
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_many_requests_share_one_region(server: KilnProcess, protocol: str) -> None:
+def test_many_requests_share_one_region(server: KilnProcess, protocol: str, model: str) -> None:
     count = 48
     region = ClientRegion(count * 64)
     try:
@@ -209,12 +216,16 @@ def test_many_requests_share_one_region(server: KilnProcess, protocol: str) -> N
             inp.set_shared_memory(region.name, 32, offset=i * 64)
             out = m.InferRequestedOutput("OUTPUT__0")
             out.set_shared_memory(region.name, 32, offset=i * 64 + 32)
-            own.infer("double", [inp], outputs=[out])
+            own.infer(model, [inp], outputs=[out])
 
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(run, range(count)))
         for i in range(count):
             np.testing.assert_array_equal(region.read(i * 64 + 32, np.float32, (8,)), rows[i] * 2)
+        if model == "double_batched":
+            stats = httpclient.InferenceServerClient(server.http_url).get_inference_statistics(model)
+            sizes = [int(b["batch_size"]) for b in stats["model_stats"][0]["batch_stats"]]
+            assert max(sizes) > 2, sizes  # requests of two rows each were batched together
         client.unregister_cuda_shared_memory(region.name)
     finally:
         region.destroy()

@@ -5,6 +5,7 @@ tests/integration/test_cuda_shm_gpu.py."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import warnings
@@ -39,6 +40,9 @@ max_batch_size: 8
 input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]
 output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]
 instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+_DOUBLE_BATCHED = _DOUBLE.replace('name: "double"', 'name: "double_batched"') + """
+dynamic_batching { max_queue_delay_microseconds: 50000 }
 """
 
 
@@ -90,9 +94,10 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with warnings.catch_warnings():  # torch 2.13 deprecates TorchScript, which the backend still serves
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=DeprecationWarning)
         torch.jit.script(_Double()).save(str(source))
-    folder = write_model(root, "double", config=_DOUBLE)
-    (folder / "1").mkdir(exist_ok=True)
-    (folder / "1" / "model.pt").write_bytes(source.read_bytes())
+    for name, config in (("double", _DOUBLE), ("double_batched", _DOUBLE_BATCHED)):
+        folder = write_model(root, name, config=config)
+        (folder / "1").mkdir(exist_ok=True)
+        (folder / "1" / "model.pt").write_bytes(source.read_bytes())
     source.unlink()
     return root
 
@@ -321,3 +326,31 @@ def test_disabled_server_refuses_cuda_shared_memory(repo: Path) -> None:
                 call()
     finally:
         server.close()
+
+
+async def test_region_and_body_inputs_batch_together(server: Server, memory: HostRegionMemory) -> None:
+    """Requests whose input lies in a CUDA region (a tensor) and requests with the input in the body (numpy) share
+    one dynamic batch; each gets its own rows back, in its region or in its response."""
+    handle, allocation = memory.allocate(2 * 64)
+    server.register_cuda_shared_memory("b", handle, 0, 2 * 64)
+    floats = _view(allocation, np.float32)
+    for i in range(2):
+        floats[i * 16:i * 16 + 8] = np.arange(8, dtype=np.float32) + 10 * i
+
+    def from_region(i: int) -> InferRequest:
+        return InferRequest("double_batched", [_input("INPUT__0", SharedMemoryRef("b", 32, i * 64), DataType.FP32,
+                                                      (2, 4))],
+                            outputs=[RequestedOutput("OUTPUT__0", shared_memory=SharedMemoryRef("b", 32, i * 64 + 32))])
+
+    def from_body(i: int) -> InferRequest:
+        data = np.full((1, 4), -float(i), np.float32)
+        return InferRequest("double_batched", [InputTensor("INPUT__0", DataType.FP32, data.shape, data)])
+
+    answers = await asyncio.gather(*(server.infer(from_region(i)) for i in range(2)),
+                                   *(server.infer(from_body(i)) for i in range(1, 4)))
+    for i in range(2):
+        np.testing.assert_array_equal(floats[i * 16 + 8:i * 16 + 16], (np.arange(8, dtype=np.float32) + 10 * i) * 2)
+    for i, answer in zip(range(1, 4), answers[2:], strict=True):
+        np.testing.assert_array_equal(answer.outputs[0].data, np.full((1, 4), -2.0 * i, np.float32))
+    stats = server.model_statistics("double_batched")[0]
+    assert max(stats.batch_stats) == 7  # 2 requests of 2 rows and 3 of 1, in one batch

@@ -115,10 +115,11 @@ class TorchEngine(Engine):
         """Several requests' validated inputs as one batch, rows in order (the server's hook for a dynamic batch).
         With CUDA graphs each request's rows are copied once, straight into the lane's pinned buffers."""
         lanes = self._lanes
-        if lanes is None or len(parts) == 1:
-            if len(parts) == 1:
-                return self.execute(parts[0], outputs)
-            return self.execute({name: np.concatenate([part[name] for part in parts]) for name in parts[0]}, outputs)
+        if len(parts) == 1:
+            return self.execute(parts[0], outputs)
+        if lanes is None or any(isinstance(value, torch.Tensor) for part in parts for value in part.values()):
+            # Tensors (inputs read in place from CUDA shared memory) are joined where they lie, on the device.
+            return self.execute({name: join_rows([part[name] for part in parts]) for name in parts[0]}, outputs)
         if self._function is None:
             raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
         try:
@@ -255,6 +256,16 @@ class TorchEngine(Engine):
             return
         with torch.cuda.device(self.device):
             yield
+
+
+def join_rows(values: Sequence[Any]) -> Any:
+    """Requests' rows of one input as one batch: numpy when every part is numpy, else a tensor on the device of
+    the first tensor part (numpy parts are copied there)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return np.concatenate(values)
+    device = tensors[0].device
+    return torch.cat([v.to(device) if isinstance(v, torch.Tensor) else host_tensor(v).to(device) for v in values])
 
 
 def _device(spec: ModelSpec, options: EngineOptions) -> torch.device:

@@ -67,6 +67,19 @@ def test_a_cuda_tensor_input_is_copied_on_the_lanes_stream(tmp_path: Path, files
     engine.close()
 
 
+def test_parts_with_cuda_tensors_join_on_the_device(tmp_path: Path, files: dict[str, Path]) -> None:
+    """A dynamic batch mixing inputs read in place from CUDA shared memory (tensors) with host arrays."""
+    engine = load_gpu(tmp_path, files["conv_export"], GPU_PARAMETERS)
+    parts = [images(2), images(1), images(3)]
+    feeds = [{"image": torch.from_numpy(parts[0]).cuda()}, {"image": parts[1]},
+             {"image": torch.from_numpy(parts[2]).cuda()}]
+    logits = engine.execute_parts(feeds, ["logits"])["logits"]
+    got = logits.cpu().numpy() if isinstance(logits, torch.Tensor) else logits
+    assert got.shape == (6, 5)
+    np.testing.assert_allclose(got, fp32_reference(np.concatenate(parts)), rtol=2e-2, atol=2e-2)
+    engine.close()
+
+
 def test_served_with_dynamic_batching_and_two_instances(tmp_path: Path, files: dict[str, Path]) -> None:
     import asyncio
 

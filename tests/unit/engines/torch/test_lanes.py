@@ -110,3 +110,15 @@ def test_read_only_strided_and_other_dtype_rows_are_staged_exactly() -> None:
     expected = np.concatenate([received, strided, wider.astype(np.float32)])
     assert filled.shape == (4, 2, 3)
     np.testing.assert_array_equal(filled.numpy(), expected)
+
+
+def test_request_rows_join_as_numpy_or_on_the_tensors_device() -> None:
+    from kiln.engines.torch.engine import join_rows
+
+    body = np.frombuffer(np.full(4, 3.0, np.float32).tobytes(), np.float32).reshape(1, 4)  # read-only, as received
+    region = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    joined = join_rows([region, body, region[:1]])
+    assert isinstance(joined, torch.Tensor) and joined.device == region.device
+    np.testing.assert_array_equal(joined.numpy(), np.concatenate([region.numpy(), body, region[:1].numpy()]))
+    numpy_only = join_rows([body, body])
+    assert isinstance(numpy_only, np.ndarray) and numpy_only.shape == (2, 4)
