@@ -42,7 +42,7 @@ from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.model_dir import open_model_dir
 from kiln.config.parse import CONFIG_FILENAME, config_to_text, read_config
 from kiln.errors import InvalidArgumentError, UnavailableError
-from kiln.testing.serve import free_port, wait_ready
+from kiln.serve_process import free_port, wait_ready
 
 PROTOCOLS = ("http", "grpc")
 STOP_GRACE_S = 10.0

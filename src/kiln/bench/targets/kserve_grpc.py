@@ -25,8 +25,8 @@ from kiln.bench.targets.wire import from_raw, raw_bytes
 from kiln.config.spec import TensorSpec
 from kiln.errors import InvalidArgumentError, UnavailableError
 from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
+from kiln.serve_process import KilnProcess
 from kiln.tensor import DataType
-from kiln.testing.serve import KilnProcess
 
 SERVICE = "/inference.GRPCInferenceService/"
 CONNECT_TIMEOUT_S = 30.0

@@ -13,7 +13,7 @@ from kiln.bench.data import ModelInputs
 from kiln.bench.options import BenchOptions
 from kiln.bench.targets.aio import AsyncTarget
 from kiln.errors import InvalidArgumentError, UnavailableError
-from kiln.testing.serve import KilnProcess, kiln_serve
+from kiln.serve_process import KilnProcess, kiln_serve
 
 log = logging.getLogger("kiln.bench")
 

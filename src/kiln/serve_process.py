@@ -1,0 +1,77 @@
+"""Run `kiln serve` as a child process on free ports: what `kiln bench` (the remote target, `compare`) and the
+tests and benchmarks start when they need a real server."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class KilnProcess:
+    """A running `kiln serve`: ``host:port`` addresses of its frontends, as tritonclient takes them."""
+
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+    process: subprocess.Popen[bytes]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_ready(http_url: str, process: subprocess.Popen[bytes], timeout_s: float = 60.0, *,
+               context: ssl.SSLContext | None = None) -> None:
+    """Poll ``/v2/health/ready`` (over https with ``context``, e.g. a server started with --https-certfile)."""
+    scheme = "https" if context is not None else "http"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"kiln serve exited with status {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{scheme}://{http_url}/v2/health/ready", timeout=1.0,
+                                        context=context) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):  # not listening yet; TLS and timeouts are OSErrors too
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"kiln serve was not ready within {timeout_s}s")
+
+
+@contextlib.contextmanager
+def kiln_serve(repositories: Sequence[Path], *extra_args: str, log_path: Path | None = None,
+               ready_timeout_s: float = 60.0) -> Iterator[KilnProcess]:
+    """Start `kiln serve` on free ports, wait until it is ready, and stop it (SIGTERM, then kill) on exit."""
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    command = [sys.executable, "-m", "kiln.cli", "serve", "--http-port", str(http_port),
+               "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
+    for repository in repositories:
+        command += ["--model-repository", str(repository)]
+    command += list(extra_args)
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(open(log_path, "wb")) if log_path is not None else subprocess.DEVNULL
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(f"127.0.0.1:{http_port}", process, ready_timeout_s)
+            yield KilnProcess(f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", f"127.0.0.1:{metrics_port}",
+                              process)
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
