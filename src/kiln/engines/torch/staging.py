@@ -5,9 +5,11 @@ asynchronously on the caller's stream; a fresh pinned buffer per batch would cos
 concatenating requests first would copy every byte twice. On the CPU the same class works unpinned, which is how
 its row bookkeeping is tested without a GPU.
 
-Rows are copied by torch rather than numpy: torch splits a large copy over its intra-op threads, numpy copies on one
-core. A batch of 64 FP32 images is 38 MB; served on an H200 host with numpy copies, such a batch spent about 10.6 ms
-in compute_infer against about 4.5 ms that the GPU needs for ResNet-50 at that size.
+A large batch is copied by torch rather than numpy: torch splits a large copy over its intra-op threads, numpy
+copies on one core. A batch of 64 FP32 images is 38 MB; served on an H200 host with numpy copies, such a batch spent
+about 10.6 ms in compute_infer against about 4.5 ms that the GPU needs for ResNet-50 at that size. Small fills (one
+direct caller's request) stay with numpy: many threads each opening a team of intra-op threads would oversubscribe
+the cores that those callers already keep busy.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy.typing as npt
 import torch
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+PARALLEL_COPY_BYTES = 4 << 20  # a fill at least this large is copied by torch's intra-op threads
 
 # torch.from_numpy warns, once per process, that a read-only array gives a writable tensor; staging only reads it.
 _READ_ONLY_WARNING = "The given NumPy array is not writable"
@@ -65,12 +68,13 @@ class RowStaging:
         offset = 0
         buffer = self._buffer
         assert buffer is not None
+        parallel = total * view.itemsize * (view.size // max(1, view.shape[0])) >= PARALLEL_COPY_BYTES
         for array in arrays:
             rows = int(array.shape[0])
-            if array.dtype == view.dtype and array.dtype != _BF16 and array.flags.c_contiguous:
+            if parallel and array.dtype == view.dtype and array.dtype != _BF16 and array.flags.c_contiguous:
                 buffer[offset:offset + rows].copy_(_source(array))  # intra-op threads, without the GIL
             else:
-                view[offset:offset + rows] = array  # numpy casts (and keeps bfloat16 bits), on one core
+                view[offset:offset + rows] = array  # numpy, on one core (casting, keeping bfloat16 bits)
             offset += rows
         return buffer[:total]
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.engines.torch import staging as staging_module
 from kiln.engines.torch.lanes import LanePool
 from kiln.engines.torch.staging import RowStaging, numpy_view
 
@@ -101,7 +102,10 @@ def test_bfloat16_rows_keep_their_bits() -> None:
     assert numpy_view(filled).dtype == np.dtype(ml_dtypes.bfloat16)
 
 
-def test_read_only_strided_and_other_dtype_rows_are_staged_exactly() -> None:
+@pytest.mark.parametrize("parallel_from", [0, 1 << 40])  # every fill copied by torch's threads, or by numpy
+def test_read_only_strided_and_other_dtype_rows_are_staged_exactly(monkeypatch: pytest.MonkeyPatch,
+                                                                   parallel_from: int) -> None:
+    monkeypatch.setattr(staging_module, "PARALLEL_COPY_BYTES", parallel_from)
     staging = RowStaging(torch.float32, (2, 3), batching=True, max_rows=8, pinned=False)
     received = np.frombuffer(np.arange(6, dtype=np.float32).tobytes(), np.float32).reshape(1, 2, 3)  # read-only
     strided = np.asfortranarray(np.arange(12, dtype=np.float32).reshape(2, 2, 3) + 100)
