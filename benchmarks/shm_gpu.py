@@ -158,8 +158,16 @@ def _served_rows(repo: Path, levels: list[int], seconds: float, tensors: list[st
         for protocol, module, url in (("http", httpclient, server.http_url), ("grpc", grpcclient, server.grpc_url)):
             for kind in tensors:
                 for concurrency in levels:
-                    make = functools.partial(_client_request, module, url, kind, inp, out, image, out_bytes)
-                    rate = _rate(concurrency, seconds, make)
+                    # Device memory is allocated here, in one thread; each client thread only registers its own.
+                    regions = [_CudaRegion(image.nbytes + out_bytes, image) for _ in range(concurrency)] \
+                        if kind == "cuda shm" else []
+                    try:
+                        make = functools.partial(_client_request, module, url, kind, inp, out, image, out_bytes,
+                                                 regions)
+                        rate = _rate(concurrency, seconds, make)
+                    finally:
+                        for region in regions:
+                            region.destroy()
                     record({"path": f"kiln serve, {protocol}", "tensors": kind, "concurrency": concurrency,
                             "requests_per_s": rate})
 
@@ -169,7 +177,8 @@ def _nothing() -> None:
 
 
 def _client_request(module: Any, url: str, tensors: str, inp: dict[str, Any], out: dict[str, Any],
-                    image: np.ndarray, out_bytes: int, index: int) -> tuple[Call, Call]:
+                    image: np.ndarray, out_bytes: int, cuda_regions: list[_CudaRegion],
+                    index: int) -> tuple[Call, Call]:
     """One client thread's request function, with its own client and regions, and what releases them."""
     client = module.InferenceServerClient(url)
     cleanup: list[Call] = []
@@ -180,14 +189,15 @@ def _client_request(module: Any, url: str, tensors: str, inp: dict[str, Any], ou
         client.close()
 
     try:
-        return _request(client, module, tensors, inp, out, image, out_bytes, cleanup), undo
+        cuda_region = cuda_regions[index] if cuda_regions else None
+        return _request(client, module, tensors, inp, out, image, out_bytes, cuda_region, cleanup), undo
     except BaseException:
         undo()
         raise
 
 
 def _request(client: Any, module: Any, tensors: str, inp: dict[str, Any], out: dict[str, Any], image: np.ndarray,
-             out_bytes: int, cleanup: list[Call]) -> Call:
+             out_bytes: int, cuda_region: _CudaRegion | None, cleanup: list[Call]) -> Call:
     infer_input = module.InferInput(inp["name"], list(image.shape), inp["datatype"])
     requested = module.InferRequestedOutput(out["name"], **({"binary_data": True} if module.__name__.endswith(
         "http") else {}))
@@ -203,10 +213,9 @@ def _request(client: Any, module: Any, tensors: str, inp: dict[str, Any], out: d
         cleanup.append(lambda: client.unregister_system_shared_memory(name))
         cleanup.append(lambda: shm.destroy_shared_memory_region(handle))
     else:
-        region = _CudaRegion(image.nbytes + out_bytes, image)
-        client.register_cuda_shared_memory(name, region.raw_handle, 0, image.nbytes + out_bytes)
+        assert cuda_region is not None
+        client.register_cuda_shared_memory(name, cuda_region.raw_handle, 0, image.nbytes + out_bytes)
         cleanup.append(lambda: client.unregister_cuda_shared_memory(name))
-        cleanup.append(region.destroy)
     if tensors != "request body":
         infer_input.set_shared_memory(name, image.nbytes)
         requested.set_shared_memory(name, out_bytes, offset=image.nbytes)
