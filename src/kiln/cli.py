@@ -196,6 +196,10 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--model-load-thread-count", type=int, default=4)
     serve.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                        help="cores shared by all CPU model instances that set no thread count (default: all)")
+    serve.add_argument("--gil-switch-interval-us", type=int, default=None, metavar="US",
+                       help="how long a thread may hold Python's GIL while another waits (default: Python's 5000); "
+                            "a shorter one lets a worker that has waited for the GPU take it back sooner "
+                            "(docs/pytorch-backend.md)")
     serve.add_argument("--allow-client-shm", type=_bool, nargs="?", const=True, default=False, metavar="BOOL",
                        help="let clients register system shared-memory regions and pass tensors in them "
                             "(default false: a client could make the server read and write any shared-memory "
@@ -252,6 +256,8 @@ def _serve(args: argparse.Namespace) -> int:
     if "*" in args.load_model and len(args.load_model) > 1:
         raise InvalidArgumentError("--load-model=* loads every model and must be the only --load-model")
     _check_https_flags(args)
+    if args.gil_switch_interval_us is not None:
+        set_switch_interval(args.gil_switch_interval_us)
     repositories = args.model_repository
     if repositories is None:
         from kiln.demo import build_demo_repository
@@ -276,6 +282,15 @@ def _serve(args: argparse.Namespace) -> int:
         https_certfile=args.https_certfile, https_keyfile=args.https_keyfile, https_client_ca=args.https_client_ca,
     )
     return run_service(options)
+
+
+def set_switch_interval(microseconds: int) -> None:
+    """Python's GIL switch interval for this process (``sys.setswitchinterval``), from --gil-switch-interval-us."""
+    if microseconds <= 0:
+        raise InvalidArgumentError(f"--gil-switch-interval-us must be a positive number of microseconds, got "
+                                   f"{microseconds}")
+    sys.setswitchinterval(microseconds / 1e6)
+    logging.getLogger("kiln").info("GIL switch interval: %d us", microseconds)
 
 
 def _check_https_flags(args: argparse.Namespace) -> None:

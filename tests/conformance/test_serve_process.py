@@ -22,13 +22,15 @@ def test_startup_log_and_clean_exit(tmp_path: Path, sig: signal.Signals) -> None
     (repo / "broken" / "config.pbtxt").write_text("max_batch_size: [")
     (repo / "broken" / "1").mkdir()
     log = tmp_path / "serve.log"
-    with kiln_serve([repo], "--strict-readiness", "false", "--exit-on-error", "false", log_path=log) as server:
+    with kiln_serve([repo], "--strict-readiness", "false", "--exit-on-error", "false",
+                    "--gil-switch-interval-us", "500", log_path=log) as server:
         assert httpx.get(f"http://{server.http_url}/v2/health/live").status_code == 200
         server.process.send_signal(sig)
         assert server.process.wait(timeout=20) == 0
     text = log.read_text()
     for fragment in ("simple", "mlp", "READY", "broken", "UNAVAILABLE", "syntax error at line 1",
-                     f"http://{server.http_url}", f"grpc://{server.grpc_url}", "ready in"):
+                     f"http://{server.http_url}", f"grpc://{server.grpc_url}", "ready in",
+                     "GIL switch interval: 500 us"):
         assert fragment in text, text
 
 

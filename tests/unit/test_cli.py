@@ -24,3 +24,20 @@ def test_bench_compare_is_an_alias_and_reports_errors(tmp_path: Path, capsys: py
     assert main(["bench", "compare", "simple", "--model-repository", str(missing)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("kiln: error: ") and str(missing) in err
+
+
+def test_gil_switch_interval_is_set_and_checked() -> None:
+    import sys
+
+    from kiln.cli import set_switch_interval
+    from kiln.errors import InvalidArgumentError
+
+    before = sys.getswitchinterval()
+    try:
+        set_switch_interval(500)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        with pytest.raises(InvalidArgumentError, match="--gil-switch-interval-us must be a positive number of "
+                                                       "microseconds, got 0"):
+            set_switch_interval(0)
+    finally:
+        sys.setswitchinterval(before)
