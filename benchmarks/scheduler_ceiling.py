@@ -1,0 +1,156 @@
+"""What the in-process serving path can feed to an accelerator, measured without one.
+
+A GPU-like engine stands in for the model: it stages each batch's rows into one host buffer exactly as the PyTorch
+backend does (kiln's RowStaging, unpinned here), then holds no GIL for ``base + per_row x rows`` (a sleep), the
+way a thread waits for a CUDA stream. Clients are coroutines calling ``kiln.Server.infer`` on one event loop, as
+the frontends do. The printout compares the served rate with what the fake device alone allows at the batch sizes
+that were actually formed, so what is lost between batches (queueing, staging, answering, resubmitting) shows as
+the gap. The defaults resemble ResNet-50 FP16 on an H200: FP32 images of 3x224x224, about 1.0 ms per batch plus
+30 us per image.
+
+    python benchmarks/scheduler_ceiling.py --output benchmarks/results/scheduler_ceiling-<date>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command_line, format_table, header_lines, machine_info, write_json
+
+from kiln.config.spec import ModelSpec
+from kiln.engines import Engine, EngineOptions, register_backend
+from kiln.server import InferRequest, InputTensor, Server, ServerOptions
+from kiln.tensor import DataType
+
+BACKEND = "kiln_bench_device_stand_in"
+CONFIG = """
+backend: "{backend}" max_batch_size: {max_batch}
+input [ {{ name: "x" data_type: TYPE_FP32 dims: [ {dims} ] }} ]
+output [ {{ name: "y" data_type: TYPE_FP32 dims: [ 10 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
+dynamic_batching {{ }}
+"""
+
+
+class DeviceStandIn(Engine):
+    """Stages rows like the PyTorch backend, then waits without the GIL as a CUDA stream would."""
+
+    thread_safe = False
+    base_s = 0.001
+    per_row_s = 0.00003
+
+    def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
+        super().__init__(spec)
+        import torch
+
+        from kiln.engines.torch.staging import RowStaging
+
+        dims = tuple(spec.input("x").dims)
+        self._staging = RowStaging(torch.float32, dims, batching=True, max_rows=spec.max_batch_size, pinned=False)
+
+    def execute(self, inputs: Mapping[str, Any], outputs: Sequence[str]) -> dict[str, Any]:
+        return self.execute_parts([inputs], outputs)
+
+    def execute_parts(self, parts: Sequence[Mapping[str, Any]], outputs: Sequence[str]) -> dict[str, Any]:
+        staged = self._staging.fill([part["x"] for part in parts])
+        rows = int(staged.shape[0])
+        time.sleep(self.base_s + self.per_row_s * rows)
+        return {outputs[0]: staged.reshape(rows, -1)[:, :10].numpy().copy()}
+
+
+async def _drive(server: Server, image: np.ndarray, concurrency: int, seconds: float) -> int:
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def client() -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            await server.infer(InferRequest("m", [InputTensor("x", DataType.FP32, image.shape, image)]))
+            done += 1
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return done
+
+
+def _measure(repo: Path, image: np.ndarray, concurrency: int, seconds: float) -> dict[str, Any]:
+    server = Server(ServerOptions(repositories=[repo]))
+    server.start()
+    try:
+        asyncio.run(_drive(server, image, concurrency, min(1.0, seconds)))  # warm-up: buffers, statistics
+        before = server.model_statistics("m")[0]
+        started = time.perf_counter()
+        count = asyncio.run(_drive(server, image, concurrency, seconds))
+        elapsed = time.perf_counter() - started
+        after = server.model_statistics("m")[0]
+    finally:
+        server.close()
+    executions = after.execution_count - before.execution_count
+    rows = after.inference_count - before.inference_count
+    batch = rows / executions if executions else 0.0
+    served = count / elapsed
+    device_bound = batch / (DeviceStandIn.base_s + DeviceStandIn.per_row_s * batch) if batch else 0.0
+    per_request_us = {phase: (getattr(after, phase).ns - getattr(before, phase).ns)
+                      / max(1, getattr(after, phase).count - getattr(before, phase).count) / 1000
+                      for phase in ("queue", "compute_infer")}
+    return {"concurrency": concurrency, "requests_per_s": served, "average_batch": batch,
+            "device_bound_per_s": device_bound, "of_device_bound": served / device_bound if device_bound else 0.0,
+            "queue_us": per_request_us["queue"], "compute_infer_us": per_request_us["compute_infer"],
+            "client_latency_us": concurrency / served * 1e6 if served else 0.0}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="16,64")
+    parser.add_argument("--instances", default="1,2")
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--dims", default="3,224,224", help="one request's image, FP32")
+    parser.add_argument("--base-ms", type=float, default=1.0, help="fake device time per batch")
+    parser.add_argument("--per-row-us", type=float, default=30.0, help="fake device time per image")
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--output", type=Path, default=None, help="JSON results; a .txt beside it gets the table")
+    args = parser.parse_args()
+    DeviceStandIn.base_s, DeviceStandIn.per_row_s = args.base_ms / 1000, args.per_row_us / 1e6
+    register_backend(BACKEND, DeviceStandIn)
+    dims = [int(d) for d in args.dims.split(",")]
+    image = np.random.default_rng(0).standard_normal([1, *dims]).astype(np.float32)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kiln-ceiling-") as tmp:
+        for instances in (int(n) for n in args.instances.split(",")):
+            repo = Path(tmp) / f"i{instances}"
+            (repo / "m" / "1").mkdir(parents=True)
+            (repo / "m" / "config.pbtxt").write_text(CONFIG.format(
+                backend=BACKEND, max_batch=args.max_batch_size, dims=", ".join(map(str, dims)), instances=instances))
+            for concurrency in (int(c) for c in args.concurrency.split(",")):
+                row = {"instances": instances, **_measure(repo, image, concurrency, args.seconds)}
+                rows.append(row)
+                print(row, file=sys.stderr, flush=True)
+    info = {**machine_info(), "command": command_line()}
+    lines = [line for line in header_lines("kiln scheduler ceiling: in-process serving against a device stand-in",
+                                           info) if not line.startswith("load generators")]
+    lines += [f"device stand-in: {args.base_ms:g} ms per batch + {args.per_row_us:g} us per image, FP32 images "
+              f"{'x'.join(map(str, dims))}, max_batch_size {args.max_batch_size}, {args.seconds:g} s per row", ""]
+    lines += format_table(
+        ["instances", "conc", "req/s", "avg batch", "device-bound req/s", "served/device-bound", "queue us",
+         "compute_infer us", "client latency us"],
+        [[r["instances"], r["concurrency"], f"{r['requests_per_s']:,.0f}", f"{r['average_batch']:.1f}",
+          f"{r['device_bound_per_s']:,.0f}", f"{r['of_device_bound']:.2f}", f"{r['queue_us']:,.0f}",
+          f"{r['compute_infer_us']:,.0f}", f"{r['client_latency_us']:,.0f}"] for r in rows])
+    print("\n".join(lines))
+    if args.output:
+        write_json(args.output, {**info, "rows": rows, "settings": vars(args) | {"output": str(args.output)}})
+        args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
