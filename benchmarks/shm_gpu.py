@@ -3,8 +3,10 @@ and gRPC, with the input and output in the request body, in system shared memory
 to the direct engine (numpy in, and a torch CUDA tensor in).
 
 Every client thread owns its tritonclient client and, for the shared-memory rows, its own input and output
-regions (written once, registered once); each request names them. `kiln serve --allow-client-shm` runs in a
-subprocess on the same host. The direct rows call `engine.infer()` from the same number of threads.
+regions (written once, registered once); each request names them. The threads are spread over
+--client-processes processes, since one Python client process is slower than the server it measures.
+`kiln serve --allow-client-shm` runs in a subprocess on the same host. The direct rows call `engine.infer()` from
+the same number of threads.
 Run on a GPU host: python benchmarks/shm_gpu.py --output benchmarks/results/shm_gpu.json
 """
 
@@ -13,12 +15,15 @@ from __future__ import annotations
 import argparse
 import base64
 import functools
+import multiprocessing
+import queue
 import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,8 @@ def main() -> int:
     parser.add_argument("--dynamic-batching", action="store_true", help="add dynamic_batching to the config")
     parser.add_argument("--repo", type=Path, default=None, help="a repository with resnet50 built (else built here)")
     parser.add_argument("--tensors", default=",".join(TENSORS), help="served rows to run (default: all)")
+    parser.add_argument("--client-processes", type=int, default=4,
+                        help="processes the served rows' client threads are spread over (default 4)")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON results, rewritten after every row; a .txt beside it gets the table")
     args = parser.parse_args()
@@ -80,7 +87,7 @@ def main() -> int:
             if "dynamic_batching" not in config.read_text():
                 config.write_text(config.read_text() + "\ndynamic_batching { max_queue_delay_microseconds: 500 }\n")
         _direct_rows(repo, levels, args.seconds, record)
-        _served_rows(repo, levels, args.seconds, tensors, record)
+        _served_rows(repo, levels, args.seconds, tensors, args.client_processes, record)
     print("\n".join(header + format_table(
         ["path", "tensors", "concurrency", "requests/s"],
         [[r["path"], r["tensors"], r["concurrency"], f"{r['requests_per_s']:,.0f}"] for r in rows])))
@@ -99,10 +106,16 @@ def _build(root: Path) -> Path:
 Call = Callable[[], object]
 
 
-def _rate(concurrency: int, seconds: float, make: Callable[[int], tuple[Call, Call]]) -> float:
+def _nothing() -> None:
+    pass
+
+
+def _rate(concurrency: int, seconds: float, make: Callable[[int], tuple[Call, Call]],
+          before_start: Callable[[], object] = _nothing) -> float:
     """Requests/s of ``concurrency`` threads each calling its own request function for ``seconds``. ``make`` gives
     a thread its request function and what undoes its set-up; both run in that thread (tritonclient.http's gevent
-    client must stay in the thread that made it)."""
+    client must stay in the thread that made it). ``before_start`` runs once every thread is ready (client
+    processes wait there for each other)."""
     counts = [0] * concurrency
     stop = threading.Event()
     ready = threading.Barrier(concurrency + 1)
@@ -135,6 +148,8 @@ def _rate(concurrency: int, seconds: float, make: Callable[[int], tuple[Call, Ca
         ready.wait()
     except threading.BrokenBarrierError:
         pass
+    if not failures:
+        before_start()
     started = time.perf_counter()
     time.sleep(seconds if not failures else 0)
     stop.set()
@@ -145,8 +160,8 @@ def _rate(concurrency: int, seconds: float, make: Callable[[int], tuple[Call, Ca
     return sum(counts) / (time.perf_counter() - started)
 
 
-def _served_rows(repo: Path, levels: list[int], seconds: float, tensors: list[str], record: Record) -> None:
-    import tritonclient.grpc as grpcclient
+def _served_rows(repo: Path, levels: list[int], seconds: float, tensors: list[str], processes: int,
+                 record: Record) -> None:
     import tritonclient.http as httpclient
 
     with kiln_serve([repo], "--allow-client-shm", "true", ready_timeout_s=300) as server:
@@ -155,25 +170,80 @@ def _served_rows(repo: Path, levels: list[int], seconds: float, tensors: list[st
         image = np.random.default_rng(0).standard_normal([1, *inp["shape"][1:]]).astype(np.float32)
         image = image.astype({"FP32": np.float32, "FP16": np.float16}[inp["datatype"]])
         out_bytes = int(np.prod(out["shape"][1:])) * 4
-        for protocol, module, url in (("http", httpclient, server.http_url), ("grpc", grpcclient, server.grpc_url)):
+        for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
             for kind in tensors:
                 for concurrency in levels:
-                    # Device memory is allocated here, in one thread; each client thread only registers its own.
-                    regions = [_CudaRegion(image.nbytes + out_bytes, image) for _ in range(concurrency)] \
-                        if kind == "cuda shm" else []
-                    try:
-                        make = functools.partial(_client_request, module, url, kind, inp, out, image, out_bytes,
-                                                 regions)
-                        rate = _rate(concurrency, seconds, make)
-                    finally:
-                        for region in regions:
-                            region.destroy()
+                    work = _ClientWork(protocol, url, kind, inp, out, image, out_bytes, seconds)
+                    rate = _served_rate(work, concurrency, processes)
                     record({"path": f"kiln serve, {protocol}", "tensors": kind, "concurrency": concurrency,
-                            "requests_per_s": rate})
+                            "client_processes": min(processes, concurrency), "requests_per_s": rate})
 
 
-def _nothing() -> None:
-    pass
+@dataclass(frozen=True)
+class _ClientWork:
+    """What each client process runs: its share of the threads, against one server, for one row."""
+
+    protocol: str
+    url: str
+    tensors: str
+    inp: dict[str, Any]
+    out: dict[str, Any]
+    image: np.ndarray
+    out_bytes: int
+    seconds: float
+
+
+def _served_rate(work: _ClientWork, concurrency: int, processes: int) -> float:
+    """Requests/s of ``concurrency`` client threads spread over up to ``processes`` processes (one Python
+    client process cannot keep a GPU server busy: tritonclient's own work per request is the limit)."""
+    shares = [concurrency // processes + (1 if i < concurrency % processes else 0) for i in range(processes)]
+    shares = [share for share in shares if share]
+    context = multiprocessing.get_context("spawn")  # no fork: the parent may hold a CUDA context
+    start = context.Barrier(len(shares))
+    results = context.Queue()
+    children = [context.Process(target=_client_process, args=(work, share, start, results)) for share in shares]
+    for child in children:
+        child.start()
+    answers: list[float | str] = []
+    deadline = time.monotonic() + work.seconds + 300
+    try:
+        while len(answers) < len(children):
+            try:
+                answers.append(results.get(timeout=1.0))
+            except queue.Empty:
+                if time.monotonic() > deadline or not any(child.is_alive() for child in children):
+                    codes = [child.exitcode for child in children]
+                    raise RuntimeError(f"client processes ended without answering (exit codes {codes})") from None
+    finally:
+        for child in children:
+            child.join(timeout=30)
+            if child.is_alive():
+                child.kill()
+    failures = [a for a in answers if isinstance(a, str)]
+    if failures:
+        raise RuntimeError(f"a client process failed: {failures[0]}")
+    return float(sum(answers))
+
+
+def _client_process(work: _ClientWork, share: int, start: Any, results: Any) -> None:
+    """One client process: ``share`` threads, its own CUDA regions (allocated here, in its main thread)."""
+    try:
+        import tritonclient.grpc as grpcclient
+        import tritonclient.http as httpclient
+
+        module = httpclient if work.protocol == "http" else grpcclient
+        regions = [_CudaRegion(work.image.nbytes + work.out_bytes, work.image) for _ in range(share)] \
+            if work.tensors == "cuda shm" else []
+        try:
+            make = functools.partial(_client_request, module, work.url, work.tensors, work.inp, work.out,
+                                     work.image, work.out_bytes, regions)
+            results.put(_rate(share, work.seconds, make, before_start=start.wait))
+        finally:
+            for region in regions:
+                region.destroy()
+    except BaseException as exc:  # reported to the parent, which raises it
+        start.abort()
+        results.put(f"{type(exc).__name__}: {exc}")
 
 
 def _client_request(module: Any, url: str, tensors: str, inp: dict[str, Any], out: dict[str, Any],
