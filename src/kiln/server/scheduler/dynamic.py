@@ -4,9 +4,7 @@ A worker takes the next batch the queue's rule allows (see queue.py), runs it on
 request in it: exactly one response or error each. With preserve_ordering, answers are released in arrival order
 even when instances finish out of order.
 
-Answers to callers on an event loop go back in one hand-off per batch and loop: waking the loop once per request
-(what asyncio.wrap_future does) costs the worker a wake-up and the loop a callback for each, both under the GIL
-that the next batch is waiting for.
+Answers to callers on an event loop go back in one hand-off per batch and loop (answers.py).
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 
 from kiln.engines.base import Engine
 from kiln.errors import (
@@ -30,6 +28,7 @@ from kiln.errors import (
 )
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
+from kiln.server.scheduler.answers import deliver
 from kiln.server.scheduler.inline import InlineRunner
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.server.scheduler.queue import Batch, BatchQueue, Pending
@@ -174,43 +173,7 @@ class DynamicBatcher:
             self._inflight -= len(answers)
         if self._release is not None:
             answers = self._release.done(answers)
-        _deliver(answers)
-
-
-def _deliver(answers: list[tuple[Pending, InferResponse | BaseException]]) -> None:
-    """Hand answers to their callers: event-loop callers in one call per loop, blocking callers directly."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[InferResponse], InferResponse | BaseException]]]
-    by_loop = {}
-    for pending, outcome in answers:
-        answer = pending.answer
-        if isinstance(answer, asyncio.Future):
-            by_loop.setdefault(answer.get_loop(), []).append((answer, outcome))
-        else:
-            _settle(answer, outcome)
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_settle_all, items)
-        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-            pass
-
-
-def _settle_all(items: list[tuple[asyncio.Future[InferResponse], InferResponse | BaseException]]) -> None:
-    for answer, outcome in items:
-        _settle(answer, outcome)
-
-
-def _settle(future: Future[InferResponse] | asyncio.Future[InferResponse],
-            outcome: InferResponse | BaseException) -> None:
-    """Deliver an answer, unless the client gave up (a cancelled future must not take it, nor kill the worker)."""
-    if future.done():
-        return
-    try:
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-    except (InvalidStateError, asyncio.InvalidStateError):
-        pass
+        deliver((pending.answer, outcome) for pending, outcome in answers)
 
 
 def _simple(policy: BatchingPolicy) -> bool:

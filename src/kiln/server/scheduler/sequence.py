@@ -39,6 +39,7 @@ from kiln.engines.base import Engine
 from kiln.errors import InternalError, InvalidArgumentError, KilnError, UnsupportedError, VersionUnloadingError
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse, InputTensor, RequestedOutput
+from kiln.server.scheduler.answers import Answer, deliver
 from kiln.server.scheduler.sequence_controls import (
     PADDING,
     RowControl,
@@ -98,7 +99,7 @@ class Pending:
     params: SequenceParams
     signature: Hashable  # rows batch together only with equal signatures
     enqueued_ns: int
-    future: Future[InferResponse] = field(default_factory=Future)
+    answer: Answer = field(default_factory=Future)  # an asyncio future for a caller on an event loop
 
 
 @dataclass(eq=False)
@@ -366,10 +367,14 @@ class SequenceBatcher:
         return self._inflight
 
     async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
-        return await asyncio.wrap_future(self._enqueue(request, batch_size))
+        waiter: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
+        self._enqueue(request, batch_size, waiter)
+        return await waiter
 
     def submit_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
-        return self._enqueue(request, batch_size).result()
+        answer: Future[InferResponse] = Future()
+        self._enqueue(request, batch_size, answer)
+        return answer.result()
 
     def close(self) -> None:
         """Stop taking requests, run the queued ones (idle sequences give up their slots at once), then release
@@ -381,7 +386,7 @@ class SequenceBatcher:
             worker.join()
         self.model.close()
 
-    def _enqueue(self, request: InferRequest, batch_size: int) -> Future[InferResponse]:
+    def _enqueue(self, request: InferRequest, batch_size: int, answer: Answer) -> None:
         name = self.model.name
         params = sequence_params(name, request)
         if batch_size != 1:
@@ -389,14 +394,13 @@ class SequenceBatcher:
                                        f"requirements of sequence batcher (got {batch_size}); send one row per "
                                        f"request")
         self.controls.check(name, params)
-        pending = Pending(request, params, _signature(request), self._clock())
+        pending = Pending(request, params, _signature(request), self._clock(), answer)
         with self._cond:
             if self._closed:
                 raise VersionUnloadingError(f"model '{name}' version {self.model.version} is unloading")
             self._table.admit(pending, pending.enqueued_ns)
             self._inflight += 1
             self._cond.notify_all()
-        return pending.future
 
     def _work(self, instance: int, engine: Engine) -> None:
         while (batch := self._next_round(instance)) is not None:
@@ -434,15 +438,14 @@ class SequenceBatcher:
             end = self._clock()
             for pending in real:
                 self.model.stats.record_failure(end - pending.enqueued_ns)
-                _settle(pending, error)
+            deliver((pending.answer, error) for pending in real)
             return
         self._finish(batch, states, len(real))
         # Padding rows are not inferences: count the requests only.
         self.model.stats.record_success(dataclasses.replace(times, batch_size=len(real)),
                                         [p.enqueued_ns for p in real], self._clock())
-        for row, response in zip(rows, responses, strict=True):
-            if row.pending is not None:
-                _settle(row.pending, response)
+        deliver((row.pending.answer, response) for row, response in zip(rows, responses, strict=True)
+                if row.pending is not None)
 
     def _next_states(self, rows: Sequence[Row], outputs: Mapping[str, Array]) -> list[StateRow | None] | None:
         if not self.states:
@@ -486,10 +489,3 @@ def _padding(template: InferRequest) -> InferRequest:
               for t in template.inputs]
     outputs = [RequestedOutput(o.name) for o in template.outputs]
     return InferRequest(template.model_name, inputs, template.model_version, outputs=outputs)
-
-
-def _settle(pending: Pending, outcome: InferResponse | BaseException) -> None:
-    if isinstance(outcome, BaseException):
-        pending.future.set_exception(outcome)
-    else:
-        pending.future.set_result(outcome)

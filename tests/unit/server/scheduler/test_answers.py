@@ -1,0 +1,52 @@
+"""Answers reach their callers: event-loop callers in one hand-off per loop, blocking callers directly, and a
+caller that gave up (or whose loop is gone) neither takes an answer nor breaks the delivery."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+
+from kiln.server.request import InferResponse
+from kiln.server.scheduler.answers import deliver
+
+
+def response(tag: str) -> InferResponse:
+    return InferResponse(model_name="m", model_version="1", outputs=[], id=tag)
+
+
+async def test_one_hand_off_per_loop_and_blocking_callers_directly() -> None:
+    loop = asyncio.get_running_loop()
+    waiting = [loop.create_future() for _ in range(3)]
+    gave_up = loop.create_future()
+    gave_up.cancel()
+    blocking: Future[InferResponse] = Future()
+    hand_offs: list[object] = []
+    call_soon_threadsafe = loop.call_soon_threadsafe
+
+    def counting(callback: object, *args: object) -> object:
+        hand_offs.append(callback)
+        return call_soon_threadsafe(callback, *args)  # type: ignore[arg-type]
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        worker = threading.Thread(target=deliver, args=([
+            (waiting[0], response("a")), (blocking, response("b")), (waiting[1], RuntimeError("failed")),
+            (gave_up, response("c")), (waiting[2], response("d"))],))
+        worker.start()
+        worker.join()
+        answers = await asyncio.gather(*waiting, return_exceptions=True)
+    finally:
+        del loop.call_soon_threadsafe
+    assert len(hand_offs) == 1
+    assert [getattr(a, "id", str(a)) for a in answers] == ["a", "failed", "d"]
+    assert blocking.result(0).id == "b" and gave_up.cancelled()
+
+
+def test_a_closed_loop_is_skipped() -> None:
+    loop = asyncio.new_event_loop()
+    orphan = loop.create_future()
+    loop.close()
+    blocking: Future[InferResponse] = Future()
+    deliver([(orphan, response("x")), (blocking, response("y"))])
+    assert blocking.result(0).id == "y" and not orphan.done()
