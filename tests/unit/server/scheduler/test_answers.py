@@ -15,29 +15,18 @@ def response(tag: str) -> InferResponse:
     return InferResponse(model_name="m", model_version="1", outputs=[], id=tag)
 
 
-async def test_one_hand_off_per_loop_and_blocking_callers_directly() -> None:
+async def test_one_hand_off_per_loop_and_blocking_callers_directly(hand_offs: list[object]) -> None:
     loop = asyncio.get_running_loop()
     waiting = [loop.create_future() for _ in range(3)]
     gave_up = loop.create_future()
     gave_up.cancel()
     blocking: Future[InferResponse] = Future()
-    hand_offs: list[object] = []
-    call_soon_threadsafe = loop.call_soon_threadsafe
-
-    def counting(callback: object, *args: object) -> object:
-        hand_offs.append(callback)
-        return call_soon_threadsafe(callback, *args)  # type: ignore[arg-type]
-
-    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
-    try:
-        worker = threading.Thread(target=deliver, args=([
-            (waiting[0], response("a")), (blocking, response("b")), (waiting[1], RuntimeError("failed")),
-            (gave_up, response("c")), (waiting[2], response("d"))],))
-        worker.start()
-        worker.join()
-        answers = await asyncio.gather(*waiting, return_exceptions=True)
-    finally:
-        del loop.call_soon_threadsafe
+    worker = threading.Thread(target=deliver, args=([
+        (waiting[0], response("a")), (blocking, response("b")), (waiting[1], RuntimeError("failed")),
+        (gave_up, response("c")), (waiting[2], response("d"))],))
+    worker.start()
+    worker.join()
+    answers = await asyncio.gather(*waiting, return_exceptions=True)
     assert len(hand_offs) == 1
     assert [getattr(a, "id", str(a)) for a in answers] == ["a", "failed", "d"]
     assert blocking.result(0).id == "b" and gave_up.cancelled()
