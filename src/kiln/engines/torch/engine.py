@@ -98,33 +98,21 @@ class TorchEngine(Engine):
         return len(self._lanes.lanes) if self._lanes is not None else 0
 
     def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
+        return self.execute_parts([inputs], outputs)
+
+    def execute_parts(self, parts: Sequence[Mapping[str, Array]], outputs: Sequence[str]) -> dict[str, Array]:
+        """Several requests' validated inputs as one batch, rows in order (the server's hook for a dynamic batch).
+        With CUDA graphs each request's rows are copied once, straight into the lane's pinned buffers."""
         if self._function is None:
             raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
         try:
             with torch.inference_mode(), self._on_device():
                 if self._lanes is not None:
-                    return self._execute_graph(self._lanes, [inputs], outputs)
+                    return self._execute_graph(self._lanes, parts, outputs)
+                inputs = parts[0] if len(parts) == 1 else {name: join_rows([part[name] for part in parts])
+                                                           for name in parts[0]}
                 tensors = [self._input(name, inputs.get(name)) for name in self._order]
                 return self._collect(self._call(tensors), outputs)
-        except KilnError:
-            raise
-        except Exception as exc:  # anything torch raises while running the model
-            raise InternalError(f"model '{self.spec.name}': PyTorch failed: {exc}") from exc
-
-    def execute_parts(self, parts: Sequence[Mapping[str, Array]], outputs: Sequence[str]) -> dict[str, Array]:
-        """Several requests' validated inputs as one batch, rows in order (the server's hook for a dynamic batch).
-        With CUDA graphs each request's rows are copied once, straight into the lane's pinned buffers."""
-        lanes = self._lanes
-        if len(parts) == 1:
-            return self.execute(parts[0], outputs)
-        if lanes is None or any(isinstance(value, torch.Tensor) for part in parts for value in part.values()):
-            # Tensors (inputs read in place from CUDA shared memory) are joined where they lie, on the device.
-            return self.execute({name: join_rows([part[name] for part in parts]) for name in parts[0]}, outputs)
-        if self._function is None:
-            raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
-        try:
-            with torch.inference_mode(), self._on_device():
-                return self._execute_graph(lanes, parts, outputs)
         except KilnError:
             raise
         except Exception as exc:  # anything torch raises while running the model
@@ -206,13 +194,16 @@ class TorchEngine(Engine):
     def _source(self, lane: GraphLane, caller: torch.cuda.Stream, name: str,
                 parts: Sequence[Mapping[str, Array]]) -> torch.Tensor:
         """What the graph's static input ``name`` is copied from: the lane's pinned buffer holding every part's
-        rows, or a caller's own tensor (which the lane's stream must wait for, as the caller's stream made it)."""
-        first = parts[0][name]
-        if isinstance(first, torch.Tensor):
-            if first.is_cuda:
-                lane.stream.wait_stream(caller)
-            return self._tensor_shape(name, first)
-        return lane.staging[name].fill([self._to_model_shape(name, part[name]) for part in parts])
+        rows, or, when some part is a tensor (read in place from CUDA shared memory), the parts joined where they
+        lie. The lane's stream waits for the caller's, which made those tensors."""
+        values = [part[name] for part in parts]
+        if not any(isinstance(value, torch.Tensor) for value in values):
+            return lane.staging[name].fill([self._to_model_shape(name, value) for value in values])
+        if any(isinstance(value, torch.Tensor) and value.is_cuda for value in values):
+            lane.stream.wait_stream(caller)
+        joined = values[0] if len(values) == 1 else join_rows(values)
+        assert isinstance(joined, torch.Tensor)
+        return self._tensor_shape(name, joined)
 
     def _output_shape(self, name: str, array: Array) -> Array:
         """An output in the config's dims (a model whose output the config reshapes returns it in the model's)."""
