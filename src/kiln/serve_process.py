@@ -69,9 +69,14 @@ def kiln_serve(repositories: Sequence[Path], *extra_args: str, log_path: Path | 
             yield KilnProcess(f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", f"127.0.0.1:{metrics_port}",
                               process)
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop(process)
+
+
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    """SIGTERM (a clean shutdown), then kill after ``timeout_s``."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

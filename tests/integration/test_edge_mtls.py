@@ -29,7 +29,7 @@ from kiln.edge.tls import client_context, cloud_endpoint, split_url
 from kiln.engines.base import Array
 from kiln.errors import ConfigError
 from kiln.testing.repo import write_model
-from kiln.testing.serve import free_port, wait_ready
+from kiln.testing.serve import free_port, stop, wait_ready
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
                                 reason="the openssl command line is needed to make test certificates")
@@ -92,12 +92,7 @@ def cloud(pki: Path, repo: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                    context=client_context(pki / "ca.pem", pki / "client.pem", pki / "client.key"))
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
 
 
 def always(inputs: Mapping[str, Array], outputs: Mapping[str, Array]) -> str:

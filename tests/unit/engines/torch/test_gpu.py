@@ -80,12 +80,20 @@ def test_fp16_channels_last_and_a_cuda_graph_per_batch_size(tmp_path: Path, file
 
 def test_concurrent_callers_share_the_graphs_safely(tmp_path: Path, files: dict[str, Path]) -> None:
     engine = load_gpu(tmp_path, files["conv_export"], GPU_PARAMETERS)
-    inputs = [images(4) for _ in range(8)]
+    assert calls_from_threads(engine, [images(4) for _ in range(8)], rounds=20) == []
+    engine.close()
+
+
+def calls_from_threads(engine: TorchEngine, inputs: list[np.ndarray], rounds: int) -> list[str]:
+    """Each input from its own thread, ``rounds`` times, all threads starting together; the threads that got
+    another call's result."""
     expected = [fp32_reference(image) for image in inputs]
+    start = threading.Barrier(len(inputs))
     failures: list[str] = []
 
     def worker(index: int) -> None:
-        for _ in range(20):
+        start.wait()
+        for _ in range(rounds):
             got = engine.infer({"image": inputs[index]})["logits"]
             if not np.allclose(got, expected[index], rtol=2e-2, atol=2e-2):
                 failures.append(f"thread {index} got another call's result")
@@ -96,8 +104,7 @@ def test_concurrent_callers_share_the_graphs_safely(tmp_path: Path, files: dict[
         thread.start()
     for thread in threads:
         thread.join()
-    assert failures == []
-    engine.close()
+    return failures
 
 
 def test_plain_gpu_module_without_graphs(tmp_path: Path, files: dict[str, Path]) -> None:

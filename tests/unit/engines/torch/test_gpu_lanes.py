@@ -3,7 +3,6 @@ graphs and pinned staging buffers, and a dynamic batch's requests are staged row
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ from kiln.server.server import Server, ServerOptions
 from kiln.tensor import DataType
 
 from ._models import config, write_model_folder
-from .test_gpu import GPU_PARAMETERS, IMAGE_IO, fp32_reference, images, load_gpu
+from .test_gpu import GPU_PARAMETERS, IMAGE_IO, calls_from_threads, fp32_reference, images, load_gpu
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; PyTorch sees none")]
@@ -23,25 +22,7 @@ pytestmark = [pytest.mark.gpu,
 
 def test_threads_run_on_their_own_lanes_up_to_cuda_streams(tmp_path: Path, files: dict[str, Path]) -> None:
     engine = load_gpu(tmp_path, files["conv_export"], {**GPU_PARAMETERS, "cuda_streams": "3"})
-    inputs = [images(1 + i % 4) for i in range(8)]
-    expected = [fp32_reference(image) for image in inputs]
-    start = threading.Barrier(len(inputs))
-    failures: list[str] = []
-
-    def worker(index: int) -> None:
-        start.wait()
-        for _ in range(30):
-            got = engine.infer({"image": inputs[index]})["logits"]
-            if not np.allclose(got, expected[index], rtol=2e-2, atol=2e-2):
-                failures.append(f"thread {index} got another call's result")
-                return
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(inputs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert failures == []
+    assert calls_from_threads(engine, [images(1 + i % 4) for i in range(8)], rounds=30) == []
     assert 1 < engine.cuda_streams_in_use <= 3  # 8 threads, at most 3 lanes
     engine.close()
 
