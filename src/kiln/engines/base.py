@@ -81,6 +81,14 @@ class Engine(abc.ABC):
     def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
         """Run already-validated inputs; return the requested outputs."""
 
+    def execute_parts(self, parts: Sequence[Mapping[str, Array]], outputs: Sequence[str]) -> dict[str, Array]:
+        """Several requests' validated inputs as one batch, rows in request order (a dynamic batch). This joins
+        the rows and calls :meth:`execute`; an engine that can place each request's rows straight into its own
+        buffers overrides it."""
+        if len(parts) == 1:
+            return self.execute(parts[0], outputs)
+        return self.execute({name: np.concatenate([part[name] for part in parts]) for name in parts[0]}, outputs)
+
     def close(self) -> None:  # noqa: B027  # optional hook: engines without resources need not override it
         """Release the engine's resources. Idempotent."""
 

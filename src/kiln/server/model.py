@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
 from kiln.config.spec import ModelSpec
@@ -50,7 +49,7 @@ class LoadedModel:
         names = _output_names(self.spec, requests)
         infer_start = time.monotonic_ns()
         try:
-            results = _execute(engine, parts, names)
+            results = engine.execute_parts(parts, names)
         except KilnError:
             raise
         except Exception as exc:  # an engine's own failure: report it as INTERNAL, never crash the worker
@@ -79,18 +78,6 @@ class LoadedModel:
             classes = classify(self.name, name, data, classification, self.spec.batching, self.labels.get(name, []))
             return OutputTensor(name, DataType.BYTES, classes.shape, classes)
         return OutputTensor(name, self.spec.output_map[name].datatype, data.shape, data)
-
-
-def _execute(engine: Engine, parts: list[dict[str, npt.NDArray[Any]]], names: list[str]) -> dict[str, Any]:
-    """Run the requests' inputs as one batch. An engine with an ``execute_parts(parts, outputs)`` method stages the
-    rows itself (each request's rows copied once, straight into its device-ready buffers); any other engine gets
-    them concatenated."""
-    if len(parts) == 1:
-        return engine.execute(parts[0], names)
-    stage = getattr(engine, "execute_parts", None)
-    if stage is not None:
-        return cast("dict[str, Any]", stage(parts, names))
-    return engine.execute({name: np.concatenate([part[name] for part in parts]) for name in parts[0]}, names)
 
 
 def _output_names(spec: ModelSpec, requests: list[InferRequest]) -> list[str]:
