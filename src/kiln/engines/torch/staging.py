@@ -68,7 +68,7 @@ class RowStaging:
         offset = 0
         buffer = self._buffer
         assert buffer is not None
-        parallel = total * view.itemsize * (view.size // max(1, view.shape[0])) >= PARALLEL_COPY_BYTES
+        parallel = total * view[0].nbytes >= PARALLEL_COPY_BYTES  # view[0] is one row
         for array in arrays:
             rows = int(array.shape[0])
             if parallel and array.dtype == view.dtype and array.dtype != _BF16 and array.flags.c_contiguous:
