@@ -28,7 +28,7 @@ from kiln.errors import (
 )
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
-from kiln.server.scheduler.answers import deliver
+from kiln.server.scheduler.answers import Answer, deliver
 from kiln.server.scheduler.inline import InlineRunner
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.server.scheduler.queue import Batch, BatchQueue, Pending
@@ -86,7 +86,7 @@ class DynamicBatcher:
         self.model.close()
 
     def _enqueue(self, request: InferRequest, batch_size: int,
-                 answer: asyncio.Future[InferResponse] | Future[InferResponse]) -> None:
+                 answer: Answer) -> None:
         name = self.model.name
         priority = self.policy.priority_of(name, request)
         timeout_us = self.policy.timeout_us_of(name, request, priority)

@@ -9,14 +9,14 @@ or moved behind every other request (DELAY).
 
 from __future__ import annotations
 
-import asyncio
 import collections
 from collections.abc import Hashable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kiln.errors import QueueFullError
-from kiln.server.request import InferRequest, InferResponse
+from kiln.server.request import InferRequest
+from kiln.server.scheduler.answers import Answer
 from kiln.server.scheduler.policy import BatchingPolicy
 
 
@@ -33,7 +33,7 @@ class Pending:
     seq: int
     # Where the answer goes: an asyncio future for a caller on an event loop (answered on that loop together with
     # the rest of its batch), a concurrent future for a blocking caller.
-    answer: asyncio.Future[InferResponse] | Future[InferResponse] = field(default_factory=Future)
+    answer: Answer = field(default_factory=Future)
 
 
 @dataclass
