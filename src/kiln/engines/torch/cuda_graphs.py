@@ -56,8 +56,8 @@ class CudaGraphs:
         return captured
 
     def replay(self, captured: CapturedGraph, inputs: Sequence[torch.Tensor]) -> object:
-        """Copy ``inputs`` into the static buffers (casting dtype and layout as needed) and replay. Call with
-        ``lock`` held, and read the returned outputs before releasing it."""
+        """Copy ``inputs`` into the static buffers and replay. Call with ``lock`` held, and read the returned
+        outputs before releasing it."""
         for static, value in zip(captured.inputs, inputs, strict=True):
             static.copy_(value, non_blocking=True)
         captured.graph.replay()

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from kiln.engines.torch.options import (
     read_settings,
 )
 from kiln.engines.torch.staging import RowStaging, numpy_view
-from kiln.engines.torch.tensors import checked_output, download, host_tensor, to_device, to_numpy, torch_dtype
+from kiln.engines.torch.tensors import checked_output, host_tensor, to_device, to_numpy, torch_dtype
 from kiln.errors import ConfigError, InternalError, KilnError, UnavailableError
 
 _COMPILED_CALLS = threading.Lock()
@@ -47,11 +47,15 @@ Tensors = Sequence[torch.Tensor | None]
 
 @dataclass
 class GraphLane:
-    """What one caller holds while it runs a batch on the GPU: a stream, its graphs, its pinned input buffers."""
+    """What one caller holds while it runs a batch on the GPU: a stream, its graphs, its pinned input buffers, the
+    device buffers its graphs read (one per input, in the config's dtype, sized for the largest batch and shared by
+    every batch size's graph) and the pinned buffers its outputs are copied into."""
 
     stream: torch.cuda.Stream
     graphs: CudaGraphs
     staging: dict[str, RowStaging]
+    static_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    host_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class TorchEngine(Engine):
@@ -181,15 +185,44 @@ class TorchEngine(Engine):
         with lanes.lane() as lane, torch.cuda.stream(lane.stream), lane.graphs.lock:
             sources = [self._source(lane, caller, name, parts) for name in self._order]
             batch = sources[0].shape[0] if self.spec.batching and sources else 0
-            captured = lane.graphs.get(batch, functools.partial(self._static_inputs, batch))
+            captured = lane.graphs.get(batch, functools.partial(self._static_inputs, lane, batch))
             result = lane.graphs.replay(captured, sources)
-            selected = select_outputs(self.spec, result, self._output_positions, outputs)
-            hosts = {name: download(checked_output(self.spec, self.spec.output(name), value,
-                                                   self._output_dtypes[name]), self._output_dtypes[name])
-                     for name, value in selected.items()}
+            assert isinstance(result, dict)  # _graph_body's outputs, in the config's dtypes
+            hosts = {name: self._host_output(lane, name, result[name]) for name in outputs}
             # The lane's staging buffers and static outputs are reused by its next call: finish with them first.
             lane.stream.synchronize()
-        return {name: self._output_shape(name, numpy_view(host)) for name, host in hosts.items()}
+            # ...and so are its pinned output buffers: the caller gets its own copy.
+            return {name: self._output_shape(name, numpy_view(host).copy()) for name, host in hosts.items()}
+
+    def _graph_body(self, tensors: Tensors) -> dict[str, torch.Tensor]:
+        """What a CUDA graph records: the inputs, held in the config's dtypes, cast to the engine's compute dtype
+        and layout; the model; every output cast back to its config dtype. Keeping the casts inside the graph
+        makes the copies in and out plain memcpys, with no temporary tensors allocated per call."""
+        converted = [None if tensor is None else self._convert(tensor) for tensor in tensors]
+        result = self._call(converted)
+        names = [tensor.name for tensor in self.spec.outputs]
+        selected = select_outputs(self.spec, result, self._output_positions, names)
+        outputs: dict[str, torch.Tensor] = {}
+        for name, value in selected.items():
+            target = self._output_dtypes[name]
+            outputs[name] = checked_output(self.spec, self.spec.output(name), value, target).to(target)
+        return outputs
+
+    def _host_output(self, lane: GraphLane, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Start copying ``value`` into the lane's pinned buffer for output ``name`` (grown when too small)."""
+        buffer = lane.host_outputs.get(name)
+        if not self.spec.batching:
+            if buffer is None or buffer.shape != value.shape:
+                buffer = lane.host_outputs[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            host = buffer
+        else:
+            rows = value.shape[0]
+            if buffer is None or buffer.shape[1:] != value.shape[1:] or buffer.shape[0] < rows:
+                shape = (max(rows, self.spec.max_batch_size), *value.shape[1:])
+                buffer = lane.host_outputs[name] = torch.empty(shape, dtype=value.dtype, pin_memory=True)
+            host = buffer[:rows]
+        host.copy_(value, non_blocking=True)
+        return host
 
     def _source(self, lane: GraphLane, caller: torch.cuda.Stream, name: str,
                 parts: Sequence[Mapping[str, Array]]) -> torch.Tensor:
@@ -215,20 +248,24 @@ class TorchEngine(Engine):
 
     def _new_lane(self, index: int) -> GraphLane:
         stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        graphs = CudaGraphs(f"{self.spec.name}", self.device, self._call)
+        graphs = CudaGraphs(f"{self.spec.name}", self.device, self._graph_body)
         staging = {name: RowStaging(self._input_dtypes[name], _model_dims(self.spec.input(name)),
                                     batching=self.spec.batching, max_rows=self.spec.max_batch_size, pinned=True)
                    for name in self._order}
         return GraphLane(stream, graphs, staging)
 
-    def _static_inputs(self, batch: int) -> list[torch.Tensor]:
+    def _static_inputs(self, lane: GraphLane, batch: int) -> list[torch.Tensor]:
+        """The inputs a graph for ``batch`` reads: the first ``batch`` rows of the lane's device buffers (a lane
+        runs one graph at a time, so its graphs can share them)."""
         tensors: list[torch.Tensor] = []
         for name in self._order:
-            tensor = self.spec.input(name)
-            shape = _model_dims(tensor)
-            full = (batch, *shape) if self.spec.batching else shape
-            zeros = torch.zeros(full, dtype=self._input_dtypes[name], device=self.device)
-            tensors.append(self._convert(zeros))
+            buffer = lane.static_inputs.get(name)
+            if buffer is None:
+                shape = _model_dims(self.spec.input(name))
+                full = (max(self.spec.max_batch_size, 1), *shape) if self.spec.batching else shape
+                buffer = torch.zeros(full, dtype=self._input_dtypes[name], device=self.device)
+                lane.static_inputs[name] = buffer
+            tensors.append(buffer[:batch] if self.spec.batching else buffer)
         return tensors
 
     def _capture_listed(self) -> None:
@@ -238,7 +275,7 @@ class TorchEngine(Engine):
         with torch.inference_mode(), self._on_device(), self._lanes.lane() as lane, \
                 torch.cuda.stream(lane.stream), lane.graphs.lock:
             for batch in sizes:
-                lane.graphs.get(batch, functools.partial(self._static_inputs, batch))
+                lane.graphs.get(batch, functools.partial(self._static_inputs, lane, batch))
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:

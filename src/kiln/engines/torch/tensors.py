@@ -81,15 +81,3 @@ def checked_output(spec: ModelSpec, tensor_spec: TensorSpec, value: object, targ
                             f"config declares {tensor_spec.datatype.config_name}; make the config's data_type "
                             f"match what the model returns")
     return value
-
-
-def download(value: torch.Tensor, target: torch.dtype) -> torch.Tensor:
-    """Start copying a device tensor into a new pinned host tensor of ``target`` dtype (cast on the device).
-
-    The copy is asynchronous on the current stream: synchronize it before reading. Pinned blocks come from
-    PyTorch's caching host allocator, so a batch's outputs cost no page-locking once the cache is warm, and the
-    block returns to the cache when the last numpy view of it is gone.
-    """
-    host = torch.empty(value.shape, dtype=target, pin_memory=True)
-    host.copy_(value.detach(), non_blocking=True)
-    return host
