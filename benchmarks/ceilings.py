@@ -7,6 +7,8 @@ response, driven by the same load generators and concurrency as the other benchm
 * ``starlette``:       uvicorn + Starlette with one ``Route`` (kiln's HTTP stack, without kiln);
 * ``starlette-json``:  as above, plus ``json.loads`` of the request and ``json.dumps`` of a 10-float answer;
 * ``grpc-aio-bytes``:  ``grpc.aio`` generic handler, no protobuf (bytes in, fixed bytes out);
+* ``grpc-aio-bytes-x2``: the same in two processes sharing the port (SO_REUSEPORT), the most any design with
+  several gRPC processes could carry;
 * ``grpc-aio-pb``:     ``grpc.aio`` with protobuf parse of ModelInferRequest and serialize of the response;
 * ``grpc-sync-pb``:    the synchronous ``grpc.server`` (thread pool) doing the same;
 * ``grpc-aio-pb-ort-asyncio``: the same on asyncio's default event loop instead of uvloop;
@@ -20,6 +22,7 @@ the framework. Usage: ``.venv/bin/python benchmarks/ceilings.py [--duration 5] [
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import textwrap
@@ -61,7 +64,7 @@ _SERVER = textwrap.dedent('''
         import grpc
         from tritonclient.grpc import service_pb2 as pb
         resp_msg = pb.ModelInferResponse.FromString(RESPONSE)
-        if variant == "grpc-aio-bytes":
+        if variant.startswith("grpc-aio-bytes"):
             async def infer(request, context):
                 return RESPONSE
             handler = grpc.unary_unary_rpc_method_handler(infer)
@@ -101,7 +104,7 @@ _SERVER = textwrap.dedent('''
             server.wait_for_termination()
         else:
             async def main():
-                server = grpc.aio.server()
+                server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
                 server.add_generic_rpc_handlers((generic,))
                 server.add_insecure_port(f"127.0.0.1:{port}")
                 await server.start()
@@ -151,7 +154,8 @@ _SERVER = textwrap.dedent('''
 ''')
 
 HTTP_VARIANTS = ("asgi-raw", "starlette", "starlette-json", "starlette-json-ort")
-GRPC_VARIANTS = ("grpc-aio-bytes", "grpc-aio-pb", "grpc-aio-pb-ort", "grpc-aio-pb-ort-asyncio", "grpc-sync-pb")
+GRPC_VARIANTS = ("grpc-aio-bytes", "grpc-aio-bytes-x2", "grpc-aio-pb", "grpc-aio-pb-ort", "grpc-aio-pb-ort-asyncio",
+                 "grpc-sync-pb")
 
 
 def main() -> int:
@@ -189,13 +193,19 @@ def main() -> int:
             response_file.write_bytes(grpc_response if is_grpc else json_response)
             cmd = [str(PROJECT_PYTHON), str(script), variant, str(port), str(response_file),
                    str(tmp / "repo" / "mlp" / "1" / "model.onnx")]
-            server = ServerProcess(variant, cmd, tmp / f"{variant}.log", env=project_env())
-            with running(server):
-                _wait_ready(server, port)
+            copies = 2 if variant.endswith("-x2") else 1
+            servers = [ServerProcess(variant, cmd, tmp / f"{variant}-{i}.log", env=project_env())
+                       for i in range(copies)]
+            server = servers[0]
+            with contextlib.ExitStack() as stack:
+                for each in servers:
+                    stack.enter_context(running(each))
+                    _wait_ready(each, port, announced=copies > 1)
                 wait_quiet(server.proc.pid, args.max_wait_quiet)
                 if is_grpc:
                     r = run_h2load(f"http://127.0.0.1:{port}", message, args.concurrency, args.duration, args.warmup,
-                                   expected_response_bytes=len(grpc_response), server_pgid=server.proc.pid)
+                                   expected_response_bytes=len(grpc_response),
+                                   server_pgid=[each.proc.pid for each in servers])
                 else:
                     url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
                     headers = {"Content-Type": "application/json"}
@@ -227,8 +237,9 @@ def _grpc_response(raw: bytes) -> bytes:
     return data
 
 
-def _wait_ready(server: ServerProcess, port: int, timeout: float = 60.0) -> None:
-    """Until the port accepts a TCP connection."""
+def _wait_ready(server: ServerProcess, port: int, timeout: float = 60.0, announced: bool = False) -> None:
+    """Until the port accepts a TCP connection and, with ``announced`` (several processes share the port), this
+    process has printed READY."""
     import socket
     import time
 
@@ -236,6 +247,9 @@ def _wait_ready(server: ServerProcess, port: int, timeout: float = 60.0) -> None
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
             raise RuntimeError(f"{server.name} exited: {server.log_tail()}")
+        if announced and "READY" not in server.log_tail():
+            time.sleep(0.05)
+            continue
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
             return
