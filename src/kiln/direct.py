@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,27 +21,38 @@ def load(path: str | Path, version: int | None = None, **options: Any) -> Engine
 
     ``version`` picks a version folder (default: the newest the version policy serves). ``options`` are the
     fields of :class:`~kiln.engines.EngineOptions`: ``kind`` ("cpu" or "gpu"), ``device_id``,
-    ``intra_op_threads``, ``inter_op_threads``.
+    ``intra_op_threads``, ``inter_op_threads``. Those not given come from the folder's config, as the server's
+    first instance would have them: a ``KIND_GPU`` instance group means ``kind="gpu"`` on its first listed GPU.
+    A bare model file runs on the CPU unless told otherwise.
     """
-    engine_options = _engine_options(options)
+    _check_option_names(options)
     path = Path(path)
     if not path.exists():
         raise ModelNotFoundError(f"{path}: no such model file or folder")
     if path.is_file() or path.suffix == ".onnx":
         if version is not None:
             raise InvalidArgumentError(f"{path}: version={version} applies to model folders, not to a model file")
-        return create_engine(_spec_for_file(path), path, engine_options)
+        return create_engine(_spec_for_file(path), path, EngineOptions(**options))
     model_dir = open_model_dir(path)
     chosen = _choose_version(model_dir, version)
+    engine_options = dataclasses.replace(config_engine_options(model_dir.spec), **options)
     return create_engine(model_dir.spec, model_dir.model_file(chosen), engine_options)
 
 
-def _engine_options(options: dict[str, Any]) -> EngineOptions:
+def config_engine_options(spec: ModelSpec) -> EngineOptions:
+    """Where the config's first instance group puts an instance: the GPU it lists first for KIND_GPU (device 0
+    when it lists none), else the CPU."""
+    groups = spec.config.instance_group
+    if groups and groups[0].kind == pb.ModelInstanceGroup.KIND_GPU:
+        return EngineOptions(kind="gpu", device_id=groups[0].gpus[0] if groups[0].gpus else 0)
+    return EngineOptions()
+
+
+def _check_option_names(options: dict[str, Any]) -> None:
     known = EngineOptions.__dataclass_fields__
     unknown = [name for name in options if name not in known]
     if unknown:
         raise InvalidArgumentError(f"unknown load option(s) {', '.join(unknown)}; expected: {', '.join(known)}")
-    return EngineOptions(**options)
 
 
 def _choose_version(model_dir: ModelDir, version: int | None) -> int:

@@ -263,3 +263,39 @@ def test_load_folder_with_model_onnx_folder(tmp_path: Path) -> None:
     assert kiln.load(folder).infer({"INPUT0": x, "INPUT1": x})["OUTPUT1"].tolist() == [[0, 0, 0, 0]]
     bare = kiln.load(folder / "1" / "model.onnx")  # the folder itself, loaded like a bare file
     assert bare.infer({"INPUT0": x, "INPUT1": x})["OUTPUT0"].tolist() == [[2, 2, 2, 2]]
+
+
+def _simple_on_gpu(demo: Path, root: Path, gpus: str) -> Path:
+    """The demo ``simple`` folder with a KIND_GPU instance group."""
+    import shutil
+
+    folder = root / "simple"
+    shutil.copytree(demo / "simple", folder)
+    config = folder / "config.pbtxt"
+    config.write_text(config.read_text() + f"instance_group [ {{ kind: KIND_GPU {gpus} }} ]\n")
+    return folder
+
+
+def test_a_kind_gpu_config_loads_on_the_gpu_unless_told_otherwise(demo: Path, tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    folder = _simple_on_gpu(demo, tmp_path, "gpus: [ 0 ]")
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        with kiln.load(folder) as engine:
+            assert isinstance(engine, OnnxRuntimeEngine) and "CUDAExecutionProvider" in engine.providers
+    else:
+        # The config's KIND_GPU reaches the engine: this onnxruntime has no CUDA provider, and says so.
+        with pytest.raises(UnavailableError, match="a GPU instance was requested"):
+            kiln.load(folder)
+    with kiln.load(folder, kind="cpu") as engine:  # an explicit option wins over the config
+        out = engine.infer({"INPUT0": _ints(), "INPUT1": _ints()})
+        np.testing.assert_array_equal(out["OUTPUT0"], 2 * _ints())
+
+
+def test_config_engine_options_follow_the_first_instance_group(demo: Path, tmp_path: Path) -> None:
+    from kiln.config.model_dir import open_model_dir
+    from kiln.direct import config_engine_options
+
+    assert config_engine_options(open_model_dir(demo / "simple").spec).kind == "cpu"
+    options = config_engine_options(open_model_dir(_simple_on_gpu(demo, tmp_path, "gpus: [ 1, 0 ]")).spec)
+    assert (options.kind, options.device_id) == ("gpu", 1)
