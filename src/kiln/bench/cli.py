@@ -65,7 +65,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--output-tensor-format", choices=TENSOR_FORMATS, default="binary", help="http only")
     data.add_argument("--seed", type=int, default=0, help="seed of random data and poisson gaps")
     direct = parser.add_argument_group("direct target")
-    direct.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where the engine runs")
+    direct.add_argument("--device", choices=["config", "cpu", "gpu"], default="config",
+                        help="where the engine runs (config: where the model's instance group puts it)")
     direct.add_argument("--intra-op-threads", type=int, default=None, help="engine threads per request")
     output = parser.add_argument_group("output")
     output.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON")

@@ -42,7 +42,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     measure.add_argument("-r", "--max-trials", type=int, default=5, help="most windows per level (default 5)")
     measure.add_argument("-s", "--stability-percentage", type=float, default=10.0,
                          help="last 3 windows within this %% = stable (default 10)")
-    measure.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="direct: where the engine runs")
+    measure.add_argument("--device", choices=["config", "cpu", "gpu"], default="config",
+                         help="direct: where the engine runs (config: where its instance group puts it)")
     measure.add_argument("--seed", type=int, default=0, help="seed of the random input data")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 

@@ -48,7 +48,7 @@ class BenchOptions:
     output_tensor_format: str = "binary"  # http only
     max_outstanding: int = 64  # request-rate mode: sends beyond this many in flight are dropped
     server_pid: int | None = None
-    device: str = "cpu"  # direct: EngineOptions.kind
+    device: str = "config"  # direct: EngineOptions.kind, or "config" for the instance group's
     intra_op_threads: int | None = None  # direct: EngineOptions.intra_op_threads
     seed: int = 0
 
@@ -57,7 +57,7 @@ class BenchOptions:
         _check_choice("--request-distribution", self.request_distribution, DISTRIBUTIONS)
         _check_choice("--input-tensor-format", self.input_tensor_format, TENSOR_FORMATS)
         _check_choice("--output-tensor-format", self.output_tensor_format, TENSOR_FORMATS)
-        _check_choice("--device", self.device, ("cpu", "gpu"))
+        _check_choice("--device", self.device, ("config", "cpu", "gpu"))
         if not self.model:
             raise InvalidArgumentError("-m/--model is required: the name of the model to measure")
         if self.request_rates and self.concurrency:

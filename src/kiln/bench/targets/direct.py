@@ -33,7 +33,7 @@ class DirectTarget(ThreadedTarget):
         self.path = repository / options.model if repository is not None else Path(options.model)
         self.model_name = self.path.stem if repository is None else options.model
         self._version = _version(options.model_version)
-        self._load_options: dict[str, Any] = {"kind": options.device}
+        self._load_options: dict[str, Any] = {} if options.device == "config" else {"kind": options.device}
         if options.intra_op_threads is not None:
             self._load_options["intra_op_threads"] = options.intra_op_threads
         self._engines: list[Engine] = []
