@@ -73,8 +73,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
     parser.add_argument("--workers", default="0,1", help="MLServer parallel_workers values to try (default 0,1)")
     parser.add_argument("--bar", type=float, default=2.5, help="required kiln/MLServer throughput ratio (2.5)")
-    parser.add_argument("--kiln-variants", default="demo,nobatch",
-                        help="kiln configs: demo (as written by demo-repo), nobatch (dynamic_batching removed)")
+    parser.add_argument("--kiln-variants", default="demo,nobatch,grpc-workers=1",
+                        help="kiln configs: demo (as written by demo-repo), nobatch (dynamic_batching removed), "
+                             "grpc-workers=N (demo, with kiln serve --grpc-workers N)")
     parser.add_argument("--skip-kiln", action="store_true", help="measure MLServer only")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over all servers, interleaved; each figure is the median over rounds (default 3)")
@@ -188,8 +189,12 @@ def _measure_mlserver(python: Path, tmp: Path, repo: Path, workers: int, payload
 
 def _measure_kiln(tmp: Path, repo: Path, variant: str, payload: Payload, args: argparse.Namespace) -> dict[str, Any]:
     tmp.mkdir(parents=True, exist_ok=True)
+    extra: list[str] = []
     if variant == "demo":
         served = repo
+    elif variant.startswith("grpc-workers="):
+        served = repo
+        extra = ["--grpc-workers", variant.partition("=")[2]]
     elif variant == "nobatch":
         served = tmp / "kiln-repo-nobatch"
         shutil.copytree(repo / MODEL, served / MODEL)
@@ -199,9 +204,9 @@ def _measure_kiln(tmp: Path, repo: Path, variant: str, payload: Payload, args: a
             raise SystemExit(f"unexpected demo config, cannot remove dynamic_batching:\n{text}")
         config.write_text(text.replace("dynamic_batching { }\n", ""))
     else:
-        raise SystemExit(f"unknown kiln variant '{variant}' (expected demo or nobatch)")
+        raise SystemExit(f"unknown kiln variant '{variant}' (expected demo, nobatch or grpc-workers=N)")
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    cmd = kiln_serve_cmd(served, http_port, grpc_port, metrics_port)
+    cmd = kiln_serve_cmd(served, http_port, grpc_port, metrics_port) + extra
     name = f"kiln serve ({variant})"
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     server = ServerProcess(name, cmd, tmp / f"kiln-{variant}.log", env=project_env())
@@ -303,7 +308,12 @@ def _report(rows: list[dict[str, Any]], bar: float) -> dict[str, Any]:
         lines += format_table(["comparison", "kiln", "kiln req/s", "best MLServer", "MLServer req/s", "ratio",
                                "verdict"], vt)
         verdict["pass"] = headline_pass
-        lines += ["", f"OVERALL ({kilns[0]} on both protocols): {'PASS' if headline_pass else 'FAIL'}"]
+        best_kiln = {proto: max(kilns, key=lambda k: summary[k][proto]["median_rps"]) for proto in ("rest", "grpc")}
+        best_pass = all(verdict[f"{proto}:{k}"]["pass"] for proto, k in best_kiln.items())
+        verdict["best"] = {"configs": best_kiln, "pass": best_pass}
+        lines += ["", f"OVERALL ({kilns[0]} on both protocols): {'PASS' if headline_pass else 'FAIL'}",
+                  f"BEST kiln configuration per protocol (HTTP: {best_kiln['rest']}, gRPC: {best_kiln['grpc']}): "
+                  f"{'PASS' if best_pass else 'FAIL'}"]
     return {"lines": lines, "verdict": verdict}
 
 

@@ -176,6 +176,9 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--http-max-input-size", type=int, default=64 * 2**20, metavar="BYTES",
                        help="largest accepted HTTP request body (default 64 MiB)")
     serve.add_argument("--grpc-max-message-size", type=int, default=2**31 - 1, metavar="BYTES")
+    serve.add_argument("--grpc-workers", type=_non_negative, default=0, metavar="N",
+                       help="serve gRPC from N worker processes sharing the port, which forward each call to "
+                            "this process (0, the default: gRPC runs in this process)")
     serve.add_argument("--strict-readiness", type=_bool, default=True, metavar="BOOL",
                        help="ready only when every model is ready (default true)")
     serve.add_argument("--exit-timeout-secs", type=float, default=30.0,
@@ -226,6 +229,16 @@ def _add_serve(serve: argparse.ArgumentParser) -> None:
     serve.set_defaults(run=_serve)
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
 def _bool(text: str) -> bool:
     lowered = text.lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -272,7 +285,8 @@ def _serve(args: argparse.Namespace) -> int:
         repositories=repositories, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, allow_http=args.allow_http, allow_grpc=args.allow_grpc,
         allow_metrics=args.allow_metrics, http_max_input_size=args.http_max_input_size,
-        grpc_max_message_bytes=args.grpc_max_message_size, exit_timeout_s=args.exit_timeout_secs,
+        grpc_max_message_bytes=args.grpc_max_message_size, grpc_workers=args.grpc_workers,
+        exit_timeout_s=args.exit_timeout_secs,
         strict_readiness=args.strict_readiness, cpu_threads=args.cpu_threads,
         control_mode=args.model_control_mode, load_models=tuple(args.load_model),
         repository_poll_secs=args.repository_poll_secs, exit_on_error=args.exit_on_error,

@@ -26,6 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kiln.frontends.grpc.server import start_grpc_server
+from kiln.frontends.grpc.workers import start_grpc_workers
 from kiln.frontends.http.app import build_app
 from kiln.frontends.http.capture import CaptureOptions
 from kiln.frontends.http.files import DownloadOptions
@@ -48,6 +49,7 @@ class ServiceOptions:
     allow_metrics: bool = True
     http_max_input_size: int = 64 * 2**20
     grpc_max_message_bytes: int = 2**31 - 1
+    grpc_workers: int = 0  # gRPC in this many worker processes (0: in this process)
     exit_timeout_s: float = 30.0
     strict_readiness: bool = True
     cpu_threads: int | None = None
@@ -110,12 +112,18 @@ class Service:
                              self.options.http_port, tls=True) if self.options.allow_http else None
         metrics = self._uvicorn(_metrics_app(self.server, self.options.metrics), self.options.metrics_port) \
             if self.options.allow_metrics else None
-        tasks = [asyncio.create_task(u.serve()) for u in (http, metrics) if u is not None]
         grpc_server = None
-        if self.options.allow_grpc:
+        if self.options.allow_grpc and self.options.grpc_workers:
+            grpc_server, self.bound["grpc"] = await start_grpc_workers(
+                self.server, self.options.host, self.options.grpc_port, self.options.grpc_workers,
+                max_message_bytes=self.options.grpc_max_message_bytes, grace_s=self.options.exit_timeout_s)
+        elif self.options.allow_grpc:
             grpc_server, self.bound["grpc"] = await start_grpc_server(
                 self.server, self.options.host, self.options.grpc_port,
                 max_message_bytes=self.options.grpc_max_message_bytes)
+        # HTTP starts last: its readiness endpoint answering means every frontend listens (gRPC workers take a
+        # moment to start).
+        tasks = [asyncio.create_task(u.serve()) for u in (http, metrics) if u is not None]
         await _wait_started([u for u in (http, metrics) if u is not None], tasks)
         self._record_ports(http, metrics)
         self._log_startup(time.monotonic() - started)

@@ -21,6 +21,7 @@ from kiln.frontends.grpc import server as grpc_frontend
 from kiln.frontends.grpc import start_grpc_server
 from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
 from kiln.frontends.grpc._generated import grpc_service_pb2_grpc as pb_grpc
+from kiln.frontends.grpc.workers import start_grpc_workers
 from kiln.server.server import Server, ServerOptions
 
 HOST = "127.0.0.1"
@@ -47,9 +48,15 @@ def kiln_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server.close()
 
 
-@pytest.fixture
-async def url(kiln_server: Server) -> AsyncIterator[str]:
-    grpc_server, port = await start_grpc_server(kiln_server, HOST, 0)
+@pytest.fixture(params=["in-process", "2 workers"])
+async def url(kiln_server: Server, request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    """Every test runs twice: against the frontend in this process, and against two worker processes that share
+    the port and forward each call here (kiln serve --grpc-workers 2)."""
+    if request.param == "in-process":
+        grpc_server, port = await start_grpc_server(kiln_server, HOST, 0)
+    else:
+        grpc_server, port = await start_grpc_workers(kiln_server, HOST, 0, 2, grace_s=5.0,
+                                                     max_message_bytes=grpc_frontend.MAX_MESSAGE_BYTES)
     yield f"{HOST}:{port}"
     await grpc_server.stop(None)
 

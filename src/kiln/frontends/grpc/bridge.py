@@ -1,0 +1,187 @@
+"""The link between gRPC worker processes and the server process: framing, and the server's side of it.
+
+With ``kiln serve --grpc-workers N`` the gRPC frontend runs in N worker processes that share the port, because one
+Python process spends most of its core in grpc.aio's per-call work (benchmarks/README.md, framework ceilings). A
+worker parses nothing: it forwards each call's serialized request over a Unix socket to the server process, where
+the same :class:`~kiln.frontends.grpc.servicer.GRPCInferenceService` handles it, and returns the serialized
+answer. So scheduling, statistics, shared-memory registries and model control stay in one place.
+
+Each frame is a header (payload size, call id, kind, method index) and a payload. Unary calls are one CALL and one
+REPLY or END; a stream is OPEN, MESSAGE..., HALF_CLOSE one way and REPLY..., END the other. END carries the gRPC
+status code (0 for a stream that finished well) and the details.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, NoReturn, cast
+
+import grpc
+from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]  # no type info
+
+from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
+
+log = logging.getLogger("kiln.grpc.bridge")
+
+HEADER = struct.Struct("<IIBB")  # payload bytes, call id, kind, method index
+CALL, OPEN, MESSAGE, HALF_CLOSE, CANCEL, REPLY, END, HELLO = range(8)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+HEALTH_SERVICE = "grpc.health.v1.Health"
+
+
+@dataclass(frozen=True)
+class Method:
+    service: str
+    name: str
+    streaming: bool  # a stream of requests and of responses (ModelStreamInfer); all others are unary
+    request_type: Any
+
+
+# Both sides index this list; Health.Watch is served by the workers from Check (see worker.py).
+METHODS: tuple[Method, ...] = (
+    *(Method(SERVICE.full_name, m.name, m.client_streaming, getattr(pb, m.input_type.name)) for m in SERVICE.methods),
+    Method(HEALTH_SERVICE, "Check", False, health_pb2.HealthCheckRequest),
+)
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def method_index(service: str, name: str) -> int:
+    return next(i for i, m in enumerate(METHODS) if m.service == service and m.name == name)
+
+
+def frame(call: int, kind: int, payload: bytes = b"", method: int = 0) -> bytes:
+    return HEADER.pack(len(payload), call, kind, method) + payload
+
+
+def end_payload(code: grpc.StatusCode, details: str) -> bytes:
+    return bytes([code.value[0]]) + details.encode()
+
+
+FrameHandler = Callable[[int, int, int, bytes], None]  # (call, kind, method, payload)
+
+
+class FrameProtocol(asyncio.Protocol):
+    """Frames in and out of one Unix connection. A protocol rather than stream reads: at thousands of calls per
+    second the per-read cost of ``StreamReader.readexactly`` shows."""
+
+    def __init__(self, on_frame: FrameHandler) -> None:
+        self._on_frame = on_frame
+        self._buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        start = 0
+        end = len(buffer)
+        while end - start >= HEADER.size:
+            size, call, kind, method = HEADER.unpack_from(buffer, start)
+            stop = start + HEADER.size + size
+            if stop > end:
+                break
+            self._on_frame(call, kind, method, bytes(buffer[start + HEADER.size:stop]))
+            start = stop
+        del buffer[:start]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def send(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _Context:
+    """The part of ``grpc.aio.ServicerContext`` that kiln's servicers use."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        raise _Aborted(code, details)
+
+
+Handler = Callable[[Any, Any], Any]
+
+
+class BridgeCore:
+    """The server process's end: answers the workers' calls with the in-process servicers."""
+
+    def __init__(self, servicer: Any, health: Any, on_hello: Callable[[], None]) -> None:
+        self._handlers: list[Handler] = [
+            getattr(servicer if m.service == SERVICE.full_name else health, m.name) for m in METHODS]
+        self._on_hello = on_hello
+        self._context = _Context()  # stateless: one serves every call
+
+    def connection(self) -> FrameProtocol:
+        """A protocol for one worker's connection (the factory for ``loop.create_unix_server``)."""
+        tasks: dict[int, asyncio.Task[None]] = {}
+        streams: dict[int, asyncio.Queue[bytes | None]] = {}
+
+        def on_frame(call: int, kind: int, method: int, payload: bytes) -> None:
+            if kind == CALL:
+                self._track(tasks, call, self._unary(protocol, call, method, payload))
+            elif kind == OPEN:
+                queue = streams[call] = asyncio.Queue()
+                self._track(tasks, call, self._stream(protocol, call, method, queue, streams))
+            elif kind == MESSAGE and call in streams:
+                streams[call].put_nowait(payload)
+            elif kind == HALF_CLOSE and call in streams:
+                streams[call].put_nowait(None)
+            elif kind == CANCEL and call in tasks:
+                tasks[call].cancel()
+            elif kind == HELLO:
+                self._on_hello()
+
+        protocol = FrameProtocol(on_frame)
+        # The worker went away: its calls' answers have nowhere to go.
+        protocol.closed.add_done_callback(lambda _: [task.cancel() for task in list(tasks.values())])
+        return protocol
+
+    @staticmethod
+    def _track(tasks: dict[int, asyncio.Task[None]], call: int, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        tasks[call] = task
+        task.add_done_callback(lambda _: tasks.pop(call, None))
+
+    async def _unary(self, protocol: FrameProtocol, call: int, method: int, payload: bytes) -> None:
+        try:
+            request = METHODS[method].request_type.FromString(payload)
+            response = await self._handlers[method](request, self._context)
+            protocol.send(frame(call, REPLY, response.SerializeToString()))
+        except _Aborted as exc:
+            protocol.send(frame(call, END, end_payload(exc.code, exc.details)))
+        except Exception as exc:  # a malformed message; servicer errors arrive as _Aborted
+            protocol.send(frame(call, END, end_payload(grpc.StatusCode.INVALID_ARGUMENT,
+                                                       f"could not parse the request: {exc}")))
+
+    async def _stream(self, protocol: FrameProtocol, call: int, method: int,
+                      queue: asyncio.Queue[bytes | None], streams: dict[int, Any]) -> None:
+        request_type = METHODS[method].request_type
+
+        async def requests() -> AsyncIterator[Any]:
+            while (item := await queue.get()) is not None:
+                yield request_type.FromString(item)
+
+        try:
+            async for response in self._handlers[method](requests(), self._context):
+                protocol.send(frame(call, REPLY, response.SerializeToString()))
+            protocol.send(frame(call, END, end_payload(grpc.StatusCode.OK, "")))
+        except _Aborted as exc:
+            protocol.send(frame(call, END, end_payload(exc.code, exc.details)))
+        finally:
+            streams.pop(call, None)

@@ -1,0 +1,200 @@
+"""One gRPC worker process: a grpc.aio server on the shared port that forwards every call to the server process.
+
+Started by :mod:`kiln.frontends.grpc.workers` as ``python -m kiln.frontends.grpc.worker --bridge SOCKET
+--address HOST:PORT``. Requests and responses pass through as bytes (no protobuf parsing here). SIGTERM stops
+accepting calls and lets those in flight finish for ``--grace`` seconds; losing the bridge ends the process, since
+no call could be answered any more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import signal
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]  # no type info
+
+from kiln.frontends.grpc.bridge import (
+    CALL,
+    CANCEL,
+    END,
+    HALF_CLOSE,
+    HEALTH_SERVICE,
+    HELLO,
+    MESSAGE,
+    METHODS,
+    OPEN,
+    REPLY,
+    STATUS_CODES,
+    FrameProtocol,
+    frame,
+    method_index,
+)
+
+HEALTH_POLL_S = 1.0  # how often an open health Watch asks the server process again
+
+
+class BridgeClient:
+    """The worker's end of the bridge: one Unix connection, calls matched to answers by call id."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self._streams: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
+        self.protocol = FrameProtocol(self._on_frame)
+
+    def _on_frame(self, call: int, kind: int, method: int, payload: bytes) -> None:
+        future = self._pending.pop(call, None)
+        if future is not None:
+            if not future.done():
+                future.set_result((0, payload) if kind == REPLY else (payload[0], payload[1:]))
+        elif call in self._streams:
+            self._streams[call].put_nowait((kind, payload))
+
+    async def unary(self, method: int, request: bytes) -> tuple[int, bytes]:
+        """(status code, response bytes or error details)."""
+        call = next(self._ids)
+        future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        self._pending[call] = future
+        self.protocol.send(frame(call, CALL, request, method))
+        try:
+            return await future
+        finally:
+            self._pending.pop(call, None)
+
+    def open(self, method: int) -> tuple[int, asyncio.Queue[tuple[int, bytes]]]:
+        call = next(self._ids)
+        queue = self._streams[call] = asyncio.Queue()
+        self.protocol.send(frame(call, OPEN, b"", method))
+        return call, queue
+
+    def send(self, call: int, kind: int, payload: bytes = b"") -> None:
+        self.protocol.send(frame(call, kind, payload))
+
+    def forget(self, call: int) -> None:
+        self._streams.pop(call, None)
+
+
+async def _abort(context: Any, code: int, details: bytes) -> None:
+    await context.abort(STATUS_CODES.get(code, grpc.StatusCode.UNKNOWN), details.decode(errors="replace"))
+
+
+def _handlers(bridge: BridgeClient) -> list[grpc.GenericRpcHandler]:
+    by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+    for index, method in enumerate(METHODS):
+        if method.streaming:
+            handler = grpc.stream_stream_rpc_method_handler(_stream_handler(bridge, index))
+        else:
+            handler = grpc.unary_unary_rpc_method_handler(_unary_handler(bridge, index))
+        by_service.setdefault(method.service, {})[method.name] = handler
+    by_service[HEALTH_SERVICE]["Watch"] = grpc.unary_stream_rpc_method_handler(_watch_handler(bridge))
+    return [grpc.method_handlers_generic_handler(service, methods) for service, methods in by_service.items()]
+
+
+def _unary_handler(bridge: BridgeClient, index: int) -> Any:
+    async def unary(request: bytes, context: Any) -> bytes:
+        code, payload = await bridge.unary(index, request)
+        if code:
+            await _abort(context, code, payload)
+        return payload
+    return unary
+
+
+def _stream_handler(bridge: BridgeClient, index: int) -> Any:
+    async def stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        call, answers = bridge.open(index)
+
+        async def forward() -> None:
+            async for request in requests:
+                bridge.send(call, MESSAGE, request)
+            bridge.send(call, HALF_CLOSE)
+
+        forwarding = asyncio.create_task(forward())
+        ended = False
+        try:
+            while True:
+                kind, payload = await answers.get()
+                if kind == REPLY:
+                    yield payload
+                    continue
+                ended = kind == END
+                if payload[0]:
+                    await _abort(context, payload[0], payload[1:])
+                return
+        finally:
+            forwarding.cancel()
+            bridge.forget(call)
+            if not ended:
+                bridge.send(call, CANCEL)
+    return stream
+
+
+def _watch_handler(bridge: BridgeClient) -> Any:
+    """Health.Watch: the status now, then each change, read from the server process's Check."""
+    check = method_index(HEALTH_SERVICE, "Check")
+
+    async def watch(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        last = None
+        while True:
+            code, payload = await bridge.unary(check, request)
+            if code == grpc.StatusCode.NOT_FOUND.value[0]:
+                payload = health_pb2.HealthCheckResponse(
+                    status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN).SerializeToString()
+            elif code:
+                await _abort(context, code, payload)
+            if payload != last:
+                yield payload
+                last = payload
+            await asyncio.sleep(HEALTH_POLL_S)
+    return watch
+
+
+async def run(bridge_path: str, address: str, max_message_bytes: int, grace_s: float) -> int:
+    bridge = BridgeClient()
+    await asyncio.get_running_loop().create_unix_connection(lambda: bridge.protocol, bridge_path)
+    server = grpc.aio.server(options=[
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 1),  # the workers share the port; the kernel spreads connections over them
+    ])
+    server.add_generic_rpc_handlers(_handlers(bridge))
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        print(f"gRPC worker: cannot listen on {address}: {exc}", file=sys.stderr)
+        return 2
+    await server.start()
+    bridge.send(0, HELLO)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([stopping, bridge.protocol.closed], return_when=asyncio.FIRST_COMPLETED)
+    lost = bridge.protocol.closed.done()
+    await server.stop(grace=0 if lost else grace_s)
+    stopping.cancel()
+    return 1 if lost else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="kiln gRPC worker (started by kiln serve --grpc-workers)")
+    parser.add_argument("--bridge", required=True, help="the server process's Unix socket")
+    parser.add_argument("--address", required=True, help="HOST:PORT to serve gRPC on")
+    parser.add_argument("--max-message-bytes", type=int, required=True)
+    parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight calls get after SIGTERM")
+    args = parser.parse_args()
+    # A Ctrl-C reaches the whole process group; the server process answers it by stopping the workers in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(run(args.bridge, args.address, args.max_message_bytes, args.grace))
+    return uvloop.run(run(args.bridge, args.address, args.max_message_bytes, args.grace))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
