@@ -26,6 +26,7 @@ from kiln.server.server import Server
 log = logging.getLogger("kiln.grpc.workers")
 
 START_TIMEOUT_S = 60.0
+RESTART_DELAY_S = 0.5
 
 
 class GrpcWorkers:
@@ -85,6 +86,9 @@ class GrpcWorkers:
                     return
                 log.error("gRPC worker %d (pid %d) exited with %s; starting a new one", index,
                           self._processes[index].pid, task.result())
+                await asyncio.sleep(RESTART_DELAY_S)  # a worker that cannot start must not spin the CPU
+                if self._stopping:
+                    return
                 self._processes[index] = await self._spawn()
 
     async def stop(self, grace: float | None = None) -> None:

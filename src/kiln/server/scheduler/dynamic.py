@@ -14,7 +14,7 @@ import collections
 import itertools
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from kiln.engines.base import Engine
@@ -31,7 +31,7 @@ from kiln.server.request import InferRequest, InferResponse
 from kiln.server.scheduler.answers import Answer, deliver
 from kiln.server.scheduler.inline import InlineRunner
 from kiln.server.scheduler.policy import BatchingPolicy
-from kiln.server.scheduler.queue import Batch, BatchQueue, Pending
+from kiln.server.scheduler.queue import Batch, BatchQueue, Pending, batch_signature
 
 Clock = Callable[[], int]
 
@@ -47,7 +47,7 @@ class DynamicBatcher:
         self._inflight = 0
         self._closed = False
         self._release = _OrderedRelease() if policy.preserve_ordering else None
-        self._inline = InlineRunner(model, policy.max_batch_size, _signature)
+        self._inline = InlineRunner(model, policy.max_batch_size, batch_signature)
         if not _simple(policy):
             self._inline.mode = "off"  # delays, priorities and queue policies need the real queue
         self._busy = 0
@@ -91,7 +91,7 @@ class DynamicBatcher:
         priority = self.policy.priority_of(name, request)
         timeout_us = self.policy.timeout_us_of(name, request, priority)
         now = self._clock()
-        pending = Pending(request=request, rows=batch_size, signature=_signature(request), priority=priority,
+        pending = Pending(request=request, rows=batch_size, signature=batch_signature(request), priority=priority,
                           enqueued_ns=now, deadline_ns=now + timeout_us * 1000 if timeout_us else 0,
                           seq=next(self._seq), answer=answer)
         with self._cond:
@@ -180,11 +180,6 @@ def _simple(policy: BatchingPolicy) -> bool:
     queues = policy.queue_policies.values()
     return (policy.max_queue_delay_ns == 0 and policy.priority_levels <= 1 and not policy.preferred_batch_sizes
             and all(q.timeout_us == 0 and q.max_queue_size == 0 for q in queues))
-
-
-def _signature(request: InferRequest) -> Hashable:
-    """Requests batch together only when every input matches in name, datatype and non-batch dims."""
-    return tuple(sorted((t.name, t.datatype.value, t.shape[1:]) for t in request.inputs))
 
 
 class _OrderedRelease:

@@ -20,6 +20,11 @@ from kiln.server.scheduler.answers import Answer
 from kiln.server.scheduler.policy import BatchingPolicy
 
 
+def batch_signature(request: InferRequest) -> Hashable:
+    """Requests batch together only when every input matches in name, datatype and non-batch dims."""
+    return tuple(sorted((t.name, t.datatype.value, t.shape[1:]) for t in request.inputs))
+
+
 @dataclass(eq=False)
 class Pending:
     """A queued request and where its answer goes."""

@@ -40,6 +40,7 @@ from kiln.errors import InternalError, InvalidArgumentError, KilnError, Unsuppor
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse, InputTensor, RequestedOutput
 from kiln.server.scheduler.answers import Answer, deliver
+from kiln.server.scheduler.queue import batch_signature
 from kiln.server.scheduler.sequence_controls import (
     PADDING,
     RowControl,
@@ -394,7 +395,7 @@ class SequenceBatcher:
                                        f"requirements of sequence batcher (got {batch_size}); send one row per "
                                        f"request")
         self.controls.check(name, params)
-        pending = Pending(request, params, _signature(request), self._clock(), answer)
+        pending = Pending(request, params, batch_signature(request), self._clock(), answer)
         with self._cond:
             if self._closed:
                 raise VersionUnloadingError(f"model '{name}' version {self.model.version} is unloading")
@@ -475,11 +476,6 @@ class _ServerFilledInputs(Engine):
         results = self._engine.execute({**inputs, **self._extra}, names)
         self.state_outputs = {name: results[name] for name in self._state_names}
         return results
-
-
-def _signature(request: InferRequest) -> Hashable:
-    """Rows batch together only when every input matches in name, datatype and non-batch dims."""
-    return tuple(sorted((t.name, t.datatype.value, t.shape[1:]) for t in request.inputs))
 
 
 def _padding(template: InferRequest) -> InferRequest:
