@@ -86,3 +86,15 @@ def test_no_worker_outlives_the_server(tmp_path: Path) -> None:
     gone, alive = psutil.wait_procs(workers, timeout=15)
     assert not alive, f"workers still running after shutdown: {[w.pid for w in alive]}"
     assert process.process.returncode == 0
+
+
+def test_bytes_that_are_no_request_get_invalid_argument(served: KilnProcess) -> None:
+    import grpc
+
+    with grpc.insecure_channel(served.grpc_url) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as caught:
+            infer(b"\xff\xff\xff not a protobuf message")
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "could not parse the ModelInfer request" in (caught.value.details() or "")
+    assert tc.InferenceServerClient(served.grpc_url).is_server_ready()  # and the server keeps serving

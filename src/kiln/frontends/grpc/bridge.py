@@ -161,13 +161,18 @@ class BridgeCore:
     async def _unary(self, protocol: FrameProtocol, call: int, method: int, payload: bytes) -> None:
         try:
             request = METHODS[method].request_type.FromString(payload)
+        except Exception as exc:  # protobuf's DecodeError: bytes that are no such message
+            protocol.send(frame(call, END, end_payload(grpc.StatusCode.INVALID_ARGUMENT,
+                                                       f"could not parse the {METHODS[method].name} request: {exc}")))
+            return
+        try:
             response = await self._handlers[method](request, self._context)
             protocol.send(frame(call, REPLY, response.SerializeToString()))
-        except _Aborted as exc:
+        except _Aborted as exc:  # how kiln's servicers report every error (the rpc wrapper)
             protocol.send(frame(call, END, end_payload(exc.code, exc.details)))
-        except Exception as exc:  # a malformed message; servicer errors arrive as _Aborted
-            protocol.send(frame(call, END, end_payload(grpc.StatusCode.INVALID_ARGUMENT,
-                                                       f"could not parse the request: {exc}")))
+        except Exception as exc:  # a handler outside that wrapper failed
+            log.exception("gRPC %s failed", METHODS[method].name)
+            protocol.send(frame(call, END, end_payload(grpc.StatusCode.INTERNAL, f"internal error: {exc}")))
 
     async def _stream(self, protocol: FrameProtocol, call: int, method: int,
                       queue: asyncio.Queue[bytes | None], streams: dict[int, Any]) -> None:
