@@ -220,10 +220,12 @@ class Service:
         self._log_models()
         host = self.options.host
         http_scheme = "https" if self.options.https_certfile is not None else "http"
+        workers = self.options.grpc_workers
+        notes = {"metrics": "/metrics", "grpc": f" ({workers} worker process{'es' if workers > 1 else ''})"
+                 if workers else ""}
         for name, scheme in (("http", http_scheme), ("grpc", "grpc"), ("metrics", "http")):
             if name in self.bound:
-                suffix = "/metrics" if name == "metrics" else ""
-                log.info("%s: %s://%s:%d%s", name, scheme, host, self.bound[name], suffix)
+                log.info("%s: %s://%s:%d%s", name, scheme, host, self.bound[name], notes.get(name, ""))
         log.info("ready in %.2fs", elapsed_s)
 
 

@@ -98,3 +98,11 @@ def test_bytes_that_are_no_request_get_invalid_argument(served: KilnProcess) -> 
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "could not parse the ModelInfer request" in (caught.value.details() or "")
     assert tc.InferenceServerClient(served.grpc_url).is_server_ready()  # and the server keeps serving
+
+
+def test_the_startup_log_names_the_workers(tmp_path: Path) -> None:
+    build_demo_repository(tmp_path / "repo")
+    log = tmp_path / "serve.log"
+    with kiln_serve([tmp_path / "repo"], "--grpc-workers", "2", log_path=log) as process:
+        port = process.grpc_url.rsplit(":", 1)[1]
+        assert f"grpc: grpc://127.0.0.1:{port} (2 worker processes)" in log.read_text()
