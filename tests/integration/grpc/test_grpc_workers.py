@@ -104,5 +104,8 @@ def test_the_startup_log_names_the_workers(tmp_path: Path) -> None:
     build_demo_repository(tmp_path / "repo")
     log = tmp_path / "serve.log"
     with kiln_serve([tmp_path / "repo"], "--grpc-workers", "2", log_path=log) as process:
-        port = process.grpc_url.rsplit(":", 1)[1]
-        assert f"grpc: grpc://127.0.0.1:{port} (2 worker processes)" in log.read_text()
+        expected = f"grpc: grpc://127.0.0.1:{process.grpc_url.rsplit(':', 1)[1]} (2 worker processes)"
+        deadline = time.monotonic() + 15  # the URLs are logged just after HTTP starts answering
+        while expected not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert expected in log.read_text()
