@@ -184,7 +184,9 @@ def test_an_idle_sequence_is_released_and_cannot_continue(server: Server) -> Non
     server.infer_sync(step("accumulate", "idle", 1, start=True))
     deadline = time.monotonic() + 5
     while True:  # released once a worker wakes past the idle limit; allow a slow machine 5 s
-        time.sleep(IDLE_US / 1e6)
+        # Half the limit again as margin: a request sent just as the limit passes may still find the sequence
+        # (the worker has not woken yet), continue it and restart its idle time.
+        time.sleep(1.5 * IDLE_US / 1e6)
         try:
             server.infer_sync(step("accumulate", "idle", 1))
         except InvalidArgumentError as exc:
