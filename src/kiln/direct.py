@@ -12,7 +12,7 @@ from kiln.config.model_dir import ModelDir, open_model_dir
 from kiln.config.onnx_io import FileTensor, read_onnx_io
 from kiln.config.spec import ModelSpec
 from kiln.config.validate import validate_config
-from kiln.engines.base import Engine, EngineOptions, create_engine
+from kiln.engines.base import Engine, EngineOptions, create_engine, instance_group_options
 from kiln.errors import ConfigError, InvalidArgumentError, ModelNotFoundError
 
 
@@ -40,12 +40,11 @@ def load(path: str | Path, version: int | None = None, **options: Any) -> Engine
 
 
 def config_engine_options(spec: ModelSpec) -> EngineOptions:
-    """Where the config's first instance group puts an instance: the GPU it lists first for KIND_GPU (device 0
-    when it lists none), else the CPU."""
+    """Where the server would put the config's first instance: the GPU its group lists first for KIND_GPU
+    (device 0 when it lists none), else the CPU."""
     groups = spec.config.instance_group
-    if groups and groups[0].kind == pb.ModelInstanceGroup.KIND_GPU:
-        return EngineOptions(kind="gpu", device_id=groups[0].gpus[0] if groups[0].gpus else 0)
-    return EngineOptions()
+    first = instance_group_options(groups[0]) if groups else []
+    return first[0] if first else EngineOptions()
 
 
 def _check_option_names(options: dict[str, Any]) -> None:

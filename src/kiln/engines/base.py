@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.backend_autocomplete import register_config_completer
 from kiln.config.backends import register_backend_name
 from kiln.config.spec import ModelSpec, TensorSpec
@@ -41,6 +42,15 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "gpu"):
             raise InvalidArgumentError(f"engine option kind is '{self.kind}'; expected 'cpu' or 'gpu'")
+
+
+def instance_group_options(group: pb.ModelInstanceGroup, cpu_threads: int | None = None) -> list[EngineOptions]:
+    """One EngineOptions per instance of ``group``: ``count`` per listed GPU (device 0 when it lists none) for
+    KIND_GPU, ``count`` CPU instances with ``cpu_threads`` intra-op threads otherwise."""
+    if group.kind == pb.ModelInstanceGroup.KIND_GPU:
+        return [EngineOptions(kind="gpu", device_id=gpu) for gpu in list(group.gpus) or [0]
+                for _ in range(group.count)]
+    return [EngineOptions(kind="cpu", intra_op_threads=cpu_threads) for _ in range(group.count)]
 
 
 class Engine(abc.ABC):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.spec import ModelSpec
-from kiln.engines.base import Engine, EngineOptions, create_engine
+from kiln.engines.base import Engine, EngineOptions, create_engine, instance_group_options
 
 # Config parameters with which a model sets its own thread counts (onnxruntime and PyTorch backends).
 _THREAD_PARAMETERS = ("intra_op_thread_count", "inter_op_thread_count", "num_threads")
@@ -39,13 +39,7 @@ def instance_options(spec: ModelSpec, threads: int | None = None) -> list[Engine
     CPU instances get ``threads`` intra-op threads unless the config sets its own."""
     own = any(spec.parameters.get(key) for key in _THREAD_PARAMETERS)
     cpu_threads = None if own else threads
-    options: list[EngineOptions] = []
-    for group in spec.config.instance_group:
-        if group.kind == pb.ModelInstanceGroup.KIND_GPU:
-            for gpu in list(group.gpus) or [0]:
-                options.extend(EngineOptions(kind="gpu", device_id=gpu) for _ in range(group.count))
-        else:
-            options.extend(EngineOptions(kind="cpu", intra_op_threads=cpu_threads) for _ in range(group.count))
+    options = [each for group in spec.config.instance_group for each in instance_group_options(group, cpu_threads)]
     return options or [EngineOptions(intra_op_threads=cpu_threads)]
 
 
