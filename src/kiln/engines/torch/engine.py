@@ -55,7 +55,7 @@ class GraphLane:
     graphs: CudaGraphs
     staging: dict[str, RowStaging]
     static_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    host_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    host_outputs: dict[str, RowStaging] = field(default_factory=dict)
 
 
 class TorchEngine(Engine):
@@ -209,18 +209,13 @@ class TorchEngine(Engine):
         return outputs
 
     def _host_output(self, lane: GraphLane, name: str, value: torch.Tensor) -> torch.Tensor:
-        """Start copying ``value`` into the lane's pinned buffer for output ``name`` (grown when too small)."""
-        buffer = lane.host_outputs.get(name)
-        if not self.spec.batching:
-            if buffer is None or buffer.shape != value.shape:
-                buffer = lane.host_outputs[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            host = buffer
-        else:
-            rows = value.shape[0]
-            if buffer is None or buffer.shape[1:] != value.shape[1:] or buffer.shape[0] < rows:
-                shape = (max(rows, self.spec.max_batch_size), *value.shape[1:])
-                buffer = lane.host_outputs[name] = torch.empty(shape, dtype=value.dtype, pin_memory=True)
-            host = buffer[:rows]
+        """Start copying ``value`` into the lane's pinned buffer for output ``name``."""
+        row_shape = tuple(value.shape[1:] if self.spec.batching else value.shape)
+        staging = lane.host_outputs.get(name)
+        if staging is None or staging.row_shape != row_shape:  # an output whose dims vary gets a new buffer
+            staging = lane.host_outputs[name] = RowStaging(value.dtype, row_shape, batching=self.spec.batching,
+                                                           max_rows=self.spec.max_batch_size, pinned=True)
+        host = staging.rows(value.shape[0] if self.spec.batching else 1)
         host.copy_(value, non_blocking=True)
         return host
 

@@ -32,7 +32,8 @@ _read_only_seen = False
 
 
 class RowStaging:
-    """A host buffer for one input of ``row_shape`` per row (the whole shape when ``batching`` is False).
+    """A host buffer of ``row_shape`` per row (the whole shape when ``batching`` is False): an input staged for
+    the device, or an output copied back from it.
 
     ``fill`` returns a tensor over the first rows of the buffer; it stays valid until the next ``fill``, so the
     owner (a lane) must finish the copy that reads it before filling again.
@@ -61,8 +62,7 @@ class RowStaging:
             (array,) = arrays
             view = self._reserve(1)
             view[0] = array
-            assert self._buffer is not None
-            return self._buffer[0]
+            return self.rows(1)
         total = sum(int(a.shape[0]) for a in arrays)
         view = self._reserve(total)
         offset = 0
@@ -77,6 +77,13 @@ class RowStaging:
                 view[offset:offset + rows] = array  # numpy, on one core (casting, keeping bfloat16 bits)
             offset += rows
         return buffer[:total]
+
+    def rows(self, count: int) -> torch.Tensor:
+        """The first ``count`` rows of the buffer, grown first if it holds fewer (the whole shape without
+        batching): somewhere to copy a result into."""
+        self._reserve(count if self.batching else 1)
+        assert self._buffer is not None
+        return self._buffer[:count] if self.batching else self._buffer[0]
 
     def _reserve(self, rows: int) -> npt.NDArray[Any]:
         if rows > self._rows or self._view is None:

@@ -126,3 +126,14 @@ def test_request_rows_join_as_numpy_or_on_the_tensors_device() -> None:
     np.testing.assert_array_equal(joined.numpy(), np.concatenate([region.numpy(), body, region[:1].numpy()]))
     numpy_only = join_rows([body, body])
     assert isinstance(numpy_only, np.ndarray) and numpy_only.shape == (2, 4)
+
+
+def test_rows_hands_out_the_buffer_growing_it_when_needed() -> None:
+    staging = RowStaging(torch.float32, (3,), batching=True, max_rows=8, pinned=False)
+    two = staging.rows(2)
+    assert two.shape == (2, 3) and staging.capacity == 2
+    one = staging.rows(1)
+    assert one.data_ptr() == two.data_ptr()  # the same buffer, no new allocation for fewer rows
+    assert staging.rows(5).shape == (5, 3) and staging.capacity == 5
+    whole = RowStaging(torch.int32, (2, 2), batching=False, max_rows=0, pinned=False).rows(1)
+    assert whole.shape == (2, 2)
