@@ -1,7 +1,8 @@
 """Serving throughput on a GPU: the demo ResNet-50 built for the torch backend, batch-1 requests, measured direct
 (``kiln bench --target direct``: N threads calling one engine) and served in-process (``--target inprocess``: a
 ``kiln.Server`` in this process, its schedulers included, no network), with and without dynamic batching and with
-1, 2 and 4 instances on the one GPU.
+1, 2 and 4 instances on the one GPU, with preferred batch sizes, and as built (two instances, preferred sizes 16
+and 32), also with FP16 images (301 KB per request instead of 602 KB).
 
 The model is built as `kiln build --backend torch --device cuda --precision fp16 --channels-last --max-batch-size
 64` builds it (random weights, FP32 images in, FP32 logits out); each variant below edits only the config. Every
@@ -46,6 +47,9 @@ class Variant:
     instances: int = 1
     delay_us: int = 0
     switch_interval_s: float | None = None  # sys.setswitchinterval while this variant runs
+    preferred: tuple[int, ...] = ()  # dynamic_batching.preferred_batch_size
+    as_built: bool = False  # keep the build's instances and preferred sizes (2 GPU instances, a quarter and a half)
+    fp16_inputs: bool = False  # the config takes FP16 images (301 KB) instead of FP32 (602 KB)
     parameters: dict[str, str] = field(default_factory=dict)
 
 
@@ -56,7 +60,12 @@ def variants(instances: list[int]) -> list[Variant]:
     best = 2 if 2 in instances else instances[-1]
     chosen += [Variant(f"served, batching, {best} instances, delay 200 us", "inprocess", instances=best, delay_us=200),
                Variant(f"served, batching, {best} instances, GIL switch 0.5 ms", "inprocess", instances=best,
-                       switch_interval_s=0.0005)]
+                       switch_interval_s=0.0005),
+               Variant(f"served, batching, {best} instances, preferred 8,32", "inprocess", instances=best,
+                       preferred=(8, 32)),
+               Variant("served, batching, as built", "inprocess", instances=0, as_built=True),
+               Variant("served, batching, as built, FP16 inputs", "inprocess", instances=0, as_built=True,
+                       fp16_inputs=True)]
     return chosen
 
 
@@ -122,8 +131,14 @@ def _variant_repo(built: Path, repo: Path, variant: Variant) -> Path:
         config.ClearField("dynamic_batching")
     else:
         config.dynamic_batching.max_queue_delay_microseconds = variant.delay_us
-    del config.instance_group[:]
-    config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=variant.instances)
+        if not variant.as_built:
+            config.dynamic_batching.preferred_batch_size[:] = variant.preferred
+    if not variant.as_built:
+        del config.instance_group[:]
+        config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=variant.instances)
+    if variant.fp16_inputs:
+        for tensor in config.input:
+            tensor.data_type = pb.TYPE_FP16
     for key, value in variant.parameters.items():
         config.parameters[key].string_value = value
     (repo / MODEL / "config.pbtxt").write_text(config_to_text(config))
@@ -146,8 +161,9 @@ def _measure(variant: Variant, repo: Path, levels: tuple[int, ...], args: argpar
 def _record(variant: Variant, level: LevelResult) -> dict[str, Any]:
     server = level.server_us
     return {"variant": variant.name, "target": variant.target, "batching": variant.batching,
-            "instances": variant.instances, "delay_us": variant.delay_us,
-            "switch_interval_s": variant.switch_interval_s, "concurrency": level.concurrency,
+            "instances": variant.instances or "as built", "delay_us": variant.delay_us,
+            "switch_interval_s": variant.switch_interval_s, "preferred": list(variant.preferred),
+            "fp16_inputs": variant.fp16_inputs, "concurrency": level.concurrency,
             "images_per_s": round(level.throughput_items_per_s, 1), "p50_ms": level.latency_ms.p50,
             "p99_ms": level.latency_ms.p99, "stable": level.stable, "errors": level.errors,
             "server_us": None if server is None else {"queue": server.queue, "compute_input": server.compute_input,

@@ -38,7 +38,7 @@ backend: "{backend}" max_batch_size: {max_batch}
 input [ {{ name: "x" data_type: TYPE_FP32 dims: [ {dims} ] }} ]
 output [ {{ name: "y" data_type: TYPE_FP32 dims: [ 10 ] }} ]
 instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
-dynamic_batching {{ }}
+dynamic_batching {{ {batching} }}
 """
 
 
@@ -113,6 +113,7 @@ def main() -> int:
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--instances", default="1,2")
     parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--preferred", default="", help="preferred_batch_size list, e.g. 8")
     parser.add_argument("--dims", default="3,224,224", help="one request's image, FP32")
     parser.add_argument("--base-ms", type=float, default=1.0, help="fake device time per batch")
     parser.add_argument("--per-row-us", type=float, default=30.0, help="fake device time per image")
@@ -129,7 +130,8 @@ def main() -> int:
             repo = Path(tmp) / f"i{instances}"
             (repo / "m" / "1").mkdir(parents=True)
             (repo / "m" / "config.pbtxt").write_text(CONFIG.format(
-                backend=BACKEND, max_batch=args.max_batch_size, dims=", ".join(map(str, dims)), instances=instances))
+                backend=BACKEND, max_batch=args.max_batch_size, dims=", ".join(map(str, dims)), instances=instances,
+                batching=f"preferred_batch_size: [ {args.preferred} ]" if args.preferred else ""))
             for concurrency in (int(c) for c in args.concurrency.split(",")):
                 row = {"instances": instances, **_measure(repo, image, concurrency, args.seconds)}
                 rows.append(row)

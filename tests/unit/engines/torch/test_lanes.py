@@ -116,6 +116,19 @@ def test_read_only_strided_and_other_dtype_rows_are_staged_exactly(monkeypatch: 
     np.testing.assert_array_equal(filled.numpy(), expected)
 
 
+@pytest.mark.parametrize("parallel_from", [0, 1 << 40])
+def test_contiguous_parts_of_several_rows_land_in_order_whichever_copy_runs(monkeypatch: pytest.MonkeyPatch,
+                                                                           parallel_from: int) -> None:
+    monkeypatch.setattr(staging_module, "PARALLEL_COPY_BYTES", parallel_from)
+    staging = RowStaging(torch.float32, (3,), batching=True, max_rows=16, pinned=False)
+    read_only = np.frombuffer(np.arange(6, dtype=np.float32).tobytes(), np.float32).reshape(2, 3)
+    parts = [read_only, np.full((3, 3), 7.0, np.float32), np.arange(3, dtype=np.float32).reshape(1, 3) - 5]
+    filled = staging.fill(parts)
+    np.testing.assert_array_equal(filled.numpy(), np.concatenate(parts))
+    again = staging.fill(parts[1:])  # a smaller batch reuses the buffer's first rows
+    np.testing.assert_array_equal(again.numpy(), np.concatenate(parts[1:]))
+
+
 def test_request_rows_join_as_numpy_or_on_the_tensors_device() -> None:
     from kiln.engines.torch.engine import join_rows
 
