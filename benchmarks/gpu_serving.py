@@ -75,7 +75,8 @@ def main() -> int:
     parser.add_argument("--instances", default="1,2,4")
     parser.add_argument("--window-ms", type=int, default=2000)
     parser.add_argument("--max-trials", type=int, default=4)
-    parser.add_argument("--only", default="", help="comma-separated variant name prefixes to run (default: all)")
+    parser.add_argument("--only", default="",
+                        help="variant name prefixes to run, separated by semicolons (default: all)")
     parser.add_argument("--output", type=Path, default=None, help="JSON results; a .txt beside it gets the table")
     args = parser.parse_args()
     import torch
@@ -95,7 +96,7 @@ def main() -> int:
         assert built_config is not None
         lines.append(f"built config parameters: { {k: v.string_value for k, v in built_config.parameters.items()} }")
         print(lines[-1], flush=True)
-        wanted = [p for p in args.only.split(",") if p]
+        wanted = [p.strip() for p in args.only.split(";") if p.strip()]
         for variant in variants([int(n) for n in args.instances.split(",")]):
             if wanted and not any(variant.name.startswith(p) for p in wanted):
                 continue
