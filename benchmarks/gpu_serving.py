@@ -64,6 +64,10 @@ def variants(instances: list[int]) -> list[Variant]:
                Variant(f"served, batching, {best} instances, preferred 8,32", "inprocess", instances=best,
                        preferred=(8, 32)),
                Variant("served, batching, as built", "inprocess", instances=0, as_built=True),
+               Variant("served, batching, as built, GIL switch 0.5 ms", "inprocess", instances=0, as_built=True,
+                       switch_interval_s=0.0005),
+               Variant("served, batching, as built, GIL switch 0.2 ms", "inprocess", instances=0, as_built=True,
+                       switch_interval_s=0.0002),
                Variant("served, batching, as built, FP16 inputs", "inprocess", instances=0, as_built=True,
                        fp16_inputs=True)]
     return chosen
