@@ -5,19 +5,20 @@ asynchronously on the caller's stream; a fresh pinned buffer per batch would cos
 concatenating requests first would copy every byte twice. On the CPU the same class works unpinned, which is how
 its row bookkeeping is tested without a GPU.
 
-A large batch is copied by torch rather than numpy, in one ``torch.cat`` into the buffer: torch splits a large
-copy over its intra-op threads, numpy copies on one core, and one call gives up the GIL once per batch instead of
-once per request (each time it is taken back, the thread may wait for the event loop's turn to end; on an H200
-host this made two-instance serving 15-25% faster). A batch of 64 FP32 images is 38 MB; served on an H200 host
-with numpy copies, such a batch spent about 10.6 ms in compute_infer against about 4.5 ms that the GPU needs for
-ResNet-50 at that size. Small fills (one direct caller's request) stay with numpy: many threads each opening a
-team of intra-op threads would oversubscribe the cores that those callers already keep busy.
+A large batch is copied by a few threads at once, each taking every k-th request (numpy gives up the GIL while it
+copies). One thread moves 12-13 GB/s on an H200 host; four moved 17-33 GB/s there, while torch's own parallel copy
+(``torch.cat`` into the buffer, or one ``copy_`` per request) reached 4-10 GB/s (benchmarks/results/
+staging_copy-h200-2026-12-03.txt). A batch of 32 FP32 images is 19 MB, so the copy decides a large part of a
+batch's host time. Small fills (one direct caller's request) stay on the calling thread: waking helpers costs more
+than it saves, and many callers would oversubscribe the cores they already keep busy.
 """
 
 from __future__ import annotations
 
-import warnings
+import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ml_dtypes
@@ -26,11 +27,11 @@ import numpy.typing as npt
 import torch
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-PARALLEL_COPY_BYTES = 4 << 20  # a fill at least this large is copied by torch's intra-op threads
+PARALLEL_COPY_BYTES = 4 << 20  # a fill at least this large is shared between COPY_THREADS threads
+COPY_THREADS = min(4, (os.cpu_count() or 1) // 4)  # below 2, the calling thread copies alone
 
-# torch.from_numpy warns, once per process, that a read-only array gives a writable tensor; staging only reads it.
-_READ_ONLY_WARNING = "The given NumPy array is not writable"
-_read_only_seen = False
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 class RowStaging:
@@ -67,19 +68,20 @@ class RowStaging:
             return self.rows(1)
         total = sum(int(a.shape[0]) for a in arrays)
         view = self._reserve(total)
+        placed: list[tuple[npt.NDArray[Any], npt.NDArray[Any]]] = []  # (rows of the buffer, a request's rows)
         offset = 0
-        buffer = self._buffer
-        assert buffer is not None
-        parallel = total * view[0].nbytes >= PARALLEL_COPY_BYTES  # view[0] is one row
-        if parallel and view.dtype != _BF16 and all(a.dtype == view.dtype and a.flags.c_contiguous for a in arrays):
-            # One call for the whole batch: intra-op threads copy while this thread waits once without the GIL.
-            torch.cat([_source(array) for array in arrays], out=buffer[:total])
-            return buffer[:total]
-        for array in arrays:  # numpy, on one core (casting, keeping bfloat16 bits)
+        for array in arrays:
             rows = int(array.shape[0])
-            view[offset:offset + rows] = array
+            placed.append((view[offset:offset + rows], array))
             offset += rows
-        return buffer[:total]
+        threads = COPY_THREADS
+        if threads > 1 and len(placed) > 1 and total * view[0].nbytes >= PARALLEL_COPY_BYTES:  # view[0]: one row
+            for _ in _copy_pool().map(_copy_all, [placed[i::threads] for i in range(threads)]):
+                pass  # iterating re-raises a failed copy here
+        else:
+            _copy_all(placed)
+        assert self._buffer is not None
+        return self._buffer[:total]
 
     def rows(self, count: int) -> torch.Tensor:
         """The first ``count`` rows of the buffer, grown first if it holds fewer (the whole shape without
@@ -99,16 +101,17 @@ class RowStaging:
         return self._view
 
 
-def _source(array: npt.NDArray[Any]) -> torch.Tensor:
-    """A tensor over ``array``'s memory, to copy from."""
-    global _read_only_seen
-    if array.flags.writeable or _read_only_seen:
-        return torch.from_numpy(array)
-    with warnings.catch_warnings():  # only around the first read-only array: torch stays silent after it
-        warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning)
-        tensor = torch.from_numpy(array)
-    _read_only_seen = True
-    return tensor
+def _copy_all(placed: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> None:
+    for target, source in placed:
+        target[...] = source  # numpy: casts, keeps bfloat16 bits, and lets other threads run while it copies
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(2, COPY_THREADS), thread_name_prefix="kiln-staging")
+        return _pool
 
 
 def numpy_view(tensor: torch.Tensor) -> npt.NDArray[Any]:

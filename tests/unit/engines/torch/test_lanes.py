@@ -102,10 +102,11 @@ def test_bfloat16_rows_keep_their_bits() -> None:
     assert numpy_view(filled).dtype == np.dtype(ml_dtypes.bfloat16)
 
 
-@pytest.mark.parametrize("parallel_from", [0, 1 << 40])  # every fill copied by torch's threads, or by numpy
+@pytest.mark.parametrize("parallel_from", [0, 1 << 40])  # every fill shared by three threads, or by none
 def test_read_only_strided_and_other_dtype_rows_are_staged_exactly(monkeypatch: pytest.MonkeyPatch,
                                                                    parallel_from: int) -> None:
     monkeypatch.setattr(staging_module, "PARALLEL_COPY_BYTES", parallel_from)
+    monkeypatch.setattr(staging_module, "COPY_THREADS", 3)
     staging = RowStaging(torch.float32, (2, 3), batching=True, max_rows=8, pinned=False)
     received = np.frombuffer(np.arange(6, dtype=np.float32).tobytes(), np.float32).reshape(1, 2, 3)  # read-only
     strided = np.asfortranarray(np.arange(12, dtype=np.float32).reshape(2, 2, 3) + 100)
@@ -120,6 +121,7 @@ def test_read_only_strided_and_other_dtype_rows_are_staged_exactly(monkeypatch: 
 def test_contiguous_parts_of_several_rows_land_in_order_whichever_copy_runs(monkeypatch: pytest.MonkeyPatch,
                                                                            parallel_from: int) -> None:
     monkeypatch.setattr(staging_module, "PARALLEL_COPY_BYTES", parallel_from)
+    monkeypatch.setattr(staging_module, "COPY_THREADS", 3)
     staging = RowStaging(torch.float32, (3,), batching=True, max_rows=16, pinned=False)
     read_only = np.frombuffer(np.arange(6, dtype=np.float32).tobytes(), np.float32).reshape(2, 3)
     parts = [read_only, np.full((3, 3), 7.0, np.float32), np.arange(3, dtype=np.float32).reshape(1, 3) - 5]
@@ -127,6 +129,14 @@ def test_contiguous_parts_of_several_rows_land_in_order_whichever_copy_runs(monk
     np.testing.assert_array_equal(filled.numpy(), np.concatenate(parts))
     again = staging.fill(parts[1:])  # a smaller batch reuses the buffer's first rows
     np.testing.assert_array_equal(again.numpy(), np.concatenate(parts[1:]))
+
+
+def test_a_failed_shared_copy_raises_in_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging_module, "PARALLEL_COPY_BYTES", 0)
+    monkeypatch.setattr(staging_module, "COPY_THREADS", 2)
+    staging = RowStaging(torch.float32, (3,), batching=True, max_rows=8, pinned=False)
+    with pytest.raises(ValueError):  # a part whose rows do not have the row shape
+        staging.fill([np.zeros((1, 3), np.float32), np.zeros((1, 4), np.float32)])
 
 
 def test_request_rows_join_as_numpy_or_on_the_tensors_device() -> None:

@@ -1,0 +1,98 @@
+"""One in-process serving measurement on a GPU model folder, with the config edited per variant: a kiln.Server in
+this process, N coroutines calling ``await server.infer`` on one event loop for a fixed time. Prints images/s, the
+average batch and the server's phase times per request. Quicker to run than gpu_serving.py (no bench runner, no
+stability windows), for A/B comparisons of one change within one device session.
+
+    python benchmarks/inprocess_gpu.py REPO --concurrency 64 --instances 2 --preferred 16,32 [--fp16-inputs]
+
+REPO holds the built ``resnet50`` (kiln build ... --device cuda); the edited copy goes under /tmp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kiln.config._generated import model_config_pb2 as pb
+from kiln.config.parse import config_to_text, read_config
+from kiln.server import InferRequest, InputTensor, Server, ServerOptions
+from kiln.tensor import DataType
+
+MODEL = "resnet50"
+
+
+def _variant(built: Path, root: Path, instances: int, preferred: list[int], fp16: bool) -> Path:
+    repo = root / "repo"
+    shutil.copytree(built, repo)
+    config = read_config(repo / MODEL)
+    assert config is not None
+    del config.instance_group[:]
+    config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=instances)
+    config.dynamic_batching.preferred_batch_size[:] = preferred
+    if fp16:
+        for tensor in config.input:
+            tensor.data_type = pb.TYPE_FP16
+    (repo / MODEL / "config.pbtxt").write_text(config_to_text(config))
+    return repo
+
+
+async def _drive(server: Server, images: list[np.ndarray], datatype: DataType, seconds: float) -> int:
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def client(image: np.ndarray) -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            await server.infer(InferRequest(MODEL, [InputTensor("input", datatype, image.shape, image)]))
+            done += 1
+
+    await asyncio.gather(*(client(image) for image in images))
+    return done
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("repo", type=Path)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--preferred", default="", help="preferred batch sizes, e.g. 16,32 (default: none)")
+    parser.add_argument("--fp16-inputs", action="store_true")
+    args = parser.parse_args()
+    preferred = [int(p) for p in args.preferred.split(",") if p]
+    with tempfile.TemporaryDirectory(prefix="kiln-inprocess-gpu-") as tmp:
+        repo = _variant(args.repo, Path(tmp), args.instances, preferred, args.fp16_inputs)
+        server = Server(ServerOptions(repositories=[repo], control_mode="explicit", load_models=(MODEL,)))
+        server.start()
+        try:
+            datatype = DataType.FP16 if args.fp16_inputs else DataType.FP32
+            rng = np.random.default_rng(0)
+            images = [rng.random((1, 3, 224, 224)).astype(np.float16 if args.fp16_inputs else np.float32)
+                      for _ in range(args.concurrency)]
+            asyncio.run(_drive(server, images, datatype, 2.0))  # warm-up: lanes, buffers
+            before = server.model_statistics(MODEL)[0]
+            started = time.perf_counter()
+            count = asyncio.run(_drive(server, images, datatype, args.seconds))
+            elapsed = time.perf_counter() - started
+            after = server.model_statistics(MODEL)[0]
+        finally:
+            server.close()
+    executions = max(1, after.execution_count - before.execution_count)
+    phases = {phase: (getattr(after, phase).ns - getattr(before, phase).ns)
+              / max(1, getattr(after, phase).count - getattr(before, phase).count) / 1000
+              for phase in ("queue", "compute_input", "compute_infer", "compute_output")}
+    print(f"instances {args.instances}, preferred {preferred or '-'}, fp16 inputs {args.fp16_inputs}, "
+          f"c={args.concurrency}: {count / elapsed:,.0f} img/s, average batch "
+          f"{(after.inference_count - before.inference_count) / executions:.1f}, "
+          + ", ".join(f"{phase} {us:,.0f} us" for phase, us in phases.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
