@@ -73,6 +73,7 @@ class TorchEngine(Engine):
         if self.settings.cuda_graphs:
             _check_static(spec)
         self.device = _device(spec, options)
+        self._device_index = self.device.index if self.device.index is not None else 0
         _apply_threads(self.settings, options)
         loaded = load_model(spec, model_file, self.format, self.device, single_threaded=self.settings.cuda_graphs)
         _check_device(spec, loaded, self.device)
@@ -181,8 +182,7 @@ class TorchEngine(Engine):
 
     def _execute_graph(self, lanes: LanePool[GraphLane], parts: Sequence[Mapping[str, Array]],
                        outputs: Sequence[str]) -> dict[str, Array]:
-        caller = torch.cuda.current_stream(self.device)
-        with lanes.lane() as lane, torch.cuda.stream(lane.stream), lane.graphs.lock:
+        with lanes.lane() as lane, _current_stream(lane.stream, self._device_index) as caller, lane.graphs.lock:
             sources = [self._source(lane, caller, name, parts) for name in self._order]
             batch = sources[0].shape[0] if self.spec.batching and sources else 0
             captured = lane.graphs.get(batch, functools.partial(self._static_inputs, lane, batch))
@@ -268,17 +268,31 @@ class TorchEngine(Engine):
         assert self._lanes is not None
         sizes = self.settings.cuda_graph_batch_sizes if self.spec.batching else (0,)
         with torch.inference_mode(), self._on_device(), self._lanes.lane() as lane, \
-                torch.cuda.stream(lane.stream), lane.graphs.lock:
+                _current_stream(lane.stream, self._device_index), lane.graphs.lock:
             for batch in sizes:
                 lane.graphs.get(batch, functools.partial(self._static_inputs, lane, batch))
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:
-        if self.device.type != "cuda":
+        # Switching only when another device is current: torch.cuda.device resolves its argument through Python
+        # helpers that cost more than the rest of a graph lane's call under the GIL.
+        if self.device.type != "cuda" or torch.cuda.current_device() == self._device_index:
             yield
             return
         with torch.cuda.device(self.device):
             yield
+
+
+@contextlib.contextmanager
+def _current_stream(stream: torch.cuda.Stream, device_index: int) -> Iterator[torch.cuda.Stream]:
+    """Make ``stream`` current on its device for the block; yield the stream that was current before (the caller's).
+    What torch.cuda.stream does, without the current-device lookups it makes on every entry."""
+    previous = torch.cuda.current_stream(device_index)
+    torch.cuda.set_stream(stream)
+    try:
+        yield previous
+    finally:
+        torch.cuda.set_stream(previous)
 
 
 def join_rows(values: Sequence[Any]) -> Any:
