@@ -90,6 +90,9 @@ def _add_build(build: argparse.ArgumentParser) -> None:
                        help="the model folder in a repository; the build becomes a new version in it")
     build.add_argument("--version", type=int, default=None, help="version number (default: the next free one)")
     build.add_argument("--precision", choices=["fp32", "fp16", "bf16", "int8"], default="fp32")
+    build.add_argument("--io-dtype", choices=["model", "fp16", "bf16"], default="model",
+                       help="torch backend: declare the model's FP32 inputs and outputs as FP16/BF16 in the config "
+                            "(needs the same --precision); requests then carry half the bytes")
     build.add_argument("--backend", choices=["onnxruntime", "torch", "tensorrt"], default="onnxruntime")
     build.add_argument("--device", choices=["cpu", "cuda"], default=None,
                        help="where the built engine runs (default: cpu; cuda for tensorrt)")
@@ -131,7 +134,7 @@ def _build(args: argparse.Namespace) -> int:
         shapes = parse_shapes(args.shapes)
     device = args.device or ("cuda" if args.backend == "tensorrt" else "cpu")
     options = BuildOptions(
-        precision=args.precision, backend=args.backend, version=args.version,
+        precision=args.precision, io_dtype=args.io_dtype, backend=args.backend, version=args.version,
         calibration_data=args.calibration_data, calibration_method=args.calibration_method, samples=args.samples,
         max_batch_size=args.max_batch_size, shapes=shapes,
         device=device, int8_types=args.int8_types, torch_format=args.torch_format, channels_last=args.channels_last,

@@ -43,6 +43,7 @@ class BuildOptions:
     """Everything ``kiln build`` accepts; see docs/build.md for each field."""
 
     precision: str = "fp32"
+    io_dtype: str = "model"  # model | fp16 | bf16: the config's type for the model's FP32 inputs and outputs
     backend: str = "onnxruntime"
     version: int | None = None
     calibration_data: Path | None = None
@@ -161,6 +162,7 @@ def _check_options(options: BuildOptions) -> None:
         raise InvalidArgumentError(f"device is '{options.device}'; expected 'cpu' or 'cuda'")
     if options.samples < 1:
         raise InvalidArgumentError(f"samples is {options.samples}; expected at least 1")
+    output.check_io_dtype(options.io_dtype, options.precision, options.backend)
 
 
 def _max_batch_size(file_io: FileIO, options: BuildOptions) -> int:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
 from kiln._files import write_atomic
 from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.model_dir import version_folders
-from kiln.config.onnx_io import FileIO
+from kiln.config.onnx_io import FileIO, FileTensor
 from kiln.config.parse import CONFIG_FILENAME
-from kiln.errors import AlreadyExistsError, InvalidArgumentError
+from kiln.errors import AlreadyExistsError, InvalidArgumentError, UnsupportedError
+from kiln.tensor import DataType
 
 
 def choose_version(model_dir: Path, version: int | None) -> int:
@@ -53,6 +55,36 @@ def make_config(name: str, backend: str, platform: str, file_io: FileIO, max_bat
     for key, value in parameters.items():
         config.parameters[key].string_value = value
     return config
+
+
+IO_DTYPES = {"model": None, "fp16": DataType.FP16, "bf16": DataType.BF16}
+
+
+def check_io_dtype(io_dtype: str, precision: str, backend: str) -> None:
+    """--io-dtype declares the model's FP32 tensors in the precision the torch engine computes in: it then casts
+    inside its graph, and requests carry half the bytes."""
+    if io_dtype not in IO_DTYPES:
+        raise InvalidArgumentError(f"--io-dtype is '{io_dtype}'; expected one of {', '.join(IO_DTYPES)}")
+    if io_dtype == "model":
+        return
+    if backend != "torch":
+        raise UnsupportedError(f"--io-dtype {io_dtype} is available for the torch backend only, not '{backend}'; "
+                               f"keep --io-dtype model (FP32 inputs and outputs)")
+    if precision != io_dtype:
+        raise InvalidArgumentError(f"--io-dtype {io_dtype} needs --precision {io_dtype} (the engine computes in "
+                                   f"the type its inputs arrive in), not --precision {precision}")
+
+
+def io_as(file_io: FileIO, io_dtype: str) -> FileIO:
+    """``file_io`` with every FP32 input and output declared as ``io_dtype`` (unchanged for "model")."""
+    datatype = IO_DTYPES[io_dtype]
+    if datatype is None:
+        return file_io
+
+    def converted(tensors: tuple[FileTensor, ...]) -> tuple[FileTensor, ...]:
+        return tuple(replace(t, datatype=datatype) if t.datatype is DataType.FP32 else t for t in tensors)
+
+    return FileIO(inputs=converted(file_io.inputs), outputs=converted(file_io.outputs))
 
 
 def gpu_preferred_batch_sizes(max_batch_size: int) -> list[int]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import onnx
 
 from kiln.build.calibration import Samples
+from kiln.build.output import io_as
 from kiln.build.preflight import UnsupportedNode, raise_if_unsupported
 from kiln.build.sources import ModuleSource, OnnxSource
 from kiln.errors import InvalidArgumentError, UnavailableError, UnsupportedError
@@ -96,7 +97,7 @@ class TorchBuilder:
         parameters = _engine_parameters(options, context.max_batch_size)
         context.report.details["torch"] = {"format": options.torch_format, "torch_version": torch.__version__,
                                            "parameters": parameters}
-        return BuildResult(backend="pytorch", platform=platform, file_io=context.file_io,
+        return BuildResult(backend="pytorch", platform=platform, file_io=io_as(context.file_io, options.io_dtype),
                            max_batch_size=context.max_batch_size, gpu=options.device == "cuda", parameters=parameters)
 
     def _export(self, context: BuildContext, module: torch.nn.Module, example: tuple[torch.Tensor, ...],

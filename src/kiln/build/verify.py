@@ -6,12 +6,16 @@ import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from kiln.build.calibration import Samples, batches, sample_count
 from kiln.engines.base import Array, Engine
 from kiln.errors import InvalidArgumentError
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,8 @@ def compare(reference: Engine, built: Engine, samples: Samples, batch_size: int,
     for feed in batches(samples, batch_size):
         for name, value in reference.infer(feed, names).items():
             ref_parts[name].append(np.asarray(value))
-        for name, value in built.infer(feed, names).items():
-            built_parts[name].append(np.asarray(value))
+        for name, value in built.infer(feed_for(built, feed), names).items():
+            built_parts[name].append(_widened(np.asarray(value)))
     results = [_output_accuracy(n, np.concatenate(ref_parts[n]), np.concatenate(built_parts[n]), tolerances)
                for n in names]
     failures = [_failure(r, tolerances) for r in results]
@@ -102,19 +106,37 @@ def time_both(reference: Engine, built: Engine, samples: Samples, batch_size: in
               budget_s: float = 1.0, rounds: int = 3) -> Timing:
     """Median latency of each engine at ``batch_size``. The engines take turns in blocks of calls, a few rounds
     each, so both see the same machine state while neither pays for waking the other's thread pool on every call."""
-    feed = _batch_of(samples, batch_size)
+    batch = _batch_of(samples, batch_size)
+    feeds = {id(engine): feed_for(engine, batch) for engine in (reference, built)}
     times: dict[int, list[float]] = {id(reference): [], id(built): []}
     for engine in (reference, built):  # warm up: first runs allocate and pick kernels
-        engine.infer(feed)
-        times[id(engine)].append(_time_once(engine, feed))
+        engine.infer(feeds[id(engine)])
+        times[id(engine)].append(_time_once(engine, feeds[id(engine)]))
     per_call_s = max(sum(times[id(e)]) for e in (reference, built)) / 1000
     block = max(1, min(50, int(budget_s / (2 * rounds * max(per_call_s, 1e-6)))))
     times = {id(reference): [], id(built): []}
     for _ in range(rounds):
         for engine in (reference, built):
+            feed = feeds[id(engine)]
             engine.infer(feed)  # first call after the other engine ran wakes this one's threads: not counted
             times[id(engine)] += [_time_once(engine, feed) for _ in range(block)]
     return Timing(batch_size, statistics.median(times[id(reference)]), statistics.median(times[id(built)]))
+
+
+def feed_for(engine: Engine, feed: Mapping[str, Array]) -> dict[str, Array]:
+    """``feed`` (the FP32 samples) in the floating types the engine's config declares (a build with --io-dtype)."""
+    wanted = {t.name: t.datatype.numpy_dtype for t in engine.inputs}
+    return {name: array.astype(wanted[name]) if name in wanted and array.dtype != wanted[name]
+            and array.dtype.kind == "f" and _floating(wanted[name]) else array for name, array in feed.items()}
+
+
+def _floating(dtype: np.dtype[Any]) -> bool:
+    return dtype.kind == "f" or dtype == _BF16
+
+
+def _widened(array: Array) -> Array:
+    """A half-width floating output as FP32, so accuracy is computed in full precision."""
+    return array.astype(np.float32) if array.dtype in (np.float16, _BF16) else array
 
 
 def _batch_of(samples: Samples, batch_size: int) -> dict[str, Array]:

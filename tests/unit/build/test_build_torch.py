@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
@@ -14,7 +15,7 @@ import kiln
 from kiln.build import BuildOptions, build
 from kiln.cli import main
 from kiln.demo.models import build_mlp
-from kiln.errors import UnsupportedError
+from kiln.errors import InvalidArgumentError, UnsupportedError
 from kiln.testing.models import small_cnn
 
 torch = pytest.importorskip("torch")
@@ -58,6 +59,39 @@ def test_bf16_build_writes_the_precision_parameter_and_meets_its_tolerance(tmp_p
     assert 'key: "precision"' in (out / "config.pbtxt").read_text()
     saved = json.loads((out / "1" / "build_report.json").read_text())
     assert saved["details"]["torch"]["parameters"] == {"precision": "bf16"}
+
+
+def test_bf16_io_build_declares_bf16_tensors_and_serves_them(tmp_path: Path) -> None:
+    source = tmp_path / "mlp.onnx"
+    onnx.save(build_mlp(0), str(source))
+    out = tmp_path / "mlp"
+    report = build(source, out, quiet(precision="bf16", io_dtype="bf16"))
+    assert report.passed and report.accuracy is not None
+    assert 0 < report.accuracy.outputs[0].max_abs_error < 5e-2, "verified against FP32, within bf16 tolerance"
+    config = (out / "config.pbtxt").read_text()
+    assert config.count("TYPE_BF16") == 2 and "TYPE_FP32" not in config
+    x = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+    with kiln.load(out) as built, kiln.load(source) as reference:
+        with pytest.raises(InvalidArgumentError, match="expected BF16"):
+            built.infer({"INPUT0": x})  # the config now asks for bf16
+        got = built.infer({"INPUT0": x.astype(ml_dtypes.bfloat16)})["OUTPUT0"]
+        assert got.dtype == ml_dtypes.bfloat16 and got.shape == (4, 10)
+        np.testing.assert_allclose(got.astype(np.float32), reference.infer({"INPUT0": x})["OUTPUT0"],
+                                   atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize(("fields", "error", "message"), [
+    ({"io_dtype": "fp16", "precision": "fp32"}, InvalidArgumentError, "needs --precision fp16"),
+    ({"io_dtype": "bf16", "precision": "bf16", "backend": "onnxruntime"}, UnsupportedError,
+     "torch backend only, not 'onnxruntime'"),
+    ({"io_dtype": "fp8"}, InvalidArgumentError, "expected one of model, fp16, bf16"),
+])
+def test_io_dtype_refusals_name_the_option(cnn_file: Path, tmp_path: Path, fields: dict[str, object],
+                                           error: type[Exception], message: str) -> None:
+    options = BuildOptions(**{"backend": "torch", "progress": False, **fields})  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        build(cnn_file, tmp_path / "cnn", options)
+    assert not (tmp_path / "cnn").exists()
 
 
 @pytest.mark.parametrize(("fields", "message"), [
@@ -113,6 +147,20 @@ def test_fp16_cuda_graph_build_on_gpu(cnn_file: Path, tmp_path: Path) -> None:
     assert parameters == {"precision": "fp16", "channels_last": "true", "cuda_graphs": "true",
                           "cuda_graph_batch_sizes": "1-16", "compile_mode": "default"}
     assert {t.batch_size for t in report.speed} == {1, 16}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp16_io_graph_build_on_gpu_takes_and_returns_fp16(cnn_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cnn"
+    report = build(cnn_file, out, quiet(precision="fp16", io_dtype="fp16", device="cuda", max_batch_size=8))
+    assert report.passed
+    x = np.random.default_rng(2).standard_normal((3, 3, 16, 16)).astype(np.float32)
+    with kiln.load(out) as built, kiln.load(cnn_file) as reference:
+        got = built.infer({"x": x.astype(np.float16)})["logits"]
+        assert got.dtype == np.float16
+        np.testing.assert_allclose(got.astype(np.float32), reference.infer({"x": x})["logits"], atol=0.05,
+                                   rtol=0.05)
 
 
 @pytest.mark.gpu
