@@ -19,6 +19,7 @@ from kiln.bench.targets.http11 import HttpConnection
 from kiln.bench.targets.kserve_http import HttpStatusError
 from kiln.bench.targets.remote import listening_pid, split_url
 from kiln.demo import build_demo_repository
+from kiln.errors import InvalidArgumentError
 from kiln.testing.serve import KilnProcess, kiln_serve
 
 QUICK = {"measurement_interval_ms": 200, "max_trials": 3, "stability_percentage": 100.0}
@@ -130,6 +131,60 @@ def test_grpc_bench_against_kiln_serve(server: KilnProcess) -> None:
     check_level(level)
     check_server(level)
     assert level.client_ms is not None and level.client_ms.send > 0
+
+
+@pytest.mark.parametrize("target", ["http", "grpc"])
+def test_several_client_processes_share_each_level_and_every_record_counts(server: KilnProcess,
+                                                                          target: str) -> None:
+    from kiln.bench.measure import Settings, measure_level
+    from kiln.bench.records import Level
+    from kiln.bench.resources import MemorySampler
+    from kiln.bench.targets import create_target
+    from kiln.bench.targets.processes import ProcessesTarget
+
+    url = server.http_url if target == "http" else server.grpc_url
+    options = BenchOptions(model="simple", target=target, url=url, concurrency=(3,), client_processes=2, **QUICK)
+    before = server_successes(server)
+    with create_target(options) as bench_target:
+        assert isinstance(bench_target, ProcessesTarget)
+        model = bench_target.open()
+        from kiln.bench.data import build_requests
+
+        bench_target.prepare(build_requests(model, "random", 1, {}, 0))
+        settings = Settings(interval_ns=200_000_000, stability_percentage=100.0, max_trials=2)
+        measured = measure_level(bench_target, Level(concurrency=3), settings, MemorySampler(None, None))
+        counts = list(bench_target.records_per_process)
+    assert all(count > 0 for count in counts), f"each process sent requests: {counts}"
+    assert 0 < measured.requests <= sum(counts) and measured.errors == 0
+    # Every request the workers recorded reached the server, plus one check request per process and the parent's.
+    assert server_successes(server) - before == sum(counts) + 3
+
+
+def test_bench_with_client_processes_through_run(server: KilnProcess) -> None:
+    result = run(BenchOptions(model="simple", target="http", url=server.http_url, concurrency=(1, 4),
+                              client_processes=2, server_pid=server.process.pid, **QUICK))
+    for level in result.results:
+        check_level(level)
+        check_server(level)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"target": "direct", "client_processes": 2}, "applies to the http and grpc targets"),
+    ({"target": "http", "url": "localhost:1", "client_processes": 2, "request_rates": (10.0,)},
+     "drives concurrency levels"),
+    ({"target": "http", "url": "localhost:1", "client_processes": 0}, "--client-processes must be >= 1"),
+])
+def test_client_process_options_are_checked(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        BenchOptions(model="simple", **fields)  # type: ignore[arg-type]
+
+
+def server_successes(server: KilnProcess) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/simple/stats", timeout=10) as answer:
+        stats = json.load(answer)["model_stats"]
+    return sum(int(entry["inference_stats"]["success"]["count"]) for entry in stats)
 
 
 def test_grpc_bench_at_a_poisson_rate(server: KilnProcess) -> None:

@@ -196,6 +196,11 @@ def test_bad_arguments_fail_before_any_process_starts(repo: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="--measurement-interval"):
         options_from_args(parse(repo, "-p", "0"))
     assert command_line(parse(repo))[:4] == ["kiln", "bench", "compare", "simple"]
+    with pytest.raises(InvalidArgumentError, match="--client-processes must be >= 1"):
+        options_from_args(parse(repo, "--client-processes", "0"))
+    line = command_line(parse(repo, "--client-processes", "3"))
+    assert line[line.index("--client-processes") + 1] == "3"
+    assert options_from_args(parse(repo, "--client-processes", "3")).client_processes == 3
 
 
 def test_report_renders_in_headless_chromium(compared: tuple[dict[str, Any], list[int], Path]) -> None:

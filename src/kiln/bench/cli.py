@@ -44,6 +44,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                       help="requests per second, swept, instead of a concurrency")
     load.add_argument("--request-distribution", choices=DISTRIBUTIONS, default="constant",
                       help="gaps between request-rate sends (default constant)")
+    load.add_argument("--client-processes", type=int, default=1, metavar="N",
+                      help="http/grpc: send from N processes sharing each concurrency level (one Python process "
+                           "cannot send large tensors as fast as a server can take them)")
     load.add_argument("--max-outstanding", type=int, default=64,
                       help="request-rate mode: sends due while this many are in flight are dropped (default 64)")
     load.add_argument("-l", "--latency-threshold", type=float, default=None, metavar="MS",
@@ -106,7 +109,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         max_trials=args.max_trials, batch_size=args.batch_size, input_data=args.input_data,
         shapes=dict(parse_shape(text) for text in args.shape), input_tensor_format=args.input_tensor_format,
         output_tensor_format=args.output_tensor_format, max_outstanding=args.max_outstanding,
-        server_pid=args.server_pid, device=args.device, intra_op_threads=args.intra_op_threads, seed=args.seed)
+        server_pid=args.server_pid, device=args.device, intra_op_threads=args.intra_op_threads,
+        client_processes=args.client_processes, seed=args.seed)
 
 
 def _check_open_ended(open_ended: bool, threshold: float | None, flag: str) -> None:

@@ -66,6 +66,7 @@ class CompareOptions:
     max_trials: int = 5
     stability_percentage: float = 10.0
     device: str = "cpu"
+    client_processes: int = 1  # served scenarios: processes sending the measured model's requests
     seed: int = 0
     work_dir: Path | None = None  # where temporary repositories and logs go (default: a fresh temporary folder)
 
@@ -79,6 +80,8 @@ class CompareOptions:
                                        f"got {self.models}")
         if not self.batching:
             raise InvalidArgumentError("at least one batching variant (with or without) must be measured")
+        if self.client_processes < 1:
+            raise InvalidArgumentError(f"--client-processes must be >= 1, got {self.client_processes}")
         self.bench_options()  # the measurement settings, checked before any process starts
         if not (self.model_repository / self.model).is_dir():
             raise InvalidArgumentError(f"model '{self.model}' has no folder in --model-repository "
@@ -246,7 +249,8 @@ class Comparison:
         return {"model": opts.model, "machine": machine, "concurrency": list(opts.concurrency),
                 "protocol": opts.protocol, "scenarios": list(scenarios), "memory_mb": memory_summary(scenarios),
                 "settings": {"measurement_interval_ms": opts.measurement_interval_ms, "max_trials": opts.max_trials,
-                             "stability_percentage": opts.stability_percentage, "device": opts.device},
+                             "stability_percentage": opts.stability_percentage, "device": opts.device,
+                             "client_processes": opts.client_processes},
                 "notes": notes}
 
     @contextmanager
@@ -304,7 +308,7 @@ class Comparison:
                     _send(load, f"{concurrency}\n")
                     _expect(load, f"running {concurrency}")
                 result = run(opts.bench_options(target=opts.protocol, url=url, server_pid=server.pid,
-                                                concurrency=(concurrency,)))
+                                                concurrency=(concurrency,), client_processes=opts.client_processes))
                 rows.extend(result.results)
         return _scenario(name, batching, 1 + peers, rows, idle_rss, idle_gpu)
 

@@ -44,6 +44,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                          help="last 3 windows within this %% = stable (default 10)")
     measure.add_argument("--device", choices=["config", "cpu", "gpu"], default="config",
                          help="direct: where the engine runs (config: where its instance group puts it)")
+    measure.add_argument("--client-processes", type=int, default=1, metavar="N",
+                         help="served scenarios: send the measured model's requests from N processes (large "
+                              "tensors: one Python client process is slower than the server)")
     measure.add_argument("--seed", type=int, default=0, help="seed of the random input data")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -54,7 +57,7 @@ def options_from_args(args: argparse.Namespace) -> CompareOptions:
         concurrency=parse_list(args.concurrency, "--concurrency"), models=args.models, protocol=args.protocol,
         batching=BATCHING[args.batching], measurement_interval_ms=args.measurement_interval,
         max_trials=args.max_trials, stability_percentage=args.stability_percentage, device=args.device,
-        seed=args.seed)
+        client_processes=args.client_processes, seed=args.seed)
 
 
 def command_line(args: argparse.Namespace) -> list[str]:
@@ -62,7 +65,8 @@ def command_line(args: argparse.Namespace) -> list[str]:
     return ["kiln", "bench", "compare", args.model, "--model-repository", str(args.model_repository),
             "--concurrency", args.concurrency, "--models", str(args.models), "--protocol", args.protocol,
             "--batching", args.batching, "-p", str(args.measurement_interval), "-r", str(args.max_trials),
-            "-s", f"{args.stability_percentage:g}", "--device", args.device, "--seed", str(args.seed)]
+            "-s", f"{args.stability_percentage:g}", "--device", args.device,
+            "--client-processes", str(args.client_processes), "--seed", str(args.seed)]
 
 
 @contextmanager

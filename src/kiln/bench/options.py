@@ -50,6 +50,7 @@ class BenchOptions:
     server_pid: int | None = None
     device: str = "config"  # direct: EngineOptions.kind, or "config" for the instance group's
     intra_op_threads: int | None = None  # direct: EngineOptions.intra_op_threads
+    client_processes: int = 1  # http, grpc: processes that share each level's concurrency (targets/processes.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -78,6 +79,13 @@ class BenchOptions:
         if self.target in ("http", "grpc") and self.url is None and self.model_repository is None:
             raise InvalidArgumentError(f"target '{self.target}' needs -u/--url (a running server) or "
                                        f"--model-repository (kiln bench then starts `kiln serve` itself)")
+        _check_positive("--client-processes", self.client_processes)
+        if self.client_processes > 1 and self.target not in ("http", "grpc"):
+            raise InvalidArgumentError(f"--client-processes {self.client_processes} applies to the http and grpc "
+                                       f"targets; target '{self.target}' runs in this process")
+        if self.client_processes > 1 and self.request_rates:
+            raise InvalidArgumentError("--client-processes drives concurrency levels; with --request-rate-range "
+                                       "use one client process")
         if self.target == "inprocess" and self.model_repository is None:
             raise InvalidArgumentError("target 'inprocess' needs --model-repository: the repository the in-process "
                                        "kiln.Server serves")

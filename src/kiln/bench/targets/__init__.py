@@ -18,6 +18,10 @@ _TARGETS = {
 def create_target(options: BenchOptions) -> Target:
     module_name, name = _TARGETS[options.target].split(":")
     target: Target = getattr(importlib.import_module(module_name), name)(options)
+    if options.client_processes > 1:
+        from kiln.bench.targets.processes import ProcessesTarget
+
+        return ProcessesTarget(options, target, options.client_processes)
     return target
 
 
