@@ -49,6 +49,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="timed window per row")
     parser.add_argument("--dynamic-batching", action="store_true", help="add dynamic_batching to the config")
     parser.add_argument("--repo", type=Path, default=None, help="a repository with resnet50 built (else built here)")
+    parser.add_argument("--io-dtype", choices=["model", "fp16"], default="model",
+                        help="build with FP16 inputs and outputs (301 KB requests) instead of FP32")
     parser.add_argument("--tensors", default=",".join(TENSORS), help="served rows to run (default: all)")
     parser.add_argument("--client-processes", type=int, default=4,
                         help="processes the served rows' client threads are spread over (default 4)")
@@ -81,7 +83,7 @@ def main() -> int:
             args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-shm-") as tmp:
-        repo = args.repo or _build(Path(tmp))
+        repo = args.repo or _build(Path(tmp), args.io_dtype)
         if args.dynamic_batching:
             config = repo / MODEL / "config.pbtxt"
             if "dynamic_batching" not in config.read_text():
@@ -94,12 +96,12 @@ def main() -> int:
     return 0
 
 
-def _build(root: Path) -> Path:
+def _build(root: Path, io_dtype: str) -> Path:
     source = root / "resnet50.onnx"
     onnx.save(build_resnet50(0), str(source))
     repo = root / "repo"
     build(source, repo / MODEL, BuildOptions(backend="torch", device="cuda", precision="fp16", channels_last=True,
-                                             max_batch_size=64, samples=16))
+                                             max_batch_size=64, samples=16, io_dtype=io_dtype))
     return repo
 
 
