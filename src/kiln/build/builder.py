@@ -16,13 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.build import calibration, output
 from kiln.build.backends import BACKEND_BUILDERS, BackendBuilder, BuildContext, BuildResult
+from kiln.build.gpu_memory import GpuFootprint, instances_that_fit, measure_footprint
 from kiln.build.progress import Progress
 from kiln.build.report import REPORT_FILENAME, BuildReport, VerificationError
 from kiln.build.sources import ModuleSource, OnnxSource
 from kiln.build.verify import DEFAULT_TOLERANCES, Tolerances, compare, time_both
+from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.model_dir import open_model_dir, version_folders
 from kiln.config.onnx_io import FileIO
-from kiln.config.parse import CONFIG_FILENAME, config_to_text
+from kiln.config.parse import CONFIG_FILENAME, config_to_text, parse_config_text
 from kiln.direct import load
 from kiln.engines.base import Engine
 from kiln.errors import InternalError, InvalidArgumentError, KilnError
@@ -106,7 +108,9 @@ def build(model: str | Path | torch.nn.Module, output_dir: str | Path, options: 
                                samples=samples, max_batch_size=max_batch, progress=progress, report=report)
         result = _run_builder(builder, context, model_dir.name)
         _stage_config(model_dir, staging, result)
-        _verify(source, staging, version, samples, options, progress, report)
+        footprint = _verify(source, staging, version, samples, options, progress, report)
+        if not (model_dir / CONFIG_FILENAME).is_file():  # a generated config: fit its instances to the GPU
+            _fit_instances(staging / CONFIG_FILENAME, footprint, report)
         report.timings_s = dict(progress.timings)
         report.write(version_dir / REPORT_FILENAME)
         if not report.passed:
@@ -217,9 +221,11 @@ def _stage_config(model_dir: Path, staging: Path, result: BuildResult) -> None:
 
 
 def _verify(source: Source, staging: Path, version: int, samples: calibration.Samples, options: BuildOptions,
-            progress: Progress, report: BuildReport) -> None:
+            progress: Progress, report: BuildReport) -> GpuFootprint:
+    """Compare and time the built engine against the reference; return the GPU memory the built engine took."""
     kind = "gpu" if options.device == "cuda" else "cpu"
-    with source.reference() as reference, load(staging, version=version, kind=kind) as built:
+    with source.reference() as reference, measure_footprint(options.device) as footprint, \
+            load(staging, version=version, kind=kind) as built:
         max_batch = built.spec.max_batch_size  # the config the server will use, which may be an existing one
         batch = max(1, min(max_batch, 8))
         with progress.step("verify", f"verifying against the FP32 reference on {calibration.sample_count(samples)} "
@@ -228,6 +234,27 @@ def _verify(source: Source, staging: Path, version: int, samples: calibration.Sa
         with progress.step("time", "timing reference and built engine"):
             sizes = sorted({1, max_batch} - {0})
             report.speed = [time_both(reference, built, samples, size) for size in sizes if _fits(reference, size)]
+    return footprint
+
+
+def _fit_instances(config_path: Path, footprint: GpuFootprint, report: BuildReport) -> None:
+    """Fewer GPU instances in the staged config when two copies of the engine would crowd the GPU."""
+    if footprint.engine_bytes is None:
+        return
+    config = parse_config_text(config_path.read_text(), str(config_path))
+    groups = [group for group in config.instance_group if group.kind == pb.ModelInstanceGroup.KIND_GPU]
+    if not groups:
+        return
+    fitting = instances_that_fit(footprint, groups[0].count)
+    report.details["gpu_memory"] = {"engine_mib": round(footprint.engine_bytes / 2**20, 1),
+                                    "gpu_total_mib": round((footprint.total_bytes or 0) / 2**20, 1),
+                                    "instances": fitting}
+    if fitting < groups[0].count:
+        report.warnings.append(f"the config asks for {fitting} GPU instance(s), not {groups[0].count}: one takes "
+                               f"{footprint.engine_bytes / 2**30:.1f} GiB of this GPU's "
+                               f"{(footprint.total_bytes or 0) / 2**30:.1f} GiB")
+        groups[0].count = fitting
+        config_path.write_text(config_to_text(config))
 
 
 def _fits(engine: Engine, batch: int) -> bool:

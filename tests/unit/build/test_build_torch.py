@@ -155,6 +155,9 @@ def test_fp16_io_graph_build_on_gpu_takes_and_returns_fp16(cnn_file: Path, tmp_p
     out = tmp_path / "cnn"
     report = build(cnn_file, out, quiet(precision="fp16", io_dtype="fp16", device="cuda", max_batch_size=8))
     assert report.passed
+    memory = report.details["gpu_memory"]  # measured while verifying; decides the config's instance count
+    assert memory["engine_mib"] > 0 and memory["gpu_total_mib"] > memory["engine_mib"]
+    assert f"count: {memory['instances']}" in (out / "config.pbtxt").read_text()
     x = np.random.default_rng(2).standard_normal((3, 3, 16, 16)).astype(np.float32)
     with kiln.load(out) as built, kiln.load(cnn_file) as reference:
         got = built.infer({"x": x.astype(np.float16)})["logits"]
