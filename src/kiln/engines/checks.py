@@ -47,6 +47,9 @@ def check_shape(spec: ModelSpec, tensor: TensorSpec, shape: Sequence[int]) -> No
     """Raise unless ``shape`` (with the batch dimension when batching) fits the tensor's dims."""
     dims = tuple(shape)
     want = spec.request_shapes.get(tensor.name) or spec.request_shape(tensor)
+    if (spec.batching and len(dims) == len(want) and dims[1:] == want[1:] and -1 not in dims
+            and 1 <= dims[0] <= spec.max_batch_size):  # the common case: fixed dims and a batch size in range
+        return
     ok = len(dims) == len(want) and all(w == -1 or w == d for w, d in zip(want, dims, strict=True))
     if ok and spec.batching and not 1 <= dims[0] <= spec.max_batch_size:
         raise InvalidArgumentError(

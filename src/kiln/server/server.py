@@ -512,6 +512,9 @@ class Server:
             if chosen is None and ready:
                 chosen = ready[-1]
             if chosen is not None:
+                found = record.versions.get(chosen)
+                if found is not None and found.state is ModelState.READY:
+                    return found
                 return self._resolve(request.model_name, str(chosen))
         return self._resolve(request.model_name, "")
 

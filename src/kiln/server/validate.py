@@ -62,6 +62,8 @@ def _check_outputs(spec: ModelSpec, request: InferRequest) -> None:
 def _batch_size(spec: ModelSpec, request: InferRequest) -> int:
     if not spec.batching:
         return 1
+    if len(request.inputs) == 1:
+        return request.inputs[0].shape[0]
     sizes = {tensor.name: tensor.shape[0] for tensor in request.inputs}
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{name}={size}" for name, size in sizes.items())

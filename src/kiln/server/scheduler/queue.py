@@ -22,6 +22,9 @@ from kiln.server.scheduler.policy import BatchingPolicy
 
 def batch_signature(request: InferRequest) -> Hashable:
     """Requests batch together only when every input matches in name, datatype and non-batch dims."""
+    if len(request.inputs) == 1:  # most requests: no sorting needed
+        (tensor,) = request.inputs
+        return ((tensor.name, tensor.datatype.value, tensor.shape[1:]),)
     return tuple(sorted((t.name, t.datatype.value, t.shape[1:]) for t in request.inputs))
 
 
