@@ -166,6 +166,7 @@ def test_bench_with_client_processes_through_run(server: KilnProcess) -> None:
     for level in result.results:
         check_level(level)
         check_server(level)
+    assert result.options["client_processes"] == 2  # the JSON result says how the load was sent
 
 
 @pytest.mark.parametrize(("fields", "message"), [

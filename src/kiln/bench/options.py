@@ -112,6 +112,7 @@ class BenchOptions:
             "input_tensor_format": self.input_tensor_format if self.target == "http" else None,
             "output_tensor_format": self.output_tensor_format if self.target == "http" else None,
             "latency_threshold_ms": self.latency_threshold_ms,
+            "client_processes": self.client_processes if self.target in ("http", "grpc") else None,
         }
 
 
