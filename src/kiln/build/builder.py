@@ -238,8 +238,9 @@ def _verify(source: Source, staging: Path, version: int, samples: calibration.Sa
 
 
 def _fit_instances(config_path: Path, footprint: GpuFootprint, report: BuildReport) -> None:
-    """Fewer GPU instances in the staged config when two copies of the engine would crowd the GPU."""
-    if footprint.engine_bytes is None:
+    """Fewer GPU instances in the staged config when two copies of the engine would crowd the GPU. Nothing is
+    recorded when PyTorch's pool did not grow (no CUDA build, or an engine that allocates outside it)."""
+    if not footprint.engine_bytes:
         return
     config = parse_config_text(config_path.read_text(), str(config_path))
     groups = [group for group in config.instance_group if group.kind == pb.ModelInstanceGroup.KIND_GPU]
