@@ -32,6 +32,7 @@ def measure_footprint(device: str) -> Iterator[GpuFootprint]:
         yield footprint
         return
     try:
+        torch.cuda.empty_cache()  # blocks cached by the build itself would otherwise hide the engine's growth
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_reserved()
     except RuntimeError:  # a figure the build can do without: the config stays as generated
