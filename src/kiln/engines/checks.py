@@ -16,18 +16,20 @@ from kiln.tensor import DataType
 def check_inputs(spec: ModelSpec, inputs: Mapping[str, npt.ArrayLike], *,
                  keep_torch_tensors: bool = False) -> dict[str, npt.NDArray[Any]]:
     """Checked inputs as numpy arrays; torch tensors stay tensors (on their device) when ``keep_torch_tensors``."""
-    expected = {t.name: t for t in spec.inputs}
+    expected = spec.input_map
     unknown = [name for name in inputs if name not in expected]
     if unknown:
         raise InvalidArgumentError(f"model '{spec.name}': unexpected input '{unknown[0]}'; "
                                    f"expected inputs: {', '.join(expected)}")
-    missing = [t.name for t in spec.inputs if t.name not in inputs and not t.optional]
+    # With no unknown names, as many inputs as the model has means none is missing.
+    missing = [] if len(inputs) == len(expected) else [
+        t.name for t in spec.inputs if t.name not in inputs and not t.optional]
     if missing:
         raise InvalidArgumentError(f"model '{spec.name}': missing input '{missing[0]}' "
                                    f"({_describe(spec, expected[missing[0]])})")
     arrays = {name: _check_torch_tensor(spec, expected[name], value) if keep_torch_tensors and _is_torch(value)
               else _check_array(spec, expected[name], value) for name, value in inputs.items()}
-    if spec.batching:
+    if spec.batching and len(arrays) > 1:
         _check_same_batch(spec, arrays)
     return arrays
 
