@@ -67,6 +67,12 @@ class Recorder:
                 self._records = later + self._records
         return done
 
+    def take_all(self) -> list[RequestRecord]:
+        """Every record so far."""
+        with self._lock:
+            records, self._records = self._records, []
+        return records
+
     def clear(self) -> None:
         with self._lock:
             self._records = []

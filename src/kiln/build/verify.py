@@ -8,14 +8,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from kiln.build.calibration import Samples, batches, sample_count
 from kiln.engines.base import Array, Engine
 from kiln.errors import InvalidArgumentError
+from kiln.tensor import DataType
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
+_BF16 = DataType.BF16.numpy_dtype
 
 
 @dataclass(frozen=True)
