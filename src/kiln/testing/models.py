@@ -30,4 +30,5 @@ def small_cnn(seed: int = 0) -> onnx.ModelProto:
         nodes, "small_cnn",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    # IR 8, so an onnxruntime older than the installed onnx still loads it
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)

@@ -3,9 +3,9 @@ exported programs), on the CPU or one CUDA device, with optional fp16/bf16, chan
 CUDA graph per batch size. See docs/pytorch-backend.md.
 
 Thread safety: a plain module runs on several threads at once (torch releases the GIL, and a forward pass keeps no
-state). A compiled module does not (``thread_safe`` is False): dynamo and inductor are not thread-safe
-(pytorch/pytorch#118260, #123177), so calls into any compiled module of the process also take one process-wide
-lock. CUDA graphs replay static buffers, so each concurrent caller takes a lane (lanes.py): a CUDA stream with its
+state). A compiled module does not (``thread_safe`` is False unless CUDA graphs replay it): dynamo and inductor are
+not thread-safe (pytorch/pytorch#118260, #123177), so calls into any compiled module of the process also take one
+process-wide lock. CUDA graphs replay static buffers, so each concurrent caller takes a lane (lanes.py): a CUDA stream with its
 own graphs and pinned staging buffers, up to ``cuda_streams`` of them, so that several callers' copies and kernels
 overlap on the GPU instead of taking turns under one lock.
 """
@@ -81,7 +81,8 @@ class TorchEngine(Engine):
         self._order = _argument_order(spec, loaded)
         self._output_positions = output_positions(spec)
         self._compiled = self.settings.compile_mode != "none"
-        self.thread_safe = not self._compiled
+        # With CUDA graphs a call replays graphs; only captures run the compiled module, under the process lock.
+        self.thread_safe = not self._compiled or self.settings.cuda_graphs
         self._function: Callable[..., Any] | None = _prepare(loaded, self.settings)
         self._lanes: LanePool[GraphLane] | None = None
         if self.settings.cuda_graphs:
