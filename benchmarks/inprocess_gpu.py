@@ -27,7 +27,7 @@ from kiln.tensor import DataType
 MODEL = "resnet50"
 
 
-def _variant(built: Path, root: Path, instances: int, preferred: list[int], fp16: bool) -> Path:
+def _variant(built: Path, root: Path, instances: int, preferred: list[int], fp16: bool, launch: str) -> Path:
     repo = root / "repo"
     shutil.copytree(built, repo)
     config = read_config(repo / MODEL)
@@ -38,6 +38,7 @@ def _variant(built: Path, root: Path, instances: int, preferred: list[int], fp16
     if fp16:
         for tensor in config.input:
             tensor.data_type = pb.TYPE_FP16
+    config.parameters["launch_execution"].string_value = launch
     (repo / MODEL / "config.pbtxt").write_text(config_to_text(config))
     return repo
 
@@ -64,10 +65,18 @@ def main() -> int:
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--preferred", default="", help="preferred batch sizes, e.g. 16,32 (default: none)")
     parser.add_argument("--fp16-inputs", action="store_true")
+    parser.add_argument("--launch", choices=("auto", "off"), default="auto",
+                        help="launch_execution: batches launched from the event loop (auto) or run by workers (off)")
+    parser.add_argument("--streams", type=int, default=0, help="cuda_streams per instance (default: the config's)")
     args = parser.parse_args()
     preferred = [int(p) for p in args.preferred.split(",") if p]
     with tempfile.TemporaryDirectory(prefix="kiln-inprocess-gpu-") as tmp:
-        repo = _variant(args.repo, Path(tmp), args.instances, preferred, args.fp16_inputs)
+        repo = _variant(args.repo, Path(tmp), args.instances, preferred, args.fp16_inputs, args.launch)
+        if args.streams:
+            config = read_config(repo / MODEL)
+            assert config is not None
+            config.parameters["cuda_streams"].string_value = str(args.streams)
+            (repo / MODEL / "config.pbtxt").write_text(config_to_text(config))
         server = Server(ServerOptions(repositories=[repo], control_mode="explicit", load_models=(MODEL,)))
         server.start()
         try:
@@ -88,6 +97,7 @@ def main() -> int:
               / max(1, getattr(after, phase).count - getattr(before, phase).count) / 1000
               for phase in ("queue", "compute_input", "compute_infer", "compute_output")}
     print(f"instances {args.instances}, preferred {preferred or '-'}, fp16 inputs {args.fp16_inputs}, "
+          f"launch {args.launch}, streams {args.streams or 'config'}, "
           f"c={args.concurrency}: {count / elapsed:,.0f} img/s, average batch "
           f"{(after.inference_count - before.inference_count) / executions:.1f}, "
           + ", ".join(f"{phase} {us:,.0f} us" for phase, us in phases.items()), flush=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -53,11 +53,25 @@ def instance_group_options(group: pb.ModelInstanceGroup, cpu_threads: int | None
     return [EngineOptions(kind="cpu", intra_op_threads=cpu_threads) for _ in range(group.count)]
 
 
+class LaunchedBatch(Protocol):
+    """A batch an engine has queued on its device (see :meth:`Engine.launch_parts`)."""
+
+    def wait(self) -> None:
+        """Block, without the GIL, until the device has finished the batch. Any thread may call it."""
+
+    def collect(self) -> dict[str, Array]:
+        """The batch's outputs, once :meth:`wait` has returned; gives the engine's buffers back. Call it exactly
+        once, also after ``wait`` failed."""
+
+
 class Engine(abc.ABC):
     """A loaded model that runs batches in-process."""
 
     thread_safe: bool = False
     """True when ``execute`` may run on several threads at once (the server then may run it inline)."""
+
+    launches: bool = False
+    """True when :meth:`launch_parts` can queue a batch on a device and return before it has run."""
 
     accepts_torch_tensors: bool = False
     """True when ``infer`` takes torch tensors as they are (a CUDA tensor stays on the GPU); others get numpy."""
@@ -98,6 +112,12 @@ class Engine(abc.ABC):
         if len(parts) == 1:
             return self.execute(parts[0], outputs)
         return self.execute({name: np.concatenate([part[name] for part in parts]) for name in parts[0]}, outputs)
+
+    def launch_parts(self, parts: Sequence[Mapping[str, Array]],
+                     outputs: Sequence[str]) -> LaunchedBatch | None:
+        """Queue a batch (as for :meth:`execute_parts`) on the engine's device and return without waiting for it;
+        None when this engine cannot, or has no free buffers for another batch right now."""
+        return None
 
     def close(self) -> None:  # noqa: B027  # optional hook: engines without resources need not override it
         """Release the engine's resources. Idempotent."""

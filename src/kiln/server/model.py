@@ -9,7 +9,7 @@ from typing import Any
 import numpy.typing as npt
 
 from kiln.config.spec import ModelSpec
-from kiln.engines.base import Engine
+from kiln.engines.base import Engine, LaunchedBatch
 from kiln.errors import InternalError, KilnError
 from kiln.server.classification import classify, read_labels
 from kiln.server.request import InferRequest, InferResponse, OutputTensor
@@ -55,6 +55,26 @@ class LoadedModel:
         except Exception as exc:  # an engine's own failure: report it as INTERNAL, never crash the worker
             raise InternalError(f"model '{self.name}' version {self.version}: {type(exc).__name__}: {exc}") from exc
         infer_end = time.monotonic_ns()
+        responses = self.responses(requests, rows, results)
+        end = time.monotonic_ns()
+        times = ExecutionTimes(sum(rows), start, infer_start - start,
+                               infer_end - infer_start, end - infer_end)
+        return responses, times
+
+    def launch_batch(self, engine: Engine, requests: list[InferRequest]) -> LaunchedBatch | None:
+        """Queue requests with identical input shapes on ``engine``'s device as one batch (Engine.launch_parts);
+        None when the engine has no free buffers for it now."""
+        parts = [{tensor.name: tensor.data for tensor in request.inputs} for request in requests]
+        try:
+            return engine.launch_parts(parts, _output_names(self.spec, requests))
+        except KilnError:
+            raise
+        except Exception as exc:
+            raise InternalError(f"model '{self.name}' version {self.version}: {type(exc).__name__}: {exc}") from exc
+
+    def responses(self, requests: list[InferRequest], rows: list[int],
+                  results: dict[str, npt.NDArray[Any]]) -> list[InferResponse]:
+        """A batch's outputs split back into one response per request."""
         responses: list[InferResponse] = []
         offset = 0
         single = len(requests) == 1
@@ -68,10 +88,7 @@ class LoadedModel:
             responses.append(InferResponse(model_name=self.name, model_version=self._version_text, outputs=outputs,
                                            id=request.id))
             offset += count
-        end = time.monotonic_ns()
-        times = ExecutionTimes(sum(rows), start, infer_start - start,
-                               infer_end - infer_start, end - infer_end)
-        return responses, times
+        return responses
 
     def _output(self, name: str, data: npt.NDArray[Any], classification: int) -> OutputTensor:
         if classification > 0:

@@ -5,9 +5,10 @@ CUDA graph per batch size. See docs/pytorch-backend.md.
 Thread safety: a plain module runs on several threads at once (torch releases the GIL, and a forward pass keeps no
 state). A compiled module does not (``thread_safe`` is False unless CUDA graphs replay it): dynamo and inductor are
 not thread-safe (pytorch/pytorch#118260, #123177), so calls into any compiled module of the process also take one
-process-wide lock. CUDA graphs replay static buffers, so each concurrent caller takes a lane (lanes.py): a CUDA stream with its
-own graphs and pinned staging buffers, up to ``cuda_streams`` of them, so that several callers' copies and kernels
-overlap on the GPU instead of taking turns under one lock.
+process-wide lock. CUDA graphs replay static buffers, so each concurrent caller takes a lane (lanes.py): a CUDA
+stream with its own graphs and pinned staging buffers, up to ``cuda_streams`` of them, so that several callers'
+copies and kernels overlap on the GPU instead of taking turns under one lock. A lane can also be launched from the
+event loop (``launch_parts``) and collected when its stream is done.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from kiln.config.spec import ModelSpec, TensorSpec
-from kiln.engines.base import Array, Engine, EngineOptions
+from kiln.engines.base import Array, Engine, EngineOptions, LaunchedBatch
 from kiln.engines.torch.cuda_graphs import CudaGraphs
 from kiln.engines.torch.lanes import LanePool
 from kiln.engines.torch.loading import LoadedModel, ModelFormat, detect_format, load_model
@@ -56,6 +57,7 @@ class GraphLane:
     staging: dict[str, RowStaging]
     static_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     host_outputs: dict[str, RowStaging] = field(default_factory=dict)
+    done: torch.cuda.Event = field(default_factory=torch.cuda.Event)  # recorded after a launched batch
 
 
 class TorchEngine(Engine):
@@ -91,6 +93,7 @@ class TorchEngine(Engine):
             streams = 1 if self.format is ModelFormat.AOTI else self.settings.cuda_streams
             self._lanes = LanePool(self._new_lane, streams)
             self._capture_listed()
+            self.launches = True
 
     @property
     def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
@@ -181,19 +184,50 @@ class TorchEngine(Engine):
             arrays[name] = self._output_shape(name, array)
         return arrays
 
+    def launch_parts(self, parts: Sequence[Mapping[str, Array]],
+                     outputs: Sequence[str]) -> LaunchedBatch | None:
+        """Queue the batch on a free lane's stream and return; None without CUDA graphs or a free lane."""
+        lanes = self._lanes
+        if lanes is None or self._function is None:
+            return None
+        lane = lanes.try_take()
+        if lane is None:
+            return None
+        lane.graphs.lock.acquire()
+        try:
+            with torch.inference_mode(), self._on_device():
+                hosts = self._start(lane, parts, outputs)
+                lane.done.record(lane.stream)
+        except BaseException as exc:
+            lane.graphs.lock.release()
+            lanes.give_back(lane)
+            if isinstance(exc, KilnError):
+                raise
+            raise InternalError(f"model '{self.spec.name}': PyTorch failed: {exc}") from exc
+        return _LaunchedGraph(self, lanes, lane, hosts)
+
     def _execute_graph(self, lanes: LanePool[GraphLane], parts: Sequence[Mapping[str, Array]],
                        outputs: Sequence[str]) -> dict[str, Array]:
-        with lanes.lane() as lane, _current_stream(lane.stream, self._device_index) as caller, lane.graphs.lock:
+        with lanes.lane() as lane, lane.graphs.lock:
+            hosts = self._start(lane, parts, outputs)
+            # The lane's staging buffers and static outputs are reused by its next call: finish with them first.
+            lane.stream.synchronize()
+            return self._host_results(hosts)
+
+    def _start(self, lane: GraphLane, parts: Sequence[Mapping[str, Array]],
+               outputs: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Queue on the lane's stream: the inputs' copies in, the graph, the outputs' copies to pinned buffers."""
+        with _current_stream(lane.stream, self._device_index) as caller:
             sources = [self._source(lane, caller, name, parts) for name in self._order]
             batch = sources[0].shape[0] if self.spec.batching and sources else 0
             captured = lane.graphs.get(batch, functools.partial(self._static_inputs, lane, batch))
             result = lane.graphs.replay(captured, sources)
             assert isinstance(result, dict)  # _graph_body's outputs, in the config's dtypes
-            hosts = {name: self._host_output(lane, name, result[name]) for name in outputs}
-            # The lane's staging buffers and static outputs are reused by its next call: finish with them first.
-            lane.stream.synchronize()
-            # ...and so are its pinned output buffers: the caller gets its own copy.
-            return {name: self._output_shape(name, numpy_view(host).copy()) for name, host in hosts.items()}
+            return {name: self._host_output(lane, name, result[name]) for name in outputs}
+
+    def _host_results(self, hosts: Mapping[str, torch.Tensor]) -> dict[str, Array]:
+        """The lane's pinned output buffers are reused by its next call: the caller gets its own copy."""
+        return {name: self._output_shape(name, numpy_view(host).copy()) for name, host in hosts.items()}
 
     def _graph_body(self, tensors: Tensors) -> dict[str, torch.Tensor]:
         """What a CUDA graph records: the inputs, held in the config's dtypes, cast to the engine's compute dtype
@@ -294,6 +328,41 @@ def _current_stream(stream: torch.cuda.Stream, device_index: int) -> Iterator[to
         yield previous
     finally:
         torch.cuda.set_stream(previous)
+
+
+class _LaunchedGraph:
+    """A batch queued on a lane (TorchEngine.launch_parts), holding the lane until its outputs are collected."""
+
+    def __init__(self, engine: TorchEngine, lanes: LanePool[GraphLane], lane: GraphLane,
+                 hosts: dict[str, torch.Tensor]) -> None:
+        self._engine = engine
+        self._lanes = lanes
+        self._lane: GraphLane | None = lane
+        self._hosts = hosts
+
+    def wait(self) -> None:
+        self._synchronize(self._held())
+
+    def collect(self) -> dict[str, Array]:
+        lane = self._held()
+        self._lane = None
+        try:
+            self._synchronize(lane)  # returns at once after wait()
+            return self._engine._host_results(self._hosts)
+        finally:
+            lane.graphs.lock.release()
+            self._lanes.give_back(lane)
+
+    def _held(self) -> GraphLane:
+        if self._lane is None:
+            raise InternalError(f"model '{self._engine.spec.name}': the batch's outputs were already collected")
+        return self._lane
+
+    def _synchronize(self, lane: GraphLane) -> None:
+        try:
+            lane.done.synchronize()
+        except Exception as exc:  # a fault on the device surfaces here
+            raise InternalError(f"model '{self._engine.spec.name}': PyTorch failed: {exc}") from exc
 
 
 def join_rows(values: Sequence[Any]) -> Any:

@@ -41,9 +41,11 @@ class LanePool(Generic[T]):
         try:
             yield lane
         finally:
-            self._free.put(lane)
+            self.give_back(lane)
 
-    def _take(self) -> T:
+    def try_take(self) -> T | None:
+        """A free lane or a new one, without waiting; None when all ``limit`` lanes are held. Give it back with
+        :meth:`give_back`."""
         try:
             return self._free.get_nowait()
         except queue.Empty:
@@ -53,4 +55,13 @@ class LanePool(Generic[T]):
                 lane = self._make(len(self._made))
                 self._made.append(lane)
                 return lane
+        return None
+
+    def give_back(self, lane: T) -> None:
+        self._free.put(lane)
+
+    def _take(self) -> T:
+        lane = self.try_take()
+        if lane is not None:
+            return lane
         return self._free.get()  # blocks without the GIL until another caller puts its lane back

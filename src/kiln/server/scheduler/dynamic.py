@@ -4,7 +4,9 @@ A worker takes the next batch the queue's rule allows (see queue.py), runs it on
 request in it: exactly one response or error each. With preserve_ordering, answers are released in arrival order
 even when instances finish out of order.
 
-Answers to callers on an event loop go back in one hand-off per batch and loop (answers.py).
+Answers to callers on an event loop go back in one hand-off per batch and loop (answers.py). Engines that queue
+batches on a device take requests from the event loop instead (launched.py); the workers then serve only blocking
+callers.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
 from kiln.server.scheduler.answers import Answer, deliver
 from kiln.server.scheduler.inline import InlineRunner
+from kiln.server.scheduler.launched import LaunchRunner
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.server.scheduler.queue import Batch, BatchQueue, Pending, batch_signature
 
@@ -47,8 +50,9 @@ class DynamicBatcher:
         self._inflight = 0
         self._closed = False
         self._release = _OrderedRelease() if policy.preserve_ordering else None
+        self._launcher = LaunchRunner(model, policy, batch_signature)
         self._inline = InlineRunner(model, policy.max_batch_size, batch_signature)
-        if not _simple(policy):
+        if not _simple(policy) or self._launcher.active:
             self._inline.mode = "off"  # delays, priorities and queue policies need the real queue
         self._busy = 0
         self._workers = [threading.Thread(target=self._work, args=(engine,), daemon=True,
@@ -59,9 +63,11 @@ class DynamicBatcher:
 
     @property
     def inflight(self) -> int:
-        return self._inflight + self._inline.inflight
+        return self._inflight + self._inline.inflight + self._launcher.inflight
 
     async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
+        if self._launcher.active:
+            return await self._launcher.submit(request, batch_size)
         if self._inline.wanted() and not self._busy and not len(self._queue):
             if request.parameters:
                 self.policy.priority_of(self.model.name, request)  # still reject bad parameters
@@ -83,6 +89,7 @@ class DynamicBatcher:
         for worker in self._workers:
             worker.join()
         self._inline.close()  # requests admitted to run inline on the event loop finish too
+        self._launcher.close()  # ...and those launched from it
         self.model.close()
 
     def _enqueue(self, request: InferRequest, batch_size: int,

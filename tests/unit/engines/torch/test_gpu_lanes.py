@@ -4,11 +4,14 @@ graphs and pinned staging buffers, and a dynamic batch's requests are staged row
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from kiln.engines.torch import TorchEngine
+from kiln.errors import InternalError
 from kiln.server.request import InferRequest, InputTensor
 from kiln.server.server import Server, ServerOptions
 from kiln.tensor import DataType
@@ -82,5 +85,63 @@ def test_served_with_dynamic_batching_and_two_instances(tmp_path: Path, files: d
         got = asyncio.run(send_all())
     finally:
         server.close()
+    for image, logits in zip(inputs, got, strict=True):
+        np.testing.assert_allclose(logits, fp32_reference(image), rtol=2e-2, atol=2e-2)
+
+
+def test_a_launched_batch_holds_its_lane_until_collected(tmp_path: Path, files: dict[str, Path]) -> None:
+    engine = load_gpu(tmp_path, files["conv_export"], {**GPU_PARAMETERS, "cuda_streams": "2"})
+    assert engine.launches
+    first, second = [images(2), images(1)], [images(3)]
+    launched = [engine.launch_parts([{"image": p} for p in parts], ["logits"]) for parts in (first, second)]
+    assert all(batch is not None for batch in launched)
+    assert engine.launch_parts([{"image": images(1)}], ["logits"]) is None  # both lanes are busy
+    outputs = []
+    for batch in launched:
+        assert batch is not None
+        batch.wait()
+        outputs.append(batch.collect()["logits"])
+    np.testing.assert_allclose(outputs[0], fp32_reference(np.concatenate(first)), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(outputs[1], fp32_reference(second[0]), rtol=2e-2, atol=2e-2)
+    with pytest.raises(InternalError, match="already collected"):
+        launched[0].collect()
+    again = engine.launch_parts([{"image": images(1)}], ["logits"])  # the lanes are free again
+    assert again is not None and again.collect()["logits"].shape == (1, 5)  # collect waits for the device
+    engine.close()
+
+
+def test_served_batches_are_launched_from_the_event_loop(tmp_path: Path, files: dict[str, Path],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import threading
+
+    launching_threads: set[str] = set()
+    launch = TorchEngine.launch_parts
+
+    def recording(self: TorchEngine, *args: Any) -> Any:
+        launching_threads.add(threading.current_thread().name)
+        return launch(self, *args)
+
+    monkeypatch.setattr(TorchEngine, "launch_parts", recording)
+    text = config("torch_aoti", *IMAGE_IO, kind="KIND_GPU", parameters={**GPU_PARAMETERS, "cuda_streams": "2"},
+                  extra="dynamic_batching { preferred_batch_size: [ 4 ] }").replace("count: 1", "count: 2")
+    write_model_folder(tmp_path / "repo", "m", text, files["conv_export"])
+    server = Server(ServerOptions(repositories=[tmp_path / "repo"]))
+    assert not server.start()
+    inputs = [images(1) for _ in range(24)]
+
+    async def send_all() -> tuple[str, list[np.ndarray]]:
+        requests = [InferRequest(model_name="m", inputs=[InputTensor("image", DataType.FP32, i.shape, i)])
+                    for i in inputs]
+        responses = await asyncio.gather(*(server.infer(r) for r in requests))
+        return threading.current_thread().name, [r.outputs[0].data for r in responses]
+
+    try:
+        loop_thread, got = asyncio.run(send_all())
+        stats = server.model_statistics("m")[0]
+    finally:
+        server.close()
+    assert launching_threads == {loop_thread}
+    assert stats.inference_count == 24 and stats.execution_count == 6  # preferred batches of 4
     for image, logits in zip(inputs, got, strict=True):
         np.testing.assert_allclose(logits, fp32_reference(image), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,231 @@
+"""Batches launched from the event loop onto engines that finish on a device (PyTorch CUDA graph lanes).
+
+With a worker thread per instance, each batch crosses between the loop and a worker twice, and a worker that waits
+for the GPU without the GIL must then wait for the busy loop to give the GIL back, up to the interpreter's switch
+interval each time. Here the event loop itself forms a batch from the requests that arrived in one turn, stages it
+into a free lane and queues it on the GPU (``Engine.launch_parts``), then goes on serving; one waiter thread
+blocks on the device and hands each finished batch back to its loop, which collects the outputs and answers.
+Batches on different lanes overlap: one batch's copies and kernels run while the loop answers another's callers
+and stages the next.
+
+Per model: ``parameters { key: "launch_execution" value { string_value: "auto" | "off" } }``. ``auto`` (the
+default) launches whenever every instance can and the batching policy needs no queue: no queue delay, one
+priority level, no queue policies (timeouts, queue sizes). Otherwise requests take the worker path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+from kiln.engines.base import LaunchedBatch
+from kiln.errors import InternalError, InvalidArgumentError, KilnError, VersionUnloadingError
+from kiln.server.model import LoadedModel
+from kiln.server.request import InferRequest, InferResponse
+from kiln.server.scheduler.policy import BatchingPolicy
+from kiln.server.stats import ExecutionTimes
+
+PARAMETER = "launch_execution"
+
+
+@dataclass
+class _Item:
+    request: InferRequest
+    rows: int
+    enqueued_ns: int
+    future: asyncio.Future[InferResponse]
+    signature: Hashable
+
+
+@dataclass
+class _Flight:
+    """A launched batch on its way through the waiter thread and back to its loop."""
+
+    loop: asyncio.AbstractEventLoop
+    items: list[_Item]
+    launched: LaunchedBatch
+    start_ns: int
+    infer_start_ns: int
+    failure: BaseException | None = None
+
+
+@dataclass
+class _LoopQueue:
+    items: list[_Item] = field(default_factory=list)
+    scheduled: bool = False
+
+
+def launch_mode(model: LoadedModel, policy: BatchingPolicy) -> str:
+    mode = model.spec.parameters.get(PARAMETER, "auto") or "auto"
+    if mode not in ("auto", "off"):
+        raise InvalidArgumentError(f"model '{model.name}': parameter '{PARAMETER}' is '{mode}'; expected auto or "
+                                   f"off")
+    needs_queue = (policy.max_queue_delay_ns > 0 or policy.priority_levels > 1
+                   or any(q.timeout_us or q.max_queue_size for q in policy.queue_policies.values()))
+    able = bool(model.engines) and all(engine.launches for engine in model.engines)
+    return "auto" if mode == "auto" and able and not needs_queue else "off"
+
+
+class LaunchRunner:
+    def __init__(self, model: LoadedModel, policy: BatchingPolicy,
+                 signature: Callable[[InferRequest], Hashable]) -> None:
+        self.model = model
+        self.policy = policy
+        self.active = launch_mode(model, policy) == "auto"
+        self.inflight = 0
+        self._signature = signature
+        self._queues: dict[asyncio.AbstractEventLoop, _LoopQueue] = {}
+        self._engine_turn = itertools.count()
+        self._gate = threading.Lock()  # admission against close(), which runs on another thread
+        self._closed = False
+        self._flights: queue.SimpleQueue[_Flight | None] = queue.SimpleQueue()
+        self._waiter: threading.Thread | None = None
+        if self.active:
+            self._waiter = threading.Thread(target=self._wait_for_device, daemon=True,
+                                            name=f"kiln-{model.name}-{model.version}-launched")
+            self._waiter.start()
+
+    async def submit(self, request: InferRequest, rows: int) -> InferResponse:
+        with self._gate:
+            if self._closed:
+                raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is unloading")
+            self.inflight += 1
+        try:
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[InferResponse] = loop.create_future()
+            pending = self._queues.get(loop)
+            if pending is None:
+                pending = self._queues[loop] = _LoopQueue()
+            pending.items.append(_Item(request, rows, time.monotonic_ns(), future, self._signature(request)))
+            if not pending.scheduled:
+                pending.scheduled = True
+                loop.call_soon(self._flush, loop)
+            return await future
+        finally:
+            with self._gate:
+                self.inflight -= 1
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Refuse new requests, wait (from another thread) for the admitted ones to finish, stop the waiter."""
+        with self._gate:
+            self._closed = True
+        deadline = time.monotonic() + timeout_s
+        while self.inflight and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if self._waiter is not None:
+            self._flights.put(None)
+            self._waiter.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Launch batches from this loop's waiting requests while an instance has a free lane."""
+        pending = self._queues[loop]
+        pending.scheduled = False
+        items = [item for item in pending.items if not item.future.done()]
+        while items:
+            batch = self._take_batch(items)
+            if not self._launch(loop, batch):
+                items[:0] = batch  # every lane is busy: these go first once a batch finishes
+                break
+        pending.items = items
+
+    def _take_batch(self, items: list[_Item]) -> list[_Item]:
+        """The next batch: requests in arrival order with the first one's shapes, up to max_batch_size rows, cut
+        at the largest preferred batch size it reaches."""
+        first = items[0]
+        rows, end, cut = first.rows, 1, 0
+        preferred = self.policy.preferred_batch_sizes
+        if rows in preferred:
+            cut = end
+        while end < len(items) and items[end].signature == first.signature \
+                and rows + items[end].rows <= self.policy.max_batch_size:
+            rows += items[end].rows
+            end += 1
+            if rows in preferred:
+                cut = end
+        taken = cut or end
+        batch = items[:taken]
+        del items[:taken]
+        return batch
+
+    def _launch(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> bool:
+        start = time.monotonic_ns()
+        requests = [item.request for item in batch]
+        engines = self.model.engines
+        first = next(self._engine_turn)
+        for index in range(len(engines)):  # round robin, so every instance's lanes take turns
+            engine = engines[(first + index) % len(engines)]
+            try:
+                launched = self.model.launch_batch(engine, requests)
+            except BaseException as exc:  # the batch's requests get the error; the loop carries on
+                self._fail(batch, exc)
+                return True
+            if launched is not None:
+                self._flights.put(_Flight(loop, batch, launched, start, time.monotonic_ns()))
+                return True
+        return False
+
+    def _wait_for_device(self) -> None:
+        while True:
+            flight = self._flights.get()
+            if flight is None:
+                return
+            try:
+                flight.launched.wait()
+            except BaseException as exc:  # collect() still runs on the loop, to give the lane back
+                flight.failure = exc
+            try:
+                flight.loop.call_soon_threadsafe(self._finish, flight)
+            except RuntimeError:  # the loop is closed: nobody waits for these answers; free the lane here
+                try:
+                    flight.launched.collect()
+                except KilnError:
+                    pass
+
+    def _finish(self, flight: _Flight) -> None:
+        items = flight.items
+        try:
+            results = flight.launched.collect()
+            if flight.failure is not None:
+                raise flight.failure
+            infer_end = time.monotonic_ns()
+            responses = self.model.responses([item.request for item in items], [item.rows for item in items],
+                                             results)
+        except BaseException as exc:
+            self._fail(items, exc)
+        else:
+            end = time.monotonic_ns()
+            times = ExecutionTimes(sum(item.rows for item in items), flight.start_ns,
+                                   flight.infer_start_ns - flight.start_ns, infer_end - flight.infer_start_ns,
+                                   end - infer_end)
+            self.model.stats.record_success(times, [item.enqueued_ns for item in items], end)
+            for item, response in zip(items, responses, strict=True):
+                if not item.future.done():
+                    item.future.set_result(response)
+        self._flush_waiting(flight.loop)
+
+    def _flush_waiting(self, here: asyncio.AbstractEventLoop) -> None:
+        """A lane came free: launch what waits on this loop now, and wake other loops that have requests waiting."""
+        for loop, pending in list(self._queues.items()):
+            if not pending.items or pending.scheduled:
+                continue
+            pending.scheduled = True
+            if loop is here:
+                self._flush(loop)
+            else:
+                try:
+                    loop.call_soon_threadsafe(self._flush, loop)
+                except RuntimeError:  # a closed loop's requests are gone with it
+                    del self._queues[loop]
+
+    def _fail(self, items: list[_Item], exc: BaseException) -> None:
+        error = exc if isinstance(exc, KilnError) else InternalError(f"model '{self.model.name}': {exc}")
+        now = time.monotonic_ns()
+        for item in items:
+            self.model.stats.record_failure(now - item.enqueued_ns)
+            if not item.future.done():
+                item.future.set_exception(error)

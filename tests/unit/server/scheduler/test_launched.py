@@ -1,0 +1,203 @@
+"""Engines that queue batches on a device are launched from the event loop and answered when the device is done."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.config import parse_config_text
+from kiln.config.validate import validate_config
+from kiln.engines.base import Array, Engine
+from kiln.errors import InternalError, InvalidArgumentError, VersionUnloadingError
+from kiln.server.model import LoadedModel
+from kiln.server.request import InferRequest, InputTensor
+from kiln.server.scheduler import DynamicBatcher
+from kiln.server.scheduler.launched import launch_mode
+from kiln.server.scheduler.policy import BatchingPolicy
+from kiln.tensor import DataType
+
+CONFIG = """
+name: "m" backend: "identity" max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 2 ] } ]
+dynamic_batching { %s }
+%s
+"""
+
+
+class _Launched:
+    def __init__(self, engine: SlotEngine, x: Array) -> None:
+        self._engine = engine
+        self._x = x
+        self._done_at = time.monotonic() + engine.device_s
+        self.collected = False
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self._done_at - time.monotonic()))  # a device working without the GIL
+        if self._engine.fail_on_device:
+            raise InternalError("model 'm': the device failed")
+
+    def collect(self) -> dict[str, Array]:
+        assert not self.collected, "collected twice"
+        self.collected = True
+        with self._engine.lock:
+            self._engine.free += 1
+        return {"y": self._x + 1}
+
+
+class SlotEngine(Engine):
+    """A stand-in for a GPU engine: ``slots`` batches may be on the device at once, each taking ``device_s``."""
+
+    launches = True
+
+    def __init__(self, spec: object, slots: int = 2, device_s: float = 0.01) -> None:
+        super().__init__(spec)  # type: ignore[arg-type]
+        self.lock = threading.Lock()
+        self.free = slots
+        self.device_s = device_s
+        self.batches: list[int] = []
+        self.launch_threads: set[str] = set()
+        self.executed = 0
+        self.fail_on_device = False
+        self.launched: list[_Launched] = []
+
+    def launch_parts(self, parts: Sequence[Mapping[str, Array]], outputs: Sequence[str]) -> _Launched | None:
+        with self.lock:
+            if not self.free:
+                return None
+            self.free -= 1
+        x = np.concatenate([part["x"] for part in parts])
+        if float(x[0, 0]) < 0:
+            with self.lock:
+                self.free += 1
+            raise InternalError("model 'm': negative input")
+        self.batches.append(int(x.shape[0]))
+        self.launch_threads.add(threading.current_thread().name)
+        launched = _Launched(self, x)
+        self.launched.append(launched)
+        return launched
+
+    def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
+        self.executed += 1
+        return {"y": inputs["x"] + 1}
+
+
+def model(batching: str = "", parameters: str = "", instances: int = 1,
+          slots: int = 2) -> tuple[LoadedModel, list[SlotEngine]]:
+    spec = validate_config(parse_config_text(CONFIG % (batching, parameters)), "m", "config.pbtxt", None)
+    engines = [SlotEngine(spec, slots) for _ in range(instances)]
+    return LoadedModel(spec, 1, Path("."), list(engines)), engines
+
+
+def request(value: float) -> InferRequest:
+    x = np.full((1, 2), value, np.float32)
+    return InferRequest("m", [InputTensor("x", DataType.FP32, x.shape, x)])
+
+
+async def test_requests_of_one_turn_launch_as_one_batch_from_the_loop_and_each_gets_its_rows() -> None:
+    loaded, (engine,) = model()
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    try:
+        responses = await asyncio.gather(*(batcher.submit(request(float(i)), 1) for i in range(5)))
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert [float(r.outputs[0].data[0, 0]) for r in responses] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert engine.batches == [5] and engine.executed == 0
+    assert engine.launch_threads == {threading.current_thread().name}  # the event loop's thread
+    stats = loaded.stats.snapshot()
+    assert stats.inference_count == 5 and stats.execution_count == 1
+
+
+async def test_batches_wait_for_a_free_slot_and_overlap_up_to_the_slots_of_every_instance() -> None:
+    loaded, engines = model(instances=2, slots=1)
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    try:
+        responses = await asyncio.gather(*(batcher.submit(request(float(i)), 1) for i in range(20)))
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert sorted(float(r.outputs[0].data[0, 0]) for r in responses) == [float(i + 1) for i in range(20)]
+    # 8 rows per batch at most; the first two batches launch at once, one per instance, the rest as slots free up
+    batches = engines[0].batches + engines[1].batches
+    assert sum(batches) == 20 and max(batches) == 8 and engines[0].batches and engines[1].batches
+    assert all(launched.collected for engine in engines for launched in engine.launched)
+    assert all(engine.free == 1 for engine in engines)
+
+
+async def test_preferred_batch_sizes_cut_the_launched_batches() -> None:
+    loaded, (engine,) = model(batching="preferred_batch_size: [ 2 ]", slots=8)
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    try:
+        await asyncio.gather(*(batcher.submit(request(float(i)), 1) for i in range(5)))
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert engine.batches == [2, 2, 1]
+
+
+async def test_a_launch_failure_fails_its_batch_only_and_the_next_batches_run() -> None:
+    loaded, (engine,) = model()
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    try:
+        with pytest.raises(InternalError, match="negative input"):
+            await batcher.submit(request(-1.0), 1)
+        response = await batcher.submit(request(3.0), 1)
+        engine.fail_on_device = True
+        with pytest.raises(InternalError, match="the device failed"):
+            await batcher.submit(request(3.0), 1)
+        engine.fail_on_device = False
+        again = await batcher.submit(request(4.0), 1)
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert float(response.outputs[0].data[0, 0]) == 4.0 and float(again.outputs[0].data[0, 0]) == 5.0
+    assert engine.free == 2 and all(launched.collected for launched in engine.launched)
+    assert loaded.stats.snapshot().fail.count == 2
+
+
+async def test_blocking_callers_still_take_the_worker_path() -> None:
+    loaded, (engine,) = model()
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    try:
+        response = await asyncio.to_thread(batcher.submit_sync, request(1.0), 1)
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert float(response.outputs[0].data[0, 0]) == 2.0 and engine.executed == 1 and not engine.batches
+
+
+async def test_closing_answers_the_launched_requests_then_refuses_new_ones() -> None:
+    loaded, (engine,) = model()
+    engine.device_s = 0.05
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    running = asyncio.ensure_future(batcher.submit(request(1.0), 1))
+    await asyncio.sleep(0)  # launched, on the device
+    closing = asyncio.ensure_future(asyncio.to_thread(batcher.close))
+    assert float((await running).outputs[0].data[0, 0]) == 2.0
+    await closing
+    with pytest.raises(VersionUnloadingError):
+        await batcher.submit(request(1.0), 1)
+
+
+@pytest.mark.parametrize(("batching", "parameters", "expected"), [
+    ("", "", "auto"),
+    ("preferred_batch_size: [ 4 ]", "", "auto"),
+    ("max_queue_delay_microseconds: 100", "", "off"),
+    ("priority_levels: 2 default_priority_level: 1", "", "off"),
+    ("default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 10 }", "", "off"),
+    ("", 'parameters { key: "launch_execution" value { string_value: "off" } }', "off"),
+])
+def test_launching_needs_no_queue_rules_and_can_be_turned_off(batching: str, parameters: str, expected: str) -> None:
+    loaded, _ = model(batching, parameters)
+    assert launch_mode(loaded, BatchingPolicy.from_config(loaded.spec.config)) == expected
+
+
+def test_engines_that_cannot_launch_are_never_launched_and_bad_values_are_named() -> None:
+    loaded, (engine,) = model()
+    engine.launches = False
+    assert launch_mode(loaded, BatchingPolicy.from_config(loaded.spec.config)) == "off"
+    loaded, _ = model(parameters='parameters { key: "launch_execution" value { string_value: "sometimes" } }')
+    with pytest.raises(InvalidArgumentError, match="'launch_execution' is 'sometimes'; expected auto or off"):
+        launch_mode(loaded, BatchingPolicy.from_config(loaded.spec.config))
