@@ -3,7 +3,8 @@ this process, N coroutines calling ``await server.infer`` on one event loop for 
 average batch and the server's phase times per request. Quicker to run than gpu_serving.py (no bench runner, no
 stability windows), for A/B comparisons of one change within one device session.
 
-    python benchmarks/inprocess_gpu.py REPO --concurrency 64 --instances 2 --preferred 16,32 [--fp16-inputs]
+    python benchmarks/inprocess_gpu.py REPO --concurrency 64 --instances 2 --preferred 8,32 [--fp16-inputs]
+        [--launch auto|off] [--streams N]
 
 REPO holds the built ``resnet50`` (kiln build ... --device cuda); the edited copy goes under /tmp.
 """

@@ -21,7 +21,7 @@ def test_a_gpu_build_gets_two_instances_and_preferred_sizes_that_split_a_full_qu
     (group,) = config.instance_group
     assert group.kind == pb.ModelInstanceGroup.KIND_GPU
     assert group.count == GPU_INSTANCES == 2
-    assert list(config.dynamic_batching.preferred_batch_size) == [16, 32]
+    assert list(config.dynamic_batching.preferred_batch_size) == [8, 32]
     assert config.dynamic_batching.max_queue_delay_microseconds == 0
 
 
@@ -33,17 +33,17 @@ def test_a_cpu_build_keeps_one_instance_and_plain_dynamic_batching() -> None:
     assert not config.dynamic_batching.preferred_batch_size
 
 
-@pytest.mark.parametrize(("max_batch", "preferred"), [(8, [2, 4]), (10, [2, 5]), (64, [16, 32]), (4, []),
-                                                      (1, [])])
-def test_preferred_sizes_only_when_a_quarter_batch_is_more_than_one_row(max_batch: int,
-                                                                       preferred: list[int]) -> None:
+@pytest.mark.parametrize(("max_batch", "preferred"), [(16, [2, 8]), (20, [2, 10]), (64, [8, 32]), (15, []),
+                                                      (8, []), (1, [])])
+def test_preferred_sizes_only_when_an_eighth_of_a_batch_is_more_than_one_row(max_batch: int,
+                                                                            preferred: list[int]) -> None:
     config = make_config("m", "pytorch", "", IO, max_batch, gpu=True, parameters={})
     assert list(config.dynamic_batching.preferred_batch_size) == preferred
     assert config.HasField("dynamic_batching") == (max_batch > 1)
 
 
 def test_preferred_sizes_are_whole_distinct_and_sorted() -> None:
-    assert gpu_preferred_batch_sizes(64) == [16, 32]
+    assert gpu_preferred_batch_sizes(64) == [8, 32]
     assert gpu_preferred_batch_sizes(2) == [1]
 
 
