@@ -10,7 +10,8 @@ and stages the next.
 
 Per model: ``parameters { key: "launch_execution" value { string_value: "auto" | "off" } }``. ``auto`` (the
 default) launches whenever every instance can and the batching policy needs no queue: no queue delay, one
-priority level, no queue policies (timeouts, queue sizes). Otherwise requests take the worker path.
+priority level, no queue policies (timeouts, queue sizes), no preserve_ordering (which orders answers across
+loops and workers). Otherwise requests take the worker path.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def launch_mode(model: LoadedModel, policy: BatchingPolicy) -> str:
     if mode not in ("auto", "off"):
         raise InvalidArgumentError(f"model '{model.name}': parameter '{PARAMETER}' is '{mode}'; expected auto or "
                                    f"off")
-    needs_queue = (policy.max_queue_delay_ns > 0 or policy.priority_levels > 1
+    needs_queue = (policy.max_queue_delay_ns > 0 or policy.priority_levels > 1 or policy.preserve_ordering
                    or any(q.timeout_us or q.max_queue_size for q in policy.queue_policies.values()))
     able = bool(model.engines) and all(engine.launches for engine in model.engines)
     return "auto" if mode == "auto" and able and not needs_queue else "off"

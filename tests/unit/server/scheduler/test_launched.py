@@ -186,6 +186,7 @@ async def test_closing_answers_the_launched_requests_then_refuses_new_ones() -> 
     ("preferred_batch_size: [ 4 ]", "", "auto"),
     ("max_queue_delay_microseconds: 100", "", "off"),
     ("priority_levels: 2 default_priority_level: 1", "", "off"),
+    ("preserve_ordering: true", "", "off"),
     ("default_queue_policy { timeout_action: REJECT default_timeout_microseconds: 10 }", "", "off"),
     ("", 'parameters { key: "launch_execution" value { string_value: "off" } }', "off"),
 ])
@@ -201,3 +202,46 @@ def test_engines_that_cannot_launch_are_never_launched_and_bad_values_are_named(
     loaded, _ = model(parameters='parameters { key: "launch_execution" value { string_value: "sometimes" } }')
     with pytest.raises(InvalidArgumentError, match="'launch_execution' is 'sometimes'; expected auto or off"):
         launch_mode(loaded, BatchingPolicy.from_config(loaded.spec.config))
+
+
+def test_a_server_launches_for_callers_on_several_event_loops_sharing_one_slot(tmp_path: Path) -> None:
+    """Two threads, each with its own event loop, share one device slot: a batch finishing on one loop must wake
+    the requests waiting on the other."""
+    from kiln.engines import EngineOptions, register_backend
+    from kiln.server import Server, ServerOptions
+
+    made: list[SlotEngine] = []
+
+    def factory(spec: object, model_file: Path, options: EngineOptions) -> SlotEngine:
+        engine = SlotEngine(spec, slots=1, device_s=0.002)
+        made.append(engine)
+        return engine
+
+    register_backend("kiln_test_launching", factory)
+    folder = tmp_path / "repo" / "m"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text((CONFIG % ("", "")).replace('"identity"', '"kiln_test_launching"'))
+    server = Server(ServerOptions(repositories=[tmp_path / "repo"]))
+    assert not server.start()
+    answers: dict[int, list[float]] = {}
+
+    def caller(index: int) -> None:
+        async def send() -> list[float]:
+            responses = await asyncio.gather(*(server.infer(request(100.0 * index + i)) for i in range(12)))
+            return [float(r.outputs[0].data[0, 0]) for r in responses]
+
+        answers[index] = asyncio.run(send())
+
+    try:
+        threads = [threading.Thread(target=caller, args=(index,)) for index in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        stats = server.model_statistics("m")[0]
+    finally:
+        server.close()
+    assert answers == {index: [100.0 * index + i + 1 for i in range(12)] for index in range(2)}
+    (engine,) = made
+    assert sum(engine.batches) == 24 and engine.executed == 0 and len(engine.launch_threads) == 2
+    assert stats.inference_count == 24 and engine.free == 1
