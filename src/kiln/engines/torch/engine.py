@@ -188,7 +188,9 @@ class TorchEngine(Engine):
                      outputs: Sequence[str]) -> LaunchedBatch | None:
         """Queue the batch on a free lane's stream and return; None without CUDA graphs or a free lane."""
         lanes = self._lanes
-        if lanes is None or self._function is None:
+        if self._function is None:
+            raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
+        if lanes is None:
             return None
         lane = lanes.try_take()
         if lane is None:

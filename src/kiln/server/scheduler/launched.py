@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -32,6 +34,9 @@ from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.server.stats import ExecutionTimes
 
 PARAMETER = "launch_execution"
+RETRY_S = 0.0005  # how soon requests retry when another caller (a blocking one, a draining scheduler) holds every lane
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,7 +85,9 @@ class LaunchRunner:
         self.active = launch_mode(model, policy) == "auto"
         self.inflight = 0
         self._signature = signature
-        self._queues: dict[asyncio.AbstractEventLoop, _LoopQueue] = {}
+        self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = weakref.WeakKeyDictionary()
+        self._out = 0  # batches launched and not yet collected (changed under _gate: loops and the waiter count)
+        self._stopped = False
         self._engine_turn = itertools.count()
         self._gate = threading.Lock()  # admission against close(), which runs on another thread
         self._closed = False
@@ -112,27 +119,49 @@ class LaunchRunner:
                 self.inflight -= 1
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Refuse new requests, wait (from another thread) for the admitted ones to finish, stop the waiter."""
+        """Refuse new requests; wait (from another thread) until the admitted ones are answered and every launched
+        batch is collected, so the engines can be closed; stop the waiter."""
         with self._gate:
             self._closed = True
         deadline = time.monotonic() + timeout_s
-        while self.inflight and time.monotonic() < deadline:
+        while (self.inflight or self._out) and time.monotonic() < deadline:
             time.sleep(0.001)
+        self._stopped = True  # anything still waiting now is answered with an error, never launched
         if self._waiter is not None:
             self._flights.put(None)
             self._waiter.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         """Launch batches from this loop's waiting requests while an instance has a free lane."""
-        pending = self._queues[loop]
+        pending = self._queues.get(loop)
+        if pending is None:
+            return
         pending.scheduled = False
-        items = [item for item in pending.items if not item.future.done()]
+        items = self._live(pending.items)
+        if self._stopped:
+            pending.items = []
+            self._fail(items, VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} "
+                                                    f"is unloading"))
+            return
         while items:
             batch = self._take_batch(items)
             if not self._launch(loop, batch):
-                items[:0] = batch  # every lane is busy: these go first once a batch finishes
+                items[:0] = batch  # every lane is busy: these go first once a lane comes free
+                if not self._out:  # none of ours will come back to wake them: someone else holds the lanes
+                    pending.scheduled = True
+                    loop.call_later(RETRY_S, self._flush, loop)
                 break
         pending.items = items
+
+    def _live(self, items: list[_Item]) -> list[_Item]:
+        """The waiting requests whose callers still wait (the others count as CANCELED, as on the worker path)."""
+        live = [item for item in items if not item.future.done()]
+        if len(live) < len(items):
+            now = time.monotonic_ns()
+            for item in items:
+                if item.future.done():
+                    self.model.stats.record_failure(now - item.enqueued_ns, "CANCELED")
+        return live
 
     def _take_batch(self, items: list[_Item]) -> list[_Item]:
         """The next batch: requests in arrival order with the first one's shapes, up to max_batch_size rows, cut
@@ -166,6 +195,7 @@ class LaunchRunner:
                 self._fail(batch, exc)
                 return True
             if launched is not None:
+                self._count_out(1)
                 self._flights.put(_Flight(loop, batch, launched, start, time.monotonic_ns()))
                 return True
         return False
@@ -182,15 +212,27 @@ class LaunchRunner:
             try:
                 flight.loop.call_soon_threadsafe(self._finish, flight)
             except RuntimeError:  # the loop is closed: nobody waits for these answers; free the lane here
-                try:
-                    flight.launched.collect()
-                except KilnError:
-                    pass
+                self._collect_unanswered(flight)
+
+    def _collect_unanswered(self, flight: _Flight) -> None:
+        try:
+            flight.launched.collect()
+        except BaseException:  # the waiter must live on: later batches need it
+            log.exception("model '%s': collecting a batch whose event loop has closed failed", self.model.name)
+        finally:
+            self._count_out(-1)
+
+    def _count_out(self, change: int) -> None:
+        with self._gate:
+            self._out += change
 
     def _finish(self, flight: _Flight) -> None:
         items = flight.items
         try:
-            results = flight.launched.collect()
+            try:
+                results = flight.launched.collect()
+            finally:
+                self._count_out(-1)
             if flight.failure is not None:
                 raise flight.failure
             infer_end = time.monotonic_ns()
@@ -200,13 +242,16 @@ class LaunchRunner:
             self._fail(items, exc)
         else:
             end = time.monotonic_ns()
-            times = ExecutionTimes(sum(item.rows for item in items), flight.start_ns,
-                                   flight.infer_start_ns - flight.start_ns, infer_end - flight.infer_start_ns,
-                                   end - infer_end)
-            self.model.stats.record_success(times, [item.enqueued_ns for item in items], end)
             for item, response in zip(items, responses, strict=True):
                 if not item.future.done():
                     item.future.set_result(response)
+            times = ExecutionTimes(sum(item.rows for item in items), flight.start_ns,
+                                   flight.infer_start_ns - flight.start_ns, infer_end - flight.infer_start_ns,
+                                   end - infer_end)
+            try:
+                self.model.stats.record_success(times, [item.enqueued_ns for item in items], end)
+            except Exception:  # a request observer's failure must not stop the next batches
+                log.exception("model '%s': recording a launched batch's statistics failed", self.model.name)
         self._flush_waiting(flight.loop)
 
     def _flush_waiting(self, here: asyncio.AbstractEventLoop) -> None:
@@ -221,7 +266,7 @@ class LaunchRunner:
                 try:
                     loop.call_soon_threadsafe(self._flush, loop)
                 except RuntimeError:  # a closed loop's requests are gone with it
-                    del self._queues[loop]
+                    self._queues.pop(loop, None)
 
     def _fail(self, items: list[_Item], exc: BaseException) -> None:
         error = exc if isinstance(exc, KilnError) else InternalError(f"model '{self.model.name}': {exc}")

@@ -158,6 +158,39 @@ async def test_a_launch_failure_fails_its_batch_only_and_the_next_batches_run() 
     assert loaded.stats.snapshot().fail.count == 2
 
 
+async def test_requests_retry_while_another_caller_holds_every_slot() -> None:
+    """A blocking caller (or a draining scheduler) can hold the engine's slots with none of this runner's batches
+    out, so no finished batch would wake the waiting requests: they retry on their own."""
+    loaded, (engine,) = model(slots=1)
+    engine.free = 0  # held elsewhere
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    try:
+        waiting = asyncio.ensure_future(batcher.submit(request(1.0), 1))
+        await asyncio.sleep(0.02)
+        assert not waiting.done() and not engine.batches
+        with engine.lock:
+            engine.free = 1  # given back by a thread this runner knows nothing of
+        response = await asyncio.wait_for(waiting, 5)
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert float(response.outputs[0].data[0, 0]) == 2.0 and engine.batches == [1]
+
+
+async def test_a_failing_request_observer_neither_loses_answers_nor_stops_the_runner() -> None:
+    def observer(times: object) -> None:
+        raise RuntimeError("observer broke")
+
+    loaded, (engine,) = model()
+    loaded.stats.observers.append(observer)
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    try:
+        first = await asyncio.wait_for(batcher.submit(request(1.0), 1), 5)
+        second = await asyncio.wait_for(batcher.submit(request(2.0), 1), 5)
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert [float(r.outputs[0].data[0, 0]) for r in (first, second)] == [2.0, 3.0]
+
+
 async def test_blocking_callers_still_take_the_worker_path() -> None:
     loaded, (engine,) = model()
     batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
