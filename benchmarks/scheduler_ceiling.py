@@ -6,7 +6,8 @@ way a thread waits for a CUDA stream. Clients are coroutines calling ``kiln.Serv
 the frontends do. The printout compares the served rate with what the fake device alone allows at the batch sizes
 that were actually formed, so what is lost between batches (queueing, staging, answering, resubmitting) shows as
 the gap. The defaults resemble ResNet-50 FP16 on an H200: FP32 images of 3x224x224, about 1.0 ms per batch plus
-30 us per image.
+30 us per image. Each setting runs on both serving paths side by side: batches run by the instances' worker
+threads, and batches launched from the event loop (docs/scheduling.md, "Launched execution").
 
     python benchmarks/scheduler_ceiling.py --output benchmarks/results/scheduler_ceiling-<date>.json
 """
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,15 +41,21 @@ input [ {{ name: "x" data_type: TYPE_FP32 dims: [ {dims} ] }} ]
 output [ {{ name: "y" data_type: TYPE_FP32 dims: [ 10 ] }} ]
 instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
 dynamic_batching {{ {batching} }}
+parameters {{ key: "launch_execution" value {{ string_value: "{launch}" }} }}
 """
+PATHS = {"workers": "off", "launched": "auto"}  # --paths name: the config's launch_execution
 
 
 class DeviceStandIn(Engine):
-    """Stages rows like the PyTorch backend, then waits without the GIL as a CUDA stream would."""
+    """Stages rows like the PyTorch backend, then waits without the GIL as a CUDA stream would. Like a CUDA graph
+    engine it can also launch a batch (on one of ``SLOTS`` staging buffers, the lanes) and be waited for later;
+    each instance's device runs one batch at a time in both paths."""
 
     thread_safe = False
+    launches = True
     base_s = 0.001
     per_row_s = 0.00003
+    SLOTS = 8
 
     def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
         super().__init__(spec)
@@ -56,16 +64,51 @@ class DeviceStandIn(Engine):
         from kiln.engines.torch.staging import RowStaging
 
         dims = tuple(spec.input("x").dims)
-        self._staging = RowStaging(torch.float32, dims, batching=True, max_rows=spec.max_batch_size, pinned=False)
+        self._slots = [RowStaging(torch.float32, dims, batching=True, max_rows=spec.max_batch_size, pinned=False)
+                       for _ in range(self.SLOTS)]
+        self._lock = threading.Lock()
+        self._device_free_at = 0.0
 
     def execute(self, inputs: Mapping[str, Any], outputs: Sequence[str]) -> dict[str, Any]:
         return self.execute_parts([inputs], outputs)
 
     def execute_parts(self, parts: Sequence[Mapping[str, Any]], outputs: Sequence[str]) -> dict[str, Any]:
-        staged = self._staging.fill([part["x"] for part in parts])
+        launched = self.launch_parts(parts, outputs)
+        assert launched is not None, "the worker path holds one slot at a time"
+        launched.wait()
+        return launched.collect()
+
+    def launch_parts(self, parts: Sequence[Mapping[str, Any]], outputs: Sequence[str]) -> _StandInBatch | None:
+        with self._lock:
+            if not self._slots:
+                return None
+            staging = self._slots.pop()
+        staged = staging.fill([part["x"] for part in parts])
         rows = int(staged.shape[0])
-        time.sleep(self.base_s + self.per_row_s * rows)
-        return {outputs[0]: staged.reshape(rows, -1)[:, :10].numpy().copy()}
+        with self._lock:  # the device takes batches in launch order, one at a time
+            self._device_free_at = max(time.monotonic(), self._device_free_at) + self.base_s + self.per_row_s * rows
+            done_at = self._device_free_at
+        return _StandInBatch(self, staging, staged, done_at, outputs[0])
+
+    def give_back(self, staging: Any) -> None:
+        with self._lock:
+            self._slots.append(staging)
+
+
+class _StandInBatch:
+    def __init__(self, engine: DeviceStandIn, staging: Any, staged: Any, done_at: float, output: str) -> None:
+        self._engine, self._staging, self._staged, self._done_at, self._output = (engine, staging, staged, done_at,
+                                                                                  output)
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self._done_at - time.monotonic()))
+
+    def collect(self) -> dict[str, Any]:
+        self.wait()
+        rows = int(self._staged.shape[0])
+        result = {self._output: self._staged.reshape(rows, -1)[:, :10].numpy().copy()}
+        self._engine.give_back(self._staging)
+        return result
 
 
 async def _drive(server: Server, image: np.ndarray, concurrency: int, seconds: float) -> int:
@@ -114,6 +157,9 @@ def main() -> int:
     parser.add_argument("--instances", default="1,2")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--preferred", default="", help="preferred_batch_size list, e.g. 8")
+    parser.add_argument("--paths", default="workers,launched",
+                        help="workers (instances' worker threads run batches) and/or launched (the event loop "
+                             "launches them: docs/scheduling.md)")
     parser.add_argument("--dims", default="3,224,224", help="one request's image, FP32")
     parser.add_argument("--base-ms", type=float, default=1.0, help="fake device time per batch")
     parser.add_argument("--per-row-us", type=float, default=30.0, help="fake device time per image")
@@ -127,24 +173,27 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kiln-ceiling-") as tmp:
         for instances in (int(n) for n in args.instances.split(",")):
-            repo = Path(tmp) / f"i{instances}"
-            (repo / "m" / "1").mkdir(parents=True)
-            (repo / "m" / "config.pbtxt").write_text(CONFIG.format(
-                backend=BACKEND, max_batch=args.max_batch_size, dims=", ".join(map(str, dims)), instances=instances,
-                batching=f"preferred_batch_size: [ {args.preferred} ]" if args.preferred else ""))
             for concurrency in (int(c) for c in args.concurrency.split(",")):
-                row = {"instances": instances, **_measure(repo, image, concurrency, args.seconds)}
-                rows.append(row)
-                print(row, file=sys.stderr, flush=True)
+                for path in args.paths.split(","):  # side by side, so the machine's drift hits both alike
+                    repo = Path(tmp) / f"i{instances}-{path}"
+                    if not repo.exists():
+                        (repo / "m" / "1").mkdir(parents=True)
+                        (repo / "m" / "config.pbtxt").write_text(CONFIG.format(
+                            backend=BACKEND, max_batch=args.max_batch_size, dims=", ".join(map(str, dims)),
+                            instances=instances, launch=PATHS[path],
+                            batching=f"preferred_batch_size: [ {args.preferred} ]" if args.preferred else ""))
+                    row = {"instances": instances, "path": path, **_measure(repo, image, concurrency, args.seconds)}
+                    rows.append(row)
+                    print(row, file=sys.stderr, flush=True)
     info = {**machine_info(), "command": command_line()}
     lines = [line for line in header_lines("kiln scheduler ceiling: in-process serving against a device stand-in",
                                            info) if not line.startswith("load generators")]
     lines += [f"device stand-in: {args.base_ms:g} ms per batch + {args.per_row_us:g} us per image, FP32 images "
               f"{'x'.join(map(str, dims))}, max_batch_size {args.max_batch_size}, {args.seconds:g} s per row", ""]
     lines += format_table(
-        ["instances", "conc", "req/s", "avg batch", "device-bound req/s", "served/device-bound", "queue us",
+        ["instances", "path", "conc", "req/s", "avg batch", "device-bound req/s", "served/device-bound", "queue us",
          "compute_infer us", "client latency us"],
-        [[r["instances"], r["concurrency"], f"{r['requests_per_s']:,.0f}", f"{r['average_batch']:.1f}",
+        [[r["instances"], r["path"], r["concurrency"], f"{r['requests_per_s']:,.0f}", f"{r['average_batch']:.1f}",
           f"{r['device_bound_per_s']:,.0f}", f"{r['of_device_bound']:.2f}", f"{r['queue_us']:,.0f}",
           f"{r['compute_infer_us']:,.0f}", f"{r['client_latency_us']:,.0f}"] for r in rows])
     print("\n".join(lines))
