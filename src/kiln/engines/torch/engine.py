@@ -341,15 +341,18 @@ class _LaunchedGraph:
         self._lanes = lanes
         self._lane: GraphLane | None = lane
         self._hosts = hosts
+        self._done = False
 
     def wait(self) -> None:
         self._synchronize(self._held())
+        self._done = True
 
     def collect(self) -> dict[str, Array]:
         lane = self._held()
         self._lane = None
         try:
-            self._synchronize(lane)  # returns at once after wait()
+            if not self._done:  # after wait(), not again: synchronizing gives up the GIL, and the loop would wait
+                self._synchronize(lane)  # to get it back from whichever thread took it
             return self._engine._host_results(self._hosts)
         finally:
             lane.graphs.lock.release()
