@@ -48,7 +48,7 @@ class Variant:
     delay_us: int = 0
     switch_interval_s: float | None = None  # sys.setswitchinterval while this variant runs
     preferred: tuple[int, ...] = ()  # dynamic_batching.preferred_batch_size
-    as_built: bool = False  # keep the build's instances and preferred sizes (2 GPU instances, a quarter and a half)
+    as_built: bool = False  # keep the build's instances and preferred sizes (2 GPU instances, an eighth and a half)
     fp16_inputs: bool = False  # the config takes FP16 images (301 KB) instead of FP32 (602 KB)
     parameters: dict[str, str] = field(default_factory=dict)
 
@@ -69,7 +69,11 @@ def variants(instances: list[int]) -> list[Variant]:
                Variant("served, batching, as built, GIL switch 0.2 ms", "inprocess", instances=0, as_built=True,
                        switch_interval_s=0.0002),
                Variant("served, batching, as built, FP16 inputs", "inprocess", instances=0, as_built=True,
-                       fp16_inputs=True)]
+                       fp16_inputs=True),
+               Variant("served, batching, as built, worker threads", "inprocess", instances=0, as_built=True,
+                       parameters={"launch_execution": "off"}),
+               Variant(f"served, batching, {best} instances, preferred 16, FP16 inputs", "inprocess",
+                       instances=best, preferred=(16,), fp16_inputs=True)]
     return chosen
 
 
