@@ -11,13 +11,13 @@ Per model: ``parameters { key: "inline_execution" value { string_value: "auto" |
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable, Hashable
 
-from kiln.errors import InternalError, InvalidArgumentError, KilnError, VersionUnloadingError
+from kiln.errors import InternalError, InvalidArgumentError, KilnError
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
+from kiln.server.scheduler.admission import Admission
 from kiln.server.stats import ExecutionTimes
 
 PARAMETER = "inline_execution"
@@ -46,9 +46,7 @@ class InlineRunner:
         self._samples = 0
         self._pending: list[_Item] = []
         self._scheduled = False
-        self._gate = threading.Lock()  # admission against close(), which runs on another thread
-        self._closed = False
-        self.inflight = 0
+        self._admission = Admission(model.name, model.version)
 
     def observe(self, times: ExecutionTimes) -> None:
         """Learn how long executions take (called after every batch, from any thread; races only blur it)."""
@@ -61,12 +59,12 @@ class InlineRunner:
             return False
         return self.mode == "on" or (self._samples >= MIN_SAMPLES and self._ewma_ns < FAST_NS)
 
+    @property
+    def inflight(self) -> int:
+        return self._admission.inflight
+
     async def submit(self, request: InferRequest, rows: int) -> InferResponse:
-        with self._gate:
-            if self._closed:
-                raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is unloading")
-            self.inflight += 1
-        try:
+        with self._admission:
             loop = asyncio.get_running_loop()
             future: asyncio.Future[InferResponse] = loop.create_future()
             self._pending.append((request, rows, time.monotonic_ns(), future, self._signature(request)))
@@ -74,17 +72,10 @@ class InlineRunner:
                 self._scheduled = True
                 loop.call_soon(self._flush)
             return await future
-        finally:
-            with self._gate:
-                self.inflight -= 1
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Refuse new requests, then wait (from another thread) for the admitted ones to finish."""
-        with self._gate:
-            self._closed = True
-        deadline = time.monotonic() + timeout_s
-        while self.inflight and time.monotonic() < deadline:
-            time.sleep(0.001)
+        self._admission.close(timeout_s)
 
     def _flush(self) -> None:
         self._scheduled = False

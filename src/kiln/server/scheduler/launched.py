@@ -30,6 +30,7 @@ from kiln.engines.base import LaunchedBatch
 from kiln.errors import InternalError, InvalidArgumentError, KilnError, VersionUnloadingError
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
+from kiln.server.scheduler.admission import Admission
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.server.stats import ExecutionTimes
 
@@ -83,14 +84,13 @@ class LaunchRunner:
         self.model = model
         self.policy = policy
         self.active = launch_mode(model, policy) == "auto"
-        self.inflight = 0
         self._signature = signature
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = weakref.WeakKeyDictionary()
-        self._out = 0  # batches launched and not yet collected (changed under _gate: loops and the waiter count)
+        self._admission = Admission(model.name, model.version)
+        self._out = 0  # batches launched and not yet collected (loops and the waiter count them, under the lock)
+        self._out_lock = threading.Lock()
         self._stopped = False
         self._engine_turn = itertools.count()
-        self._gate = threading.Lock()  # admission against close(), which runs on another thread
-        self._closed = False
         self._flights: queue.SimpleQueue[_Flight | None] = queue.SimpleQueue()
         self._waiter: threading.Thread | None = None
         if self.active:
@@ -98,12 +98,12 @@ class LaunchRunner:
                                             name=f"kiln-{model.name}-{model.version}-launched")
             self._waiter.start()
 
+    @property
+    def inflight(self) -> int:
+        return self._admission.inflight
+
     async def submit(self, request: InferRequest, rows: int) -> InferResponse:
-        with self._gate:
-            if self._closed:
-                raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is unloading")
-            self.inflight += 1
-        try:
+        with self._admission:
             loop = asyncio.get_running_loop()
             future: asyncio.Future[InferResponse] = loop.create_future()
             pending = self._queues.get(loop)
@@ -114,18 +114,11 @@ class LaunchRunner:
                 pending.scheduled = True
                 loop.call_soon(self._flush, loop)
             return await future
-        finally:
-            with self._gate:
-                self.inflight -= 1
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Refuse new requests; wait (from another thread) until the admitted ones are answered and every launched
         batch is collected, so the engines can be closed; stop the waiter."""
-        with self._gate:
-            self._closed = True
-        deadline = time.monotonic() + timeout_s
-        while (self.inflight or self._out) and time.monotonic() < deadline:
-            time.sleep(0.001)
+        deadline = self._admission.close(timeout_s, busy=lambda: self._out > 0)
         self._stopped = True  # anything still waiting now is answered with an error, never launched
         if self._waiter is not None:
             self._flights.put(None)
@@ -223,7 +216,7 @@ class LaunchRunner:
             self._count_out(-1)
 
     def _count_out(self, change: int) -> None:
-        with self._gate:
+        with self._out_lock:
             self._out += change
 
     def _finish(self, flight: _Flight) -> None:
