@@ -45,15 +45,14 @@ class LoadedModel:
                   rows: list[int]) -> tuple[list[InferResponse], ExecutionTimes]:
         """Execute requests with identical input shapes as one batch; split the outputs back per request."""
         start = time.monotonic_ns()
-        parts = [{tensor.name: tensor.data for tensor in request.inputs} for request in requests]
-        names = _output_names(self.spec, requests)
+        parts, names = _parts(requests), _output_names(self.spec, requests)
         infer_start = time.monotonic_ns()
         try:
             results = engine.execute_parts(parts, names)
         except KilnError:
             raise
         except Exception as exc:  # an engine's own failure: report it as INTERNAL, never crash the worker
-            raise InternalError(f"model '{self.name}' version {self.version}: {type(exc).__name__}: {exc}") from exc
+            raise self._engine_failure(exc) from exc
         infer_end = time.monotonic_ns()
         responses = self.responses(requests, rows, results)
         end = time.monotonic_ns()
@@ -64,13 +63,15 @@ class LoadedModel:
     def launch_batch(self, engine: Engine, requests: list[InferRequest]) -> LaunchedBatch | None:
         """Queue requests with identical input shapes on ``engine``'s device as one batch (Engine.launch_parts);
         None when the engine has no free buffers for it now."""
-        parts = [{tensor.name: tensor.data for tensor in request.inputs} for request in requests]
         try:
-            return engine.launch_parts(parts, _output_names(self.spec, requests))
+            return engine.launch_parts(_parts(requests), _output_names(self.spec, requests))
         except KilnError:
             raise
         except Exception as exc:
-            raise InternalError(f"model '{self.name}' version {self.version}: {type(exc).__name__}: {exc}") from exc
+            raise self._engine_failure(exc) from exc
+
+    def _engine_failure(self, exc: Exception) -> InternalError:
+        return InternalError(f"model '{self.name}' version {self.version}: {type(exc).__name__}: {exc}")
 
     def responses(self, requests: list[InferRequest], rows: list[int],
                   results: dict[str, npt.NDArray[Any]]) -> list[InferResponse]:
@@ -95,6 +96,11 @@ class LoadedModel:
             classes = classify(self.name, name, data, classification, self.spec.batching, self.labels.get(name, []))
             return OutputTensor(name, DataType.BYTES, classes.shape, classes)
         return OutputTensor(name, self.spec.output_map[name].datatype, data.shape, data)
+
+
+def _parts(requests: list[InferRequest]) -> list[dict[str, Any]]:
+    """Each request's input arrays by name: one part of a batch."""
+    return [{tensor.name: tensor.data for tensor in request.inputs} for request in requests]
 
 
 def _output_names(spec: ModelSpec, requests: list[InferRequest]) -> list[str]:

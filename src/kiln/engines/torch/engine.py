@@ -125,7 +125,7 @@ class TorchEngine(Engine):
         except KilnError:
             raise
         except Exception as exc:  # anything torch raises while running the model
-            raise InternalError(f"model '{self.spec.name}': PyTorch failed: {exc}") from exc
+            raise torch_failure(self.spec, exc) from exc
 
     def close(self) -> None:
         if self._lanes is not None:
@@ -205,7 +205,7 @@ class TorchEngine(Engine):
             lanes.give_back(lane)
             if isinstance(exc, KilnError):
                 raise
-            raise InternalError(f"model '{self.spec.name}': PyTorch failed: {exc}") from exc
+            raise torch_failure(self.spec, exc) from exc
         return _LaunchedGraph(self, lanes, lane, hosts)
 
     def _execute_graph(self, lanes: LanePool[GraphLane], parts: Sequence[Mapping[str, Array]],
@@ -367,7 +367,12 @@ class _LaunchedGraph:
         try:
             lane.done.synchronize()
         except Exception as exc:  # a fault on the device surfaces here
-            raise InternalError(f"model '{self._engine.spec.name}': PyTorch failed: {exc}") from exc
+            raise torch_failure(self._engine.spec, exc) from exc
+
+
+def torch_failure(spec: ModelSpec, exc: BaseException) -> InternalError:
+    """What the caller sees when PyTorch itself fails (not a request's mistake)."""
+    return InternalError(f"model '{spec.name}': PyTorch failed: {exc}")
 
 
 def join_rows(values: Sequence[Any]) -> Any:
