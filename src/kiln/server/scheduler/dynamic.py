@@ -66,12 +66,12 @@ class DynamicBatcher:
         return self._inflight + self._inline.inflight + self._launcher.inflight
 
     async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
-        if self._launcher.active:
-            return await self._launcher.submit(request, batch_size)
-        if self._inline.wanted() and not self._busy and not len(self._queue):
+        launched = self._launcher.active
+        if launched or (self._inline.wanted() and not self._busy and not len(self._queue)):
             if request.parameters:
                 self.policy.priority_of(self.model.name, request)  # still reject bad parameters
-            return await self._inline.submit(request, batch_size)
+            runner = self._launcher if launched else self._inline
+            return await runner.submit(request, batch_size)
         waiter: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
         self._enqueue(request, batch_size, waiter)
         return await waiter

@@ -191,6 +191,19 @@ async def test_a_failing_request_observer_neither_loses_answers_nor_stops_the_ru
     assert [float(r.outputs[0].data[0, 0]) for r in (first, second)] == [2.0, 3.0]
 
 
+async def test_bad_request_parameters_are_refused_as_on_the_worker_path() -> None:
+    loaded, (engine,) = model()
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    bad = request(1.0)
+    bad.parameters["priority"] = "high"
+    try:
+        with pytest.raises(InvalidArgumentError, match="priority"):
+            await batcher.submit(bad, 1)
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert not engine.batches
+
+
 async def test_blocking_callers_still_take_the_worker_path() -> None:
     loaded, (engine,) = model()
     batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
