@@ -58,6 +58,14 @@ async def _drive(server: Server, images: list[np.ndarray], datatype: DataType, s
     return done
 
 
+def _graphs(server: Server) -> tuple[str, int]:
+    """Lanes in use per instance, and CUDA graphs captured over all instances' lanes."""
+    engines = [engine for version in server._models[MODEL].versions.values() if version.loaded is not None
+               for engine in version.loaded.engines]
+    lanes = "+".join(str(getattr(engine, "cuda_streams_in_use", 0)) for engine in engines)
+    return lanes, sum(getattr(engine, "cuda_graph_count", 0) for engine in engines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("repo", type=Path)
@@ -86,11 +94,13 @@ def main() -> int:
             images = [rng.random((1, 3, 224, 224)).astype(np.float16 if args.fp16_inputs else np.float32)
                       for _ in range(args.concurrency)]
             asyncio.run(_drive(server, images, datatype, 2.0))  # warm-up: lanes, buffers
+            graphs_before = _graphs(server)
             before = server.model_statistics(MODEL)[0]
             started = time.perf_counter()
             count = asyncio.run(_drive(server, images, datatype, args.seconds))
             elapsed = time.perf_counter() - started
             after = server.model_statistics(MODEL)[0]
+            graphs_after = _graphs(server)
         finally:
             server.close()
     executions = max(1, after.execution_count - before.execution_count)
@@ -101,7 +111,9 @@ def main() -> int:
           f"launch {args.launch}, streams {args.streams or 'config'}, "
           f"c={args.concurrency}: {count / elapsed:,.0f} img/s, average batch "
           f"{(after.inference_count - before.inference_count) / executions:.1f}, "
-          + ", ".join(f"{phase} {us:,.0f} us" for phase, us in phases.items()), flush=True)
+          + ", ".join(f"{phase} {us:,.0f} us" for phase, us in phases.items())
+          + f", lanes {graphs_after[0]}, graphs captured while measured {graphs_after[1] - graphs_before[1]}",
+          flush=True)
     return 0
 
 

@@ -102,6 +102,12 @@ class TorchEngine(Engine):
         return tuple(sorted({size for lane in lanes for size in lane.graphs.batch_sizes}))
 
     @property
+    def cuda_graph_count(self) -> int:
+        """CUDA graphs captured so far over all lanes (each lane captures a batch size on its first use)."""
+        lanes = self._lanes.lanes if self._lanes is not None else ()
+        return sum(len(lane.graphs.batch_sizes) for lane in lanes)
+
+    @property
     def cuda_streams_in_use(self) -> int:
         """How many lanes (CUDA streams, each with its own graphs) concurrent callers have needed so far."""
         return len(self._lanes.lanes) if self._lanes is not None else 0

@@ -5,12 +5,12 @@ asynchronously on the caller's stream; a fresh pinned buffer per batch would cos
 concatenating requests first would copy every byte twice. On the CPU the same class works unpinned, which is how
 its row bookkeeping is tested without a GPU.
 
-A large batch is copied by a few threads at once, each taking every k-th request (numpy gives up the GIL while it
-copies). One thread moves 12-13 GB/s on an H200 host; four moved 17-33 GB/s there, while torch's own parallel copy
-(``torch.cat`` into the buffer, or one ``copy_`` per request) reached 4-10 GB/s (benchmarks/results/
-staging_copy-h200-2026-12-03.txt). A batch of 32 FP32 images is 19 MB, so the copy decides a large part of a
-batch's host time. Small fills (one direct caller's request) stay on the calling thread: waking helpers costs more
-than it saves, and many callers would oversubscribe the cores they already keep busy.
+A large batch is copied by a few threads at once (the caller among them), each taking every k-th request (numpy
+gives up the GIL while it copies). One thread moves 12-13 GB/s on an H200 host; four moved 17-33 GB/s there, while
+torch's own parallel copy (``torch.cat`` into the buffer, or one ``copy_`` per request) reached 4-10 GB/s
+(benchmarks/results/staging_copy-h200-2026-12-03.txt). A batch of 32 FP32 images is 19 MB, so the copy decides a
+large part of a batch's host time. Small fills (one direct caller's request) stay on the calling thread: waking
+helpers costs more than it saves, and many callers would oversubscribe the cores they already keep busy.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -76,8 +77,14 @@ class RowStaging:
             offset += rows
         threads = COPY_THREADS
         if threads > 1 and len(placed) > 1 and total * view[0].nbytes >= PARALLEL_COPY_BYTES:  # view[0]: one row
-            for _ in _copy_pool().map(_copy_all, [placed[i::threads] for i in range(threads)]):
-                pass  # iterating re-raises a failed copy here
+            # The calling thread copies a share too, rather than idling until the helpers are done.
+            helpers = [_copy_pool().submit(_copy_all, placed[i::threads]) for i in range(1, threads)]
+            try:
+                _copy_all(placed[::threads])
+            finally:
+                futures.wait(helpers)  # no share may still be writing once fill returns or raises
+            for helper in helpers:
+                helper.result()  # re-raises a failed copy here
         else:
             _copy_all(placed)
         assert self._buffer is not None
@@ -110,7 +117,7 @@ def _copy_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=max(2, COPY_THREADS), thread_name_prefix="kiln-staging")
+            _pool = ThreadPoolExecutor(max_workers=max(1, COPY_THREADS - 1), thread_name_prefix="kiln-staging")
         return _pool
 
 

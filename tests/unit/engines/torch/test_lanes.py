@@ -131,12 +131,16 @@ def test_contiguous_parts_of_several_rows_land_in_order_whichever_copy_runs(monk
     np.testing.assert_array_equal(again.numpy(), np.concatenate(parts[1:]))
 
 
-def test_a_failed_shared_copy_raises_in_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("bad_at", [0, 1])  # the calling thread's share, or the helper's
+def test_a_failed_shared_copy_raises_in_the_caller(monkeypatch: pytest.MonkeyPatch, bad_at: int) -> None:
     monkeypatch.setattr(staging_module, "PARALLEL_COPY_BYTES", 0)
     monkeypatch.setattr(staging_module, "COPY_THREADS", 2)
     staging = RowStaging(torch.float32, (3,), batching=True, max_rows=8, pinned=False)
-    with pytest.raises(ValueError):  # a part whose rows do not have the row shape
-        staging.fill([np.zeros((1, 3), np.float32), np.zeros((1, 4), np.float32)])
+    parts = [np.zeros((1, 3), np.float32), np.zeros((1, 3), np.float32)]
+    parts[bad_at] = np.zeros((1, 4), np.float32)  # a part whose rows do not have the row shape
+    with pytest.raises(ValueError):
+        staging.fill(parts)
+    np.testing.assert_array_equal(staging.fill([np.ones((2, 3), np.float32)]).numpy(), np.ones((2, 3)))
 
 
 def test_request_rows_join_as_numpy_or_on_the_tensors_device() -> None:
