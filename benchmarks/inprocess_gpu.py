@@ -4,7 +4,7 @@ average batch and the server's phase times per request. Quicker to run than gpu_
 stability windows), for A/B comparisons of one change within one device session.
 
     python benchmarks/inprocess_gpu.py REPO --concurrency 64 --instances 2 --preferred 8,32 [--fp16-inputs]
-        [--launch auto|off] [--streams N]
+        [--launch auto|off] [--streams N] [--copy-threads N] [--parallel-copy-mb MB]
 
 REPO holds the built ``resnet50`` (kiln build ... --device cuda); the edited copy goes under /tmp.
 """
@@ -22,6 +22,7 @@ import numpy as np
 
 from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.parse import config_to_text, read_config
+from kiln.engines.torch import staging
 from kiln.server import InferRequest, InputTensor, Server, ServerOptions
 from kiln.tensor import DataType
 
@@ -77,7 +78,15 @@ def main() -> int:
     parser.add_argument("--launch", choices=("auto", "off"), default="auto",
                         help="launch_execution: batches launched from the event loop (auto) or run by workers (off)")
     parser.add_argument("--streams", type=int, default=0, help="cuda_streams per instance (default: the config's)")
+    parser.add_argument("--copy-threads", type=int, default=0,
+                        help="threads sharing a large staging copy (default: kiln's, staging.COPY_THREADS)")
+    parser.add_argument("--parallel-copy-mb", type=float, default=0.0,
+                        help="staging copies from this size are shared (default: kiln's, PARALLEL_COPY_BYTES)")
     args = parser.parse_args()
+    if args.copy_threads:
+        staging.COPY_THREADS = args.copy_threads
+    if args.parallel_copy_mb:
+        staging.PARALLEL_COPY_BYTES = int(args.parallel_copy_mb * (1 << 20))
     preferred = [int(p) for p in args.preferred.split(",") if p]
     with tempfile.TemporaryDirectory(prefix="kiln-inprocess-gpu-") as tmp:
         repo = _variant(args.repo, Path(tmp), args.instances, preferred, args.fp16_inputs, args.launch)
@@ -108,7 +117,8 @@ def main() -> int:
               / max(1, getattr(after, phase).count - getattr(before, phase).count) / 1000
               for phase in ("queue", "compute_input", "compute_infer", "compute_output")}
     print(f"instances {args.instances}, preferred {preferred or '-'}, fp16 inputs {args.fp16_inputs}, "
-          f"launch {args.launch}, streams {args.streams or 'config'}, "
+          f"launch {args.launch}, streams {args.streams or 'config'}, copy threads {staging.COPY_THREADS} from "
+          f"{staging.PARALLEL_COPY_BYTES / (1 << 20):g} MB, "
           f"c={args.concurrency}: {count / elapsed:,.0f} img/s, average batch "
           f"{(after.inference_count - before.inference_count) / executions:.1f}, "
           + ", ".join(f"{phase} {us:,.0f} us" for phase, us in phases.items())

@@ -35,6 +35,8 @@ from _common import command_line, format_table, write_json
 
 import kiln
 from kiln.build import BuildOptions, build
+from kiln.config._generated import model_config_pb2 as pb
+from kiln.config.parse import read_config
 from kiln.demo.resnet import build_resnet50
 from kiln.testing.serve import kiln_serve
 
@@ -47,7 +49,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--seconds", type=float, default=5.0, help="timed window per row")
-    parser.add_argument("--dynamic-batching", action="store_true", help="add dynamic_batching to the config")
+    parser.add_argument("--dynamic-batching", action="store_true",
+                        help="add dynamic_batching to a config without it (a GPU build already has it)")
     parser.add_argument("--repo", type=Path, default=None, help="a repository with resnet50 built (else built here)")
     parser.add_argument("--io-dtype", choices=["model", "fp16"], default="model",
                         help="build with FP16 inputs and outputs (301 KB requests) instead of FP32")
@@ -66,8 +69,8 @@ def main() -> int:
         parser.error(f"--tensors: unknown {sorted(unknown)}; expected some of {', '.join(TENSORS)}")
     header = ["# Shared memory on a GPU server: ResNet-50 FP16, batch-1 requests",
               f"command: {command_line()}", f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-              f"gpu: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, kiln {kiln.__version__}, "
-              f"dynamic batching: {'on' if args.dynamic_batching else 'off'}", ""]
+              f"gpu: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, kiln {kiln.__version__}",
+              "config: {config}", ""]
     rows: list[dict[str, Any]] = []
 
     def record(row: dict[str, Any]) -> None:
@@ -78,22 +81,34 @@ def main() -> int:
                                       [[r["path"], r["tensors"], r["concurrency"], f"{r['requests_per_s']:,.0f}"]
                                        for r in rows])
         if args.output:
-            write_json(args.output, {"command": command_line(), "dynamic_batching": args.dynamic_batching,
+            write_json(args.output, {"command": command_line(), "config": header[4][len("config: "):],
                                      "rows": rows})
             args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-shm-") as tmp:
         repo = args.repo or _build(Path(tmp), args.io_dtype)
-        if args.dynamic_batching:
-            config = repo / MODEL / "config.pbtxt"
-            if "dynamic_batching" not in config.read_text():
-                config.write_text(config.read_text() + "\ndynamic_batching { max_queue_delay_microseconds: 500 }\n")
+        config = repo / MODEL / "config.pbtxt"
+        if args.dynamic_batching and "dynamic_batching" not in config.read_text():
+            config.write_text(config.read_text() + "\ndynamic_batching { max_queue_delay_microseconds: 500 }\n")
+        header[4] = header[4].format(config=_config_summary(config))
         _direct_rows(repo, levels, args.seconds, record)
         _served_rows(repo, levels, args.seconds, tensors, args.client_processes, record)
     print("\n".join(header + format_table(
         ["path", "tensors", "concurrency", "requests/s"],
         [[r["path"], r["tensors"], r["concurrency"], f"{r['requests_per_s']:,.0f}"] for r in rows])))
     return 0
+
+
+def _config_summary(path: Path) -> str:
+    """What decides the served rows: instances, dynamic batching and its preferred sizes, the inputs' dtype."""
+    config = read_config(path.parent)
+    assert config is not None
+    instances = sum(group.count or 1 for group in config.instance_group) or 1
+    batching = (f"dynamic batching, preferred {list(config.dynamic_batching.preferred_batch_size) or '-'}, delay "
+                f"{config.dynamic_batching.max_queue_delay_microseconds} us"
+                if config.HasField("dynamic_batching") else "no dynamic batching")
+    dtypes = sorted({pb.DataType.Name(tensor.data_type) for tensor in config.input})
+    return f"{instances} instance(s), {batching}, inputs {', '.join(dtypes)}"
 
 
 def _build(root: Path, io_dtype: str) -> Path:
