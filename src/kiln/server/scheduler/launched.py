@@ -2,11 +2,11 @@
 
 With a worker thread per instance, each batch crosses between the loop and a worker twice, and a worker that waits
 for the GPU without the GIL must then wait for the busy loop to give the GIL back, up to the interpreter's switch
-interval each time. Here the event loop itself forms a batch from the requests that arrived in one turn, stages it
-into a free lane and queues it on the GPU (``Engine.launch_parts``), then goes on serving; one waiter thread
-blocks on the device and hands each finished batch back to its loop, which collects the outputs and answers.
-Batches on different lanes overlap: one batch's copies and kernels run while the loop answers another's callers
-and stages the next.
+interval each time. Here the event loop itself forms a batch from the requests waiting on it, stages it into a
+free lane of an instance that has no batch out and queues it on the GPU (``Engine.launch_parts``), then goes on
+serving; one waiter thread blocks on the device and hands each finished batch back to its loop, which collects the
+outputs, answers, and launches what arrived meanwhile. Batches of different instances overlap: one batch's copies
+and kernels run while the loop answers another's callers and stages the next.
 
 Per model: ``parameters { key: "launch_execution" value { string_value: "auto" | "off" } }``. ``auto`` (the
 default) launches whenever every instance can and the batching policy needs no queue: no queue delay, one
@@ -36,6 +36,11 @@ from kiln.server.stats import ExecutionTimes
 
 PARAMETER = "launch_execution"
 RETRY_S = 0.0005  # how soon requests retry when another caller (a blocking one, a draining scheduler) holds every lane
+# Batches each instance may have launched and not yet collected. Requests that arrive meanwhile wait and leave as
+# one batch when the instance's batch is back, as behind a busy Triton instance; launching each one onto another
+# lane instead would send batches of one when requests arrive spread over loop turns (from the network, say), and
+# every further lane captures CUDA graphs on the event loop the first time it sees a batch size.
+BATCHES_PER_INSTANCE = 1
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +61,7 @@ class _Flight:
     loop: asyncio.AbstractEventLoop
     items: list[_Item]
     launched: LaunchedBatch
+    instance: int  # the index of the engine it runs on
     start_ns: int
     infer_start_ns: int
     failure: BaseException | None = None
@@ -88,6 +94,7 @@ class LaunchRunner:
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = weakref.WeakKeyDictionary()
         self._admission = Admission(model.name, model.version)
         self._out = 0  # batches launched and not yet collected (loops and the waiter count them, under the lock)
+        self._out_per_instance = [0] * len(model.engines)
         self._out_lock = threading.Lock()
         self._stopped = False
         self._engine_turn = itertools.count()
@@ -180,16 +187,18 @@ class LaunchRunner:
         requests = [item.request for item in batch]
         engines = self.model.engines
         first = next(self._engine_turn)
-        for index in range(len(engines)):  # round robin, so every instance's lanes take turns
-            engine = engines[(first + index) % len(engines)]
+        for turn in range(len(engines)):  # round robin, so every instance takes turns
+            instance = (first + turn) % len(engines)
+            if self._out_per_instance[instance] >= BATCHES_PER_INSTANCE:
+                continue
             try:
-                launched = self.model.launch_batch(engine, requests)
+                launched = self.model.launch_batch(engines[instance], requests)
             except BaseException as exc:  # the batch's requests get the error; the loop carries on
                 self._fail(batch, exc)
                 return True
             if launched is not None:
-                self._count_out(1)
-                self._flights.put(_Flight(loop, batch, launched, start, time.monotonic_ns()))
+                self._count_out(instance, 1)
+                self._flights.put(_Flight(loop, batch, launched, instance, start, time.monotonic_ns()))
                 return True
         return False
 
@@ -213,11 +222,12 @@ class LaunchRunner:
         except BaseException:  # the waiter must live on: later batches need it
             log.exception("model '%s': collecting a batch whose event loop has closed failed", self.model.name)
         finally:
-            self._count_out(-1)
+            self._count_out(flight.instance, -1)
 
-    def _count_out(self, change: int) -> None:
+    def _count_out(self, instance: int, change: int) -> None:
         with self._out_lock:
             self._out += change
+            self._out_per_instance[instance] += change
 
     def _finish(self, flight: _Flight) -> None:
         items = flight.items
@@ -225,7 +235,7 @@ class LaunchRunner:
             try:
                 results = flight.launched.collect()
             finally:
-                self._count_out(-1)
+                self._count_out(flight.instance, -1)
             if flight.failure is not None:
                 raise flight.failure
             infer_end = time.monotonic_ns()

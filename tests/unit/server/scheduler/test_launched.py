@@ -129,6 +129,25 @@ async def test_batches_wait_for_a_free_slot_and_overlap_up_to_the_slots_of_every
     assert all(engine.free == 1 for engine in engines)
 
 
+async def test_requests_arriving_while_the_instance_has_a_batch_out_leave_together_when_it_is_back() -> None:
+    """Requests from the network arrive spread over loop turns. Launching each onto another free slot would send
+    batches of one; they wait for the instance instead, as behind a busy Triton instance."""
+    loaded, (engine,) = model(slots=4)
+    engine.device_s = 0.05
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    try:
+        first = asyncio.ensure_future(batcher.submit(request(0.0), 1))
+        later = []
+        for i in range(5):
+            await asyncio.sleep(0.001)  # one request per loop turn, while the first batch is on the device
+            later.append(asyncio.ensure_future(batcher.submit(request(float(i + 1)), 1)))
+        responses = await asyncio.gather(first, *later)
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert [float(r.outputs[0].data[0, 0]) for r in responses] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert engine.batches == [1, 5] and engine.free == 4
+
+
 async def test_preferred_batch_sizes_cut_the_launched_batches() -> None:
     loaded, (engine,) = model(batching="preferred_batch_size: [ 2 ]", slots=8)
     batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
