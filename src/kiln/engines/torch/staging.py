@@ -6,11 +6,13 @@ concatenating requests first would copy every byte twice. On the CPU the same cl
 its row bookkeeping is tested without a GPU.
 
 A large batch is copied by a few threads at once (the caller among them), each taking every k-th request (numpy
-gives up the GIL while it copies). One thread moves 12-13 GB/s on an H200 host; four moved 17-33 GB/s there, while
-torch's own parallel copy (``torch.cat`` into the buffer, or one ``copy_`` per request) reached 4-10 GB/s
-(benchmarks/results/staging_copy-h200-2026-12-03.txt). A batch of 32 FP32 images is 19 MB, so the copy decides a
-large part of a batch's host time. Small fills (one direct caller's request) stay on the calling thread: waking
-helpers costs more than it saves, and many callers would oversubscribe the cores they already keep busy.
+gives up the GIL while it copies). On an H200 host one thread copies about 12 GB/s into pinned memory; for a
+launched batch of FP32 images the caller and two helpers, sharing from 1 MB on, beat four threads from 4 MB at
+8, 16 and 32 images (336 against 405 us, 519 against 575, 986 against 1,064; benchmarks/results/
+launch_cost-h200-2026-12-03.txt), and torch's own parallel copy (``torch.cat`` into the buffer, or one ``copy_``
+per request) was slower still (staging_copy-h200-2026-12-03.txt). The copy is most of what a batch costs the
+host. A fill of one request (a direct caller's) stays on the calling thread: many callers would oversubscribe
+the cores they already keep busy.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import numpy.typing as npt
 import torch
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-PARALLEL_COPY_BYTES = 4 << 20  # a fill at least this large is shared between COPY_THREADS threads
-COPY_THREADS = min(4, (os.cpu_count() or 1) // 4)  # below 2, the calling thread copies alone
+PARALLEL_COPY_BYTES = 1 << 20  # a fill at least this large is shared between COPY_THREADS threads
+COPY_THREADS = min(3, (os.cpu_count() or 1) // 4)  # the caller and two helpers; below 2, the caller copies alone
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
