@@ -1,6 +1,8 @@
 """Each request runs on its own on the next free instance; one worker thread per instance.
 
-Engines release the GIL while they compute, so instances run in parallel. The event loop only awaits.
+Engines release the GIL while they compute, so instances run in parallel. The event loop only awaits. Engines
+that launch onto a device (PyTorch CUDA graphs) are launched from the event loop instead, one request at a time
+per instance (scheduler/launched.py), which spares each request the worker threads' waits for the GIL.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 
 from kiln.engines.base import Engine
@@ -15,6 +18,8 @@ from kiln.errors import InternalError, KilnError, VersionUnloadingError
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
 from kiln.server.scheduler.inline import InlineRunner
+from kiln.server.scheduler.launched import LaunchRunner
+from kiln.server.scheduler.policy import BatchingPolicy
 
 
 class DirectScheduler:
@@ -29,14 +34,20 @@ class DirectScheduler:
         self._threaded = 0
         self._closed = False
         self._inline = InlineRunner(model, 1, lambda request: None)
+        self._launcher = LaunchRunner(model, BatchingPolicy(max_batch_size=max(1, model.spec.max_batch_size)),
+                                      _alone)
+        if self._launcher.active:
+            self._inline.mode = "off"
 
     @property
     def inflight(self) -> int:
-        return self._inflight + self._inline.inflight
+        return self._inflight + self._inline.inflight + self._launcher.inflight
 
     async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
         if self._closed:
             raise VersionUnloadingError(f"model '{self.model.name}' version {self.model.version} is unloading")
+        if self._launcher.active:
+            return await self._launcher.submit(request, batch_size)
         if self._inline.wanted() and not self._threaded:
             return await self._inline.submit(request, batch_size)
         loop = asyncio.get_running_loop()
@@ -80,5 +91,11 @@ class DirectScheduler:
         """Stop taking requests, wait for the in-flight ones, then release the engines."""
         self._closed = True
         self._inline.close()  # refuse inline admissions, wait for the admitted ones
+        self._launcher.close()  # ...and for the launched ones
         self._executor.shutdown(wait=True)
         self.model.close()
+
+
+def _alone(request: InferRequest) -> Hashable:
+    """A batch signature no other request shares: without dynamic batching every request runs on its own."""
+    return object()

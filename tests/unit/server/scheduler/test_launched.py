@@ -18,6 +18,7 @@ from kiln.errors import InternalError, InvalidArgumentError, VersionUnloadingErr
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InputTensor
 from kiln.server.scheduler import DynamicBatcher
+from kiln.server.scheduler.direct import DirectScheduler
 from kiln.server.scheduler.launched import launch_mode
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.tensor import DataType
@@ -59,7 +60,9 @@ class SlotEngine(Engine):
     def __init__(self, spec: object, slots: int = 2, device_s: float = 0.01) -> None:
         super().__init__(spec)  # type: ignore[arg-type]
         self.lock = threading.Lock()
+        self.slots = slots
         self.free = slots
+        self.most_out = 0  # the most batches on the device at once
         self.device_s = device_s
         self.batches: list[int] = []
         self.launch_threads: set[str] = set()
@@ -72,6 +75,7 @@ class SlotEngine(Engine):
             if not self.free:
                 return None
             self.free -= 1
+            self.most_out = max(self.most_out, self.slots - self.free)
         x = np.concatenate([part["x"] for part in parts])
         if float(x[0, 0]) < 0:
             with self.lock:
@@ -146,6 +150,22 @@ async def test_requests_arriving_while_the_instance_has_a_batch_out_leave_togeth
         await asyncio.to_thread(batcher.close)
     assert [float(r.outputs[0].data[0, 0]) for r in responses] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert engine.batches == [1, 5] and engine.free == 4
+
+
+async def test_without_dynamic_batching_each_request_is_launched_alone_one_per_instance_at_a_time() -> None:
+    text = CONFIG.replace("dynamic_batching { %s }\n%s\n", "instance_group [ { count: 2 kind: KIND_CPU } ]")
+    spec = validate_config(parse_config_text(text), "m", "config.pbtxt", None)
+    engines = [SlotEngine(spec, slots=4, device_s=0.02) for _ in range(2)]
+    loaded = LoadedModel(spec, 1, Path("."), list(engines))
+    scheduler = DirectScheduler(loaded)
+    try:
+        responses = await asyncio.gather(*(scheduler.submit(request(float(i)), 1) for i in range(6)))
+    finally:
+        await asyncio.to_thread(scheduler.close)
+    assert [float(r.outputs[0].data[0, 0]) for r in responses] == [float(i + 1) for i in range(6)]
+    assert engines[0].batches == [1, 1, 1] and engines[1].batches == [1, 1, 1]
+    assert all(engine.most_out == 1 and engine.executed == 0 for engine in engines)
+    assert engines[0].launch_threads == {threading.current_thread().name}
 
 
 async def test_preferred_batch_sizes_cut_the_launched_batches() -> None:
