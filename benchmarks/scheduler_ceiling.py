@@ -59,12 +59,14 @@ class DeviceStandIn(Engine):
 
     def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
         super().__init__(spec)
-        import torch
-
         from kiln.engines.torch.staging import RowStaging
+        from kiln.engines.torch.tensors import torch_dtype
 
-        dims = tuple(spec.input("x").dims)
-        self._slots = [RowStaging(torch.float32, dims, batching=True, max_rows=spec.max_batch_size, pinned=False)
+        first = spec.inputs[0]  # the one input; its rows are staged as the PyTorch backend stages them
+        self._input = first.name
+        self._width = spec.outputs[0].dims[0]  # each row's answer: its first values, as FP32
+        dtype = torch_dtype(spec, first, "input")
+        self._slots = [RowStaging(dtype, first.dims, batching=True, max_rows=spec.max_batch_size, pinned=False)
                        for _ in range(self.SLOTS)]
         self._lock = threading.Lock()
         self._device_free_at = 0.0
@@ -83,7 +85,7 @@ class DeviceStandIn(Engine):
             if not self._slots:
                 return None
             staging = self._slots.pop()
-        staged = staging.fill([part["x"] for part in parts])
+        staged = staging.fill([part[self._input] for part in parts])
         rows = int(staged.shape[0])
         with self._lock:  # the device takes batches in launch order, one at a time
             self._device_free_at = max(time.monotonic(), self._device_free_at) + self.base_s + self.per_row_s * rows
@@ -107,7 +109,7 @@ class _StandInBatch:
         if time.monotonic() < self._done_at:  # a sleep gives up the GIL even when there is nothing to wait for
             self.wait()
         rows = int(self._staged.shape[0])
-        result = {self._output: self._staged.reshape(rows, -1)[:, :10].numpy().copy()}
+        result = {self._output: self._staged.reshape(rows, -1)[:, :self._engine._width].float().numpy().copy()}
         self._engine.give_back(self._staging)
         return result
 

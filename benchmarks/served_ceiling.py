@@ -1,0 +1,160 @@
+"""What `kiln serve` can feed to an accelerator over HTTP and gRPC, measured without one.
+
+The device stand-in of scheduler_ceiling.py (stages each batch's rows like the PyTorch backend, then waits
+``base + per_row x rows`` without the GIL, and can be launched from the event loop like a CUDA graph lane) serves a
+model shaped like the demo ResNet-50 built with FP16 inputs: one 3x224x224 FP16 image in (301 KB), 1000 FP32 values
+out. tritonclient threads spread over --client-processes processes send batch-1 requests with the image in the
+request body or in system shared memory, as benchmarks/shm_gpu.py does on a GPU. Each row prints requests/s and the
+average batch the server formed (from its statistics): requests that reach the server one loop turn apart must
+still leave as batches.
+
+    python benchmarks/served_ceiling.py --output benchmarks/results/served_ceiling-<date>.json
+
+The server runs as ``python benchmarks/served_ceiling.py --serve-child KILN_SERVE_ARGS...``, which registers the
+stand-in backend and then runs `kiln serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command_line, format_table, header_lines, machine_info, write_json
+
+MODEL = "resnet50"  # the name benchmarks/shm_gpu.py's client requests use
+CONFIG = """
+name: "{model}" backend: "{backend}" max_batch_size: 64
+input [ {{ name: "input" data_type: TYPE_FP16 dims: [ 3, 224, 224 ] }} ]
+output [ {{ name: "output" data_type: TYPE_FP32 dims: [ 1000 ] }} ]
+instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
+dynamic_batching {{ {batching} }}
+"""
+ROWS = "http:request body,http:system shm,grpc:request body,grpc:system shm"
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--serve-child"]:
+        return _serve_child(sys.argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="16")
+    parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--preferred", default="8,32", help="preferred_batch_size list ('' for none)")
+    parser.add_argument("--rows", default=ROWS, help=f"protocol:tensors pairs (default: {ROWS})")
+    parser.add_argument("--client-processes", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--base-ms", type=float, default=1.0, help="stand-in device time per batch")
+    parser.add_argument("--per-row-us", type=float, default=30.0, help="stand-in device time per image")
+    parser.add_argument("--output", type=Path, default=None, help="JSON results; a .txt beside it gets the table")
+    args = parser.parse_args()
+    preferred = f"preferred_batch_size: [ {args.preferred} ]" if args.preferred else ""
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kiln-served-ceiling-") as tmp:
+        repo = Path(tmp) / "repo"
+        (repo / MODEL / "1").mkdir(parents=True)
+        from scheduler_ceiling import BACKEND
+
+        (repo / MODEL / "config.pbtxt").write_text(CONFIG.format(model=MODEL, backend=BACKEND,
+                                                                 instances=args.instances, batching=preferred))
+        settings = [f"--stand-in-ms={args.base_ms}", f"--stand-in-row-us={args.per_row_us}"]
+        with _served(repo, settings, Path(tmp) / "serve.log") as (http_url, grpc_url):
+            for row in args.rows.split(","):
+                protocol, tensors = row.split(":")
+                for concurrency in [int(c) for c in args.concurrency.split(",")]:
+                    rows.append(_row(protocol, tensors, http_url, grpc_url if protocol == "grpc" else http_url,
+                                     concurrency, args.client_processes, args.seconds))
+                    print(rows[-1], flush=True)
+    table = format_table(["protocol", "tensors", "conc", "req/s", "avg batch"],
+                         [[r["protocol"], r["tensors"], r["concurrency"], f"{r['requests_per_s']:,.0f}",
+                           f"{r['average_batch']:.2f}"] for r in rows])
+    info = {**machine_info(), "command": command_line()}
+    lines = [line for line in header_lines("kiln served ceiling: kiln serve against a device stand-in", info)
+             if not line.startswith("load generators")]
+    lines.append(f"device stand-in: {args.base_ms:g} ms per batch + {args.per_row_us:g} us per image; "
+                 f"{args.instances} instance(s), preferred [{args.preferred}]; {args.client_processes} client "
+                 f"processes; {args.seconds:g} s per row")
+    print("\n".join(lines + [""] + table))
+    if args.output:
+        write_json(args.output, {**info, "rows": rows})
+        args.output.with_suffix(".txt").write_text("\n".join(lines + [""] + table) + "\n")
+    return 0
+
+
+class _served:
+    """`kiln serve --allow-client-shm` over ``repo``, started through this script so the stand-in is registered."""
+
+    def __init__(self, repo: Path, settings: list[str], log: Path) -> None:
+        self._repo, self._settings, self._log = repo, settings, log
+
+    def __enter__(self) -> tuple[str, str]:
+        from kiln.serve_process import free_port, wait_ready
+
+        http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+        command = [sys.executable, __file__, "--serve-child", *self._settings, "serve",
+                   "--model-repository", str(self._repo), "--allow-client-shm", "true",
+                   "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
+        self._process = subprocess.Popen(command, stdout=self._log.open("wb"), stderr=subprocess.STDOUT)
+        try:
+            wait_ready(f"127.0.0.1:{http_port}", self._process, 60.0)
+        except BaseException:
+            self.__exit__()
+            raise
+        return f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+
+    def __exit__(self, *exc: object) -> None:
+        from kiln.serve_process import stop
+
+        stop(self._process)
+
+
+def _serve_child(argv: list[str]) -> int:
+    from scheduler_ceiling import BACKEND, DeviceStandIn
+
+    from kiln.cli import main as kiln_main
+    from kiln.engines import register_backend
+
+    while argv and argv[0].startswith("--stand-in-"):
+        name, value = argv.pop(0).split("=")
+        if name == "--stand-in-ms":
+            DeviceStandIn.base_s = float(value) / 1000
+        else:
+            DeviceStandIn.per_row_s = float(value) / 1e6
+    register_backend(BACKEND, DeviceStandIn)
+    return kiln_main(argv)
+
+
+def _row(protocol: str, tensors: str, http_url: str, url: str, concurrency: int, processes: int,
+         seconds: float) -> dict[str, Any]:
+    import tritonclient.http as httpclient
+    from shm_gpu import _ClientWork, _served_rate
+
+    stats = httpclient.InferenceServerClient(http_url)
+    meta = stats.get_model_metadata(MODEL)
+    (inp,), (out,) = meta["inputs"], meta["outputs"]
+    image = np.random.default_rng(0).standard_normal([1, 3, 224, 224]).astype(np.float16)
+    work = _ClientWork(protocol, url, tensors, inp, out, image, 1000 * 4, seconds)
+    before = _counts(stats)
+    started = time.perf_counter()
+    rate = _served_rate(work, concurrency, processes)
+    elapsed = time.perf_counter() - started
+    after = _counts(stats)
+    executions = after[1] - before[1]
+    return {"protocol": protocol, "tensors": tensors, "concurrency": concurrency, "requests_per_s": rate,
+            "average_batch": (after[0] - before[0]) / executions if executions else 0.0,
+            "row_seconds": elapsed}
+
+
+def _counts(client: Any) -> tuple[int, int]:
+    stats = client.get_inference_statistics(MODEL)["model_stats"][0]
+    return int(stats["inference_count"]), int(stats["execution_count"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
