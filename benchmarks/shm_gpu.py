@@ -57,6 +57,10 @@ def main() -> int:
     parser.add_argument("--tensors", default=",".join(TENSORS), help="served rows to run (default: all)")
     parser.add_argument("--client-processes", type=int, default=4,
                         help="processes the served rows' client threads are spread over (default 4)")
+    parser.add_argument("--protocols", default="http,grpc", help="served rows' protocols (default: both)")
+    parser.add_argument("--no-direct", action="store_true", help="skip the direct engine rows")
+    parser.add_argument("--serve-args", default="",
+                        help="more `kiln serve` arguments for the served rows, e.g. '--grpc-workers 4'")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON results, rewritten after every row; a .txt beside it gets the table")
     args = parser.parse_args()
@@ -67,9 +71,10 @@ def main() -> int:
     unknown = set(tensors) - set(TENSORS)
     if unknown:
         parser.error(f"--tensors: unknown {sorted(unknown)}; expected some of {', '.join(TENSORS)}")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     header = ["# Shared memory on a GPU server: ResNet-50 FP16, batch-1 requests",
               f"command: {command_line()}", f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-              f"gpu: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, kiln {kiln.__version__}",
+              f"gpu: {gpu}, torch {torch.__version__}, kiln {kiln.__version__}",
               "config: {config}", ""]
     rows: list[dict[str, Any]] = []
 
@@ -91,8 +96,10 @@ def main() -> int:
         if args.dynamic_batching and "dynamic_batching" not in config.read_text():
             config.write_text(config.read_text() + "\ndynamic_batching { max_queue_delay_microseconds: 500 }\n")
         header[4] = header[4].format(config=_config_summary(config))
-        _direct_rows(repo, levels, args.seconds, record)
-        _served_rows(repo, levels, args.seconds, tensors, args.client_processes, record)
+        if not args.no_direct:
+            _direct_rows(repo, levels, args.seconds, record)
+        _served_rows(repo, levels, args.seconds, tensors, args.client_processes, args.serve_args.split(),
+                     args.protocols.split(","), record)
     print("\n".join(header + format_table(
         ["path", "tensors", "concurrency", "requests/s"],
         [[r["path"], r["tensors"], r["concurrency"], f"{r['requests_per_s']:,.0f}"] for r in rows])))
@@ -178,21 +185,24 @@ def _rate(concurrency: int, seconds: float, make: Callable[[int], tuple[Call, Ca
 
 
 def _served_rows(repo: Path, levels: list[int], seconds: float, tensors: list[str], processes: int,
-                 record: Record) -> None:
+                 serve_args: list[str], protocols: list[str], record: Record) -> None:
     import tritonclient.http as httpclient
 
-    with kiln_serve([repo], "--allow-client-shm", "true", ready_timeout_s=300) as server:
+    with kiln_serve([repo], "--allow-client-shm", "true", *serve_args, ready_timeout_s=300) as server:
         meta = httpclient.InferenceServerClient(server.http_url).get_model_metadata(MODEL)
         (inp,), (out,) = meta["inputs"], meta["outputs"]
         image = np.random.default_rng(0).standard_normal([1, *inp["shape"][1:]]).astype(np.float32)
         image = image.astype({"FP32": np.float32, "FP16": np.float16}[inp["datatype"]])
         out_bytes = int(np.prod(out["shape"][1:])) * 4
         for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
+            if protocol not in protocols:
+                continue
             for kind in tensors:
                 for concurrency in levels:
                     work = _ClientWork(protocol, url, kind, inp, out, image, out_bytes, seconds)
                     rate = _served_rate(work, concurrency, processes)
-                    record({"path": f"kiln serve, {protocol}", "tensors": kind, "concurrency": concurrency,
+                    path = f"kiln serve, {protocol}" + (f" ({' '.join(serve_args)})" if serve_args else "")
+                    record({"path": path, "tensors": kind, "concurrency": concurrency,
                             "client_processes": min(processes, concurrency), "requests_per_s": rate})
 
 
