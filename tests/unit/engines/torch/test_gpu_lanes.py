@@ -145,3 +145,49 @@ def test_served_batches_are_launched_from_the_event_loop(tmp_path: Path, files: 
     assert stats.inference_count == 24 and stats.execution_count == 6  # preferred batches of 4
     for image, logits in zip(inputs, got, strict=True):
         np.testing.assert_allclose(logits, fp32_reference(image), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("batching", ["dynamic_batching { }", ""])
+def test_spread_arrivals_keep_one_launched_lane_per_instance(tmp_path: Path, files: dict[str, Path],
+                                                            batching: str) -> None:
+    """Requests one loop turn apart (as from the network) wait for their instance's batch instead of taking
+    further lanes, which would capture graphs on the event loop; without dynamic batching each runs alone."""
+    import asyncio
+
+    text = config("torch_aoti", *IMAGE_IO, kind="KIND_GPU", parameters={**GPU_PARAMETERS, "cuda_streams": "4"},
+                  extra=batching).replace("count: 1", "count: 2")
+    write_model_folder(tmp_path / "repo", "m", text, files["conv_export"])
+    server = Server(ServerOptions(repositories=[tmp_path / "repo"]))
+    assert not server.start()
+    inputs = [images(1) for _ in range(8)]
+
+    async def client(image: np.ndarray) -> list[np.ndarray]:
+        answers = []
+        for _ in range(10):
+            request = InferRequest(model_name="m", inputs=[InputTensor("image", DataType.FP32, image.shape, image)])
+            answers.append((await server.infer(request)).outputs[0].data)
+            await asyncio.sleep(0)  # the next request comes a loop turn later
+        return answers
+
+    async def send_all() -> list[list[np.ndarray]]:
+        tasks = []
+        for image in inputs:
+            tasks.append(asyncio.ensure_future(client(image)))
+            await asyncio.sleep(0.0002)
+        return list(await asyncio.gather(*tasks))
+
+    try:
+        got = asyncio.run(send_all())
+        engines = [engine for version in server._models["m"].versions.values() if version.loaded is not None
+                   for engine in version.loaded.engines]
+        lanes = [getattr(engine, "cuda_streams_in_use", 0) for engine in engines]
+        stats = server.model_statistics("m")[0]
+    finally:
+        server.close()
+    assert len(engines) == 2 and lanes == [1, 1]
+    assert stats.inference_count == 80
+    if not batching:
+        assert stats.execution_count == 80
+    for image, answers in zip(inputs, got, strict=True):
+        for logits in answers:
+            np.testing.assert_allclose(logits, fp32_reference(image), rtol=2e-2, atol=2e-2)
