@@ -4,7 +4,7 @@ average batch and the server's phase times per request. Quicker to run than gpu_
 stability windows), for A/B comparisons of one change within one device session.
 
     python benchmarks/inprocess_gpu.py REPO --concurrency 64 --instances 2 --preferred 8,32 [--fp16-inputs]
-        [--launch auto|off] [--streams N] [--copy-threads N] [--parallel-copy-mb MB]
+        [--launch auto|off] [--streams N] [--copy-threads N] [--parallel-copy-mb MB] [--switch-interval-us US]
 
 REPO holds the built ``resnet50`` (kiln build ... --device cuda); the edited copy goes under /tmp.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -82,7 +83,12 @@ def main() -> int:
                         help="threads sharing a large staging copy (default: kiln's, staging.COPY_THREADS)")
     parser.add_argument("--parallel-copy-mb", type=float, default=0.0,
                         help="staging copies from this size are shared (default: kiln's, PARALLEL_COPY_BYTES)")
+    parser.add_argument("--switch-interval-us", type=int, default=0,
+                        help="sys.setswitchinterval for the run (default: Python's 5,000 us): how soon the waiter "
+                             "thread gets the GIL back from a busy event loop")
     args = parser.parse_args()
+    if args.switch_interval_us:
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
     if args.copy_threads:
         staging.COPY_THREADS = args.copy_threads
     if args.parallel_copy_mb:
@@ -118,7 +124,7 @@ def main() -> int:
               for phase in ("queue", "compute_input", "compute_infer", "compute_output")}
     print(f"instances {args.instances}, preferred {preferred or '-'}, fp16 inputs {args.fp16_inputs}, "
           f"launch {args.launch}, streams {args.streams or 'config'}, copy threads {staging.COPY_THREADS} from "
-          f"{staging.PARALLEL_COPY_BYTES / (1 << 20):g} MB, "
+          f"{staging.PARALLEL_COPY_BYTES / (1 << 20):g} MB, switch interval {sys.getswitchinterval() * 1e6:,.0f} us, "
           f"c={args.concurrency}: {count / elapsed:,.0f} img/s, average batch "
           f"{(after.inference_count - before.inference_count) / executions:.1f}, "
           + ", ".join(f"{phase} {us:,.0f} us" for phase, us in phases.items())
