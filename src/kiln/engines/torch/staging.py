@@ -77,8 +77,8 @@ class RowStaging:
             rows = int(array.shape[0])
             placed.append((view[offset:offset + rows], array))
             offset += rows
-        threads = COPY_THREADS
-        if threads > 1 and len(placed) > 1 and total * view[0].nbytes >= PARALLEL_COPY_BYTES:  # view[0]: one row
+        threads = min(COPY_THREADS, len(placed))
+        if threads > 1 and total * view[0].nbytes >= PARALLEL_COPY_BYTES:  # view[0]: one row
             # The calling thread copies a share too, rather than idling until the helpers are done.
             helpers = [_copy_pool().submit(_copy_all, placed[i::threads]) for i in range(1, threads)]
             try:

@@ -1,8 +1,10 @@
 """Each request runs on its own on the next free instance; one worker thread per instance.
 
-Engines release the GIL while they compute, so instances run in parallel. The event loop only awaits. Engines
-that launch onto a device (PyTorch CUDA graphs) are launched from the event loop instead, one request at a time
-per instance (scheduler/launched.py), which spares each request the worker threads' waits for the GIL.
+Engines release the GIL while they compute, so instances run in parallel. The event loop only awaits. Requests
+from an event loop to engines that launch onto a device (PyTorch CUDA graphs) are launched from the loop instead,
+one at a time per instance (scheduler/launched.py), which spares each the worker threads' waits for the GIL.
+Blocking callers (``submit_sync``) keep the worker threads, so on such a model one of theirs may run beside an
+instance's launched request, on another of its lanes.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ loops and workers). Otherwise requests take the worker path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -65,6 +66,7 @@ class _Flight:
     start_ns: int
     infer_start_ns: int
     failure: BaseException | None = None
+    posted: bool = False  # the waiter handed it to its loop, which alone collects it from then on
 
 
 @dataclass
@@ -93,8 +95,11 @@ class LaunchRunner:
         self._signature = signature
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = weakref.WeakKeyDictionary()
         self._admission = Admission(model.name, model.version)
-        self._out = 0  # batches launched and not yet collected (loops and the waiter count them, under the lock)
-        self._out_per_instance = [0] * len(model.engines)
+        self._queues_lock = threading.Lock()  # loops add themselves while other threads walk the queues
+        # Under _out_lock: batches launched and not yet collected, each instance's, and launches under way.
+        self._out = 0
+        self._out_per_instance: list[list[_Flight]] = [[] for _ in model.engines]
+        self._launching = [0] * len(model.engines)
         self._out_lock = threading.Lock()
         self._stopped = False
         self._engine_turn = itertools.count()
@@ -115,7 +120,8 @@ class LaunchRunner:
             future: asyncio.Future[InferResponse] = loop.create_future()
             pending = self._queues.get(loop)
             if pending is None:
-                pending = self._queues[loop] = _LoopQueue()
+                with self._queues_lock:
+                    pending = self._queues[loop] = _LoopQueue()
             pending.items.append(_Item(request, rows, time.monotonic_ns(), future, self._signature(request)))
             if not pending.scheduled:
                 pending.scheduled = True
@@ -127,12 +133,15 @@ class LaunchRunner:
         batch is collected, so the engines can be closed; stop the waiter."""
         deadline = self._admission.close(timeout_s, busy=lambda: self._out > 0)
         self._stopped = True  # anything still waiting now is answered with an error, never launched
+        for loop, _pending in self._waiting_loops():  # after a timeout, requests may still wait: answer them
+            with contextlib.suppress(RuntimeError):  # a closed loop's requests are gone with it
+                loop.call_soon_threadsafe(self._flush, loop)
         if self._waiter is not None:
             self._flights.put(None)
             self._waiter.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Launch batches from this loop's waiting requests while an instance has a free lane."""
+        """Launch batches from this loop's waiting requests while an instance has no batch out and a free lane."""
         pending = self._queues.get(loop)
         if pending is None:
             return
@@ -189,18 +198,55 @@ class LaunchRunner:
         first = next(self._engine_turn)
         for turn in range(len(engines)):  # round robin, so every instance takes turns
             instance = (first + turn) % len(engines)
-            if self._out_per_instance[instance] >= BATCHES_PER_INSTANCE:
+            if not self._reserve(instance):
                 continue
             try:
                 launched = self.model.launch_batch(engines[instance], requests)
             except BaseException as exc:  # the batch's requests get the error; the loop carries on
+                self._settle(instance, None)
                 self._fail(batch, exc)
                 return True
-            if launched is not None:
-                self._count_out(instance, 1)
-                self._flights.put(_Flight(loop, batch, launched, instance, start, time.monotonic_ns()))
-                return True
+            if launched is None:  # other callers hold its lanes
+                self._settle(instance, None)
+                continue
+            flight = _Flight(loop, batch, launched, instance, start, time.monotonic_ns())
+            self._settle(instance, flight)
+            self._flights.put(flight)
+            return True
         return False
+
+    def _reserve(self, instance: int) -> bool:
+        """Claim a launch on ``instance`` unless it has its batches out. Loops on other threads launch too, so the
+        check and the claim are one step. A batch whose loop closed before it could collect it is collected here:
+        nobody else will, and it would hold the instance for good."""
+        with self._out_lock:
+            flights = self._out_per_instance[instance]
+            orphans = [flight for flight in flights if flight.posted and flight.loop.is_closed()]
+            for orphan in orphans:
+                flights.remove(orphan)
+                self._out -= 1
+            claimed = len(flights) + self._launching[instance] < BATCHES_PER_INSTANCE
+            if claimed:
+                self._launching[instance] += 1
+        for orphan in orphans:
+            self._collect_orphan(orphan)
+        return claimed
+
+    def _settle(self, instance: int, flight: _Flight | None) -> None:
+        """End a claim: the batch is out (``flight``), or the launch did not happen."""
+        with self._out_lock:
+            self._launching[instance] -= 1
+            if flight is not None:
+                self._out_per_instance[instance].append(flight)
+                self._out += 1
+
+    def _release(self, flight: _Flight) -> None:
+        """The batch was collected (or abandoned): its instance may launch again."""
+        with self._out_lock:
+            flights = self._out_per_instance[flight.instance]
+            if any(out is flight for out in flights):
+                flights.remove(flight)
+                self._out -= 1
 
     def _wait_for_device(self) -> None:
         while True:
@@ -213,21 +259,21 @@ class LaunchRunner:
                 flight.failure = exc
             try:
                 flight.loop.call_soon_threadsafe(self._finish, flight)
+                flight.posted = True
             except RuntimeError:  # the loop is closed: nobody waits for these answers; free the lane here
-                self._collect_unanswered(flight)
+                self._release(flight)
+                self._collect_orphan(flight)
+                self._flush_waiting(None)  # requests on other loops may wait for this instance
 
-    def _collect_unanswered(self, flight: _Flight) -> None:
+    def _collect_orphan(self, flight: _Flight) -> None:
+        """Give back the lane of a batch whose event loop closed; its callers are gone."""
         try:
             flight.launched.collect()
         except BaseException:  # the waiter must live on: later batches need it
             log.exception("model '%s': collecting a batch whose event loop has closed failed", self.model.name)
-        finally:
-            self._count_out(flight.instance, -1)
-
-    def _count_out(self, instance: int, change: int) -> None:
-        with self._out_lock:
-            self._out += change
-            self._out_per_instance[instance] += change
+        now = time.monotonic_ns()
+        for item in flight.items:
+            self.model.stats.record_failure(now - item.enqueued_ns, "CANCELED")
 
     def _finish(self, flight: _Flight) -> None:
         items = flight.items
@@ -235,7 +281,7 @@ class LaunchRunner:
             try:
                 results = flight.launched.collect()
             finally:
-                self._count_out(flight.instance, -1)
+                self._release(flight)
             if flight.failure is not None:
                 raise flight.failure
             infer_end = time.monotonic_ns()
@@ -257,10 +303,11 @@ class LaunchRunner:
                 log.exception("model '%s': recording a launched batch's statistics failed", self.model.name)
         self._flush_waiting(flight.loop)
 
-    def _flush_waiting(self, here: asyncio.AbstractEventLoop) -> None:
-        """A lane came free: launch what waits on this loop now, and wake other loops that have requests waiting."""
-        for loop, pending in list(self._queues.items()):
-            if not pending.items or pending.scheduled:
+    def _flush_waiting(self, here: asyncio.AbstractEventLoop | None) -> None:
+        """An instance came free: launch what waits on this loop now (``here``; None from the waiter thread), and
+        wake other loops that have requests waiting."""
+        for loop, pending in self._waiting_loops():
+            if pending.scheduled:
                 continue
             pending.scheduled = True
             if loop is here:
@@ -269,7 +316,12 @@ class LaunchRunner:
                 try:
                     loop.call_soon_threadsafe(self._flush, loop)
                 except RuntimeError:  # a closed loop's requests are gone with it
-                    self._queues.pop(loop, None)
+                    with self._queues_lock:
+                        self._queues.pop(loop, None)
+
+    def _waiting_loops(self) -> list[tuple[asyncio.AbstractEventLoop, _LoopQueue]]:
+        with self._queues_lock:
+            return [(loop, pending) for loop, pending in self._queues.items() if pending.items]
 
     def _fail(self, items: list[_Item], exc: BaseException) -> None:
         error = exc if isinstance(exc, KilnError) else InternalError(f"model '{self.model.name}': {exc}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -129,6 +130,29 @@ def test_contiguous_parts_of_several_rows_land_in_order_whichever_copy_runs(monk
     np.testing.assert_array_equal(filled.numpy(), np.concatenate(parts))
     again = staging.fill(parts[1:])  # a smaller batch reuses the buffer's first rows
     np.testing.assert_array_equal(again.numpy(), np.concatenate(parts[1:]))
+
+
+def test_a_fill_whose_own_share_fails_returns_only_after_the_helpers_are_done(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffer is reused by the next fill: no helper may still be writing into it once fill has raised."""
+    monkeypatch.setattr(staging_module, "PARALLEL_COPY_BYTES", 0)
+    monkeypatch.setattr(staging_module, "COPY_THREADS", 2)
+    copy_all = staging_module._copy_all
+    finished: list[str] = []
+
+    def slow_helper(placed: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.05)
+            copy_all(placed)
+            finished.append("helper")
+            return
+        copy_all(placed)
+
+    monkeypatch.setattr(staging_module, "_copy_all", slow_helper)
+    staging = RowStaging(torch.float32, (3,), batching=True, max_rows=8, pinned=False)
+    with pytest.raises(ValueError):  # the caller's share (the first part) has the wrong row shape
+        staging.fill([np.zeros((1, 4), np.float32), np.zeros((1, 3), np.float32)])
+    assert finished == ["helper"]
 
 
 @pytest.mark.parametrize("bad_at", [0, 1])  # the calling thread's share, or the helper's

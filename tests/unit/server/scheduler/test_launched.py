@@ -63,6 +63,7 @@ class SlotEngine(Engine):
         self.slots = slots
         self.free = slots
         self.most_out = 0  # the most batches on the device at once
+        self.launch_s = 0.0  # time launch_parts spends without the GIL, as staging copies do
         self.device_s = device_s
         self.batches: list[int] = []
         self.launch_threads: set[str] = set()
@@ -71,6 +72,8 @@ class SlotEngine(Engine):
         self.launched: list[_Launched] = []
 
     def launch_parts(self, parts: Sequence[Mapping[str, Array]], outputs: Sequence[str]) -> _Launched | None:
+        if self.launch_s:
+            time.sleep(self.launch_s)
         with self.lock:
             if not self.free:
                 return None
@@ -166,6 +169,77 @@ async def test_without_dynamic_batching_each_request_is_launched_alone_one_per_i
     assert engines[0].batches == [1, 1, 1] and engines[1].batches == [1, 1, 1]
     assert all(engine.most_out == 1 and engine.executed == 0 for engine in engines)
     assert engines[0].launch_threads == {threading.current_thread().name}
+
+
+def test_one_batch_per_instance_holds_for_callers_on_several_event_loops() -> None:
+    loaded, (engine,) = model(slots=4)
+    engine.device_s, engine.launch_s = 0.005, 0.001  # each loop's launch gives the others time to try theirs
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+
+    def caller() -> None:
+        async def requests() -> None:
+            for i in range(30):
+                await batcher.submit(request(float(i)), 1)
+
+        asyncio.run(requests())
+
+    callers = [threading.Thread(target=caller) for _ in range(3)]
+    try:
+        for thread in callers:
+            thread.start()
+        for thread in callers:
+            thread.join(timeout=30)
+    finally:
+        batcher.close()
+    assert sum(engine.batches) == 90 and engine.most_out == 1
+
+
+def _launch_then_close_the_loop(batcher: DynamicBatcher, posted_first: bool) -> None:
+    """A caller's loop launches a batch and closes (its caller cancelled) before the batch is collected: after
+    the waiter handed the batch to the loop (posted_first) or before."""
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(batcher.submit(request(1.0), 1))
+    loop.run_until_complete(asyncio.sleep(0.005))  # launched, on the device
+    task.cancel()
+    loop.run_until_complete(asyncio.sleep(0))
+    if posted_first:
+        time.sleep(0.1)  # the device is done and the waiter posted the batch to the loop, which never runs it
+    loop.close()
+
+
+@pytest.mark.parametrize("posted_first", [True, False])
+def test_a_batch_whose_event_loop_closed_does_not_hold_its_instance(posted_first: bool) -> None:
+    loaded, (engine,) = model(slots=4)
+    engine.device_s = 0.05
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    try:
+        _launch_then_close_the_loop(batcher, posted_first)
+
+        async def later() -> float:
+            response = await asyncio.wait_for(batcher.submit(request(2.0), 1), 5)
+            return float(response.outputs[0].data[0, 0])
+
+        assert asyncio.run(later()) == 3.0
+    finally:
+        batcher.close()
+    assert engine.free == 4 and all(launched.collected for launched in engine.launched)
+    assert loaded.stats.snapshot().fail.count == 1  # the abandoned request, counted as cancelled
+
+
+async def test_requests_still_waiting_when_closing_times_out_are_answered() -> None:
+    loaded, (engine,) = model(slots=4)
+    engine.device_s = 1.0
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    launcher = batcher._launcher
+    first = asyncio.ensure_future(batcher.submit(request(1.0), 1))
+    await asyncio.sleep(0.01)  # on the device for a second
+    waiting = asyncio.ensure_future(batcher.submit(request(2.0), 1))  # waits for the instance
+    await asyncio.sleep(0.01)
+    closing = asyncio.ensure_future(asyncio.to_thread(launcher.close, 0.05))
+    with pytest.raises(VersionUnloadingError):
+        await asyncio.wait_for(waiting, 0.5)
+    await closing
+    assert float((await first).outputs[0].data[0, 0]) == 2.0
 
 
 async def test_preferred_batch_sizes_cut_the_launched_batches() -> None:
