@@ -55,7 +55,7 @@ class _Item:
     signature: Hashable
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the lists of batches out are searched for one of them
 class _Flight:
     """A launched batch on its way through the waiter thread and back to its loop."""
 
@@ -244,7 +244,7 @@ class LaunchRunner:
         """The batch was collected (or abandoned): its instance may launch again."""
         with self._out_lock:
             flights = self._out_per_instance[flight.instance]
-            if any(out is flight for out in flights):
+            if flight in flights:
                 flights.remove(flight)
                 self._out -= 1
 
