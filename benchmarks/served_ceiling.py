@@ -52,6 +52,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--base-ms", type=float, default=1.0, help="stand-in device time per batch")
     parser.add_argument("--per-row-us", type=float, default=30.0, help="stand-in device time per image")
+    parser.add_argument("--serve-args", default="", help="more `kiln serve` arguments, e.g. '--grpc-workers 2'")
     parser.add_argument("--output", type=Path, default=None, help="JSON results; a .txt beside it gets the table")
     args = parser.parse_args()
     preferred = f"preferred_batch_size: [ {args.preferred} ]" if args.preferred else ""
@@ -64,7 +65,7 @@ def main() -> int:
         (repo / MODEL / "config.pbtxt").write_text(CONFIG.format(model=MODEL, backend=BACKEND,
                                                                  instances=args.instances, batching=preferred))
         settings = [f"--stand-in-ms={args.base_ms}", f"--stand-in-row-us={args.per_row_us}"]
-        with _served(repo, settings, Path(tmp) / "serve.log") as (http_url, grpc_url):
+        with _served(repo, settings, args.serve_args.split(), Path(tmp) / "serve.log") as (http_url, grpc_url):
             for row in args.rows.split(","):
                 protocol, tensors = row.split(":")
                 for concurrency in [int(c) for c in args.concurrency.split(",")]:
@@ -79,7 +80,7 @@ def main() -> int:
              if not line.startswith("load generators")]
     lines.append(f"device stand-in: {args.base_ms:g} ms per batch + {args.per_row_us:g} us per image; "
                  f"{args.instances} instance(s), preferred [{args.preferred}]; {args.client_processes} client "
-                 f"processes; {args.seconds:g} s per row")
+                 f"processes; {args.seconds:g} s per row; serve arguments: {args.serve_args or '-'}")
     print("\n".join(lines + [""] + table))
     if args.output:
         write_json(args.output, {**info, "rows": rows})
@@ -90,8 +91,8 @@ def main() -> int:
 class _served:
     """`kiln serve --allow-client-shm` over ``repo``, started through this script so the stand-in is registered."""
 
-    def __init__(self, repo: Path, settings: list[str], log: Path) -> None:
-        self._repo, self._settings, self._log = repo, settings, log
+    def __init__(self, repo: Path, settings: list[str], serve_args: list[str], log: Path) -> None:
+        self._repo, self._settings, self._serve_args, self._log = repo, settings, serve_args, log
 
     def __enter__(self) -> tuple[str, str]:
         from kiln.serve_process import free_port, wait_ready
@@ -99,7 +100,8 @@ class _served:
         http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
         command = [sys.executable, __file__, "--serve-child", *self._settings, "serve",
                    "--model-repository", str(self._repo), "--allow-client-shm", "true",
-                   "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
+                   "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+                   *self._serve_args]
         self._process = subprocess.Popen(command, stdout=self._log.open("wb"), stderr=subprocess.STDOUT)
         try:
             wait_ready(f"127.0.0.1:{http_port}", self._process, 60.0)
