@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
-from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 
 from kiln.engines.base import Engine
@@ -36,8 +35,8 @@ class DirectScheduler:
         self._threaded = 0
         self._closed = False
         self._inline = InlineRunner(model, 1, lambda request: None)
-        self._launcher = LaunchRunner(model, BatchingPolicy(max_batch_size=max(1, model.spec.max_batch_size)),
-                                      _alone)
+        # A batch of at most one row: the launcher never joins two requests, as no dynamic batching promises.
+        self._launcher = LaunchRunner(model, BatchingPolicy(max_batch_size=1), lambda request: None)
         if self._launcher.active:
             self._inline.mode = "off"
 
@@ -96,8 +95,3 @@ class DirectScheduler:
         self._launcher.close()  # ...and for the launched ones
         self._executor.shutdown(wait=True)
         self.model.close()
-
-
-def _alone(request: InferRequest) -> Hashable:
-    """A batch signature no other request shares: without dynamic batching every request runs on its own."""
-    return object()

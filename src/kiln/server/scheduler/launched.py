@@ -96,8 +96,7 @@ class LaunchRunner:
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = weakref.WeakKeyDictionary()
         self._admission = Admission(model.name, model.version)
         self._queues_lock = threading.Lock()  # loops add themselves while other threads walk the queues
-        # Under _out_lock: batches launched and not yet collected, each instance's, and launches under way.
-        self._out = 0
+        # Under _out_lock: each instance's batches launched and not yet collected, and its launches under way.
         self._out_per_instance: list[list[_Flight]] = [[] for _ in model.engines]
         self._launching = [0] * len(model.engines)
         self._out_lock = threading.Lock()
@@ -131,7 +130,7 @@ class LaunchRunner:
     def close(self, timeout_s: float = 60.0) -> None:
         """Refuse new requests; wait (from another thread) until the admitted ones are answered and every launched
         batch is collected, so the engines can be closed; stop the waiter."""
-        deadline = self._admission.close(timeout_s, busy=lambda: self._out > 0)
+        deadline = self._admission.close(timeout_s, busy=lambda: self._batches_out() > 0)
         self._stopped = True  # anything still waiting now is answered with an error, never launched
         for loop, _pending in self._waiting_loops():  # after a timeout, requests may still wait: answer them
             with contextlib.suppress(RuntimeError):  # a closed loop's requests are gone with it
@@ -156,7 +155,7 @@ class LaunchRunner:
             batch = self._take_batch(items)
             if not self._launch(loop, batch):
                 items[:0] = batch  # every lane is busy: these go first once a lane comes free
-                if not self._out:  # none of ours will come back to wake them: someone else holds the lanes
+                if not self._batches_out():  # none of ours will come back to wake them: someone else holds the lanes
                     pending.scheduled = True
                     loop.call_later(RETRY_S, self._flush, loop)
                 break
@@ -224,7 +223,6 @@ class LaunchRunner:
             orphans = [flight for flight in flights if flight.posted and flight.loop.is_closed()]
             for orphan in orphans:
                 flights.remove(orphan)
-                self._out -= 1
             claimed = len(flights) + self._launching[instance] < BATCHES_PER_INSTANCE
             if claimed:
                 self._launching[instance] += 1
@@ -238,7 +236,6 @@ class LaunchRunner:
             self._launching[instance] -= 1
             if flight is not None:
                 self._out_per_instance[instance].append(flight)
-                self._out += 1
 
     def _release(self, flight: _Flight) -> None:
         """The batch was collected (or abandoned): its instance may launch again."""
@@ -246,7 +243,10 @@ class LaunchRunner:
             flights = self._out_per_instance[flight.instance]
             if flight in flights:
                 flights.remove(flight)
-                self._out -= 1
+
+    def _batches_out(self) -> int:
+        """Batches launched and not yet collected, over all instances (a snapshot; a few lists to count)."""
+        return sum(len(flights) for flights in self._out_per_instance)
 
     def _wait_for_device(self) -> None:
         while True:
