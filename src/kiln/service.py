@@ -12,6 +12,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import ssl
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from starlette.routing import Route
 
 from kiln.frontends.grpc.server import start_grpc_server
 from kiln.frontends.grpc.workers import start_grpc_workers
+from kiln.frontends.http import listener
 from kiln.frontends.http.app import build_app
 from kiln.frontends.http.capture import CaptureOptions
 from kiln.frontends.http.files import DownloadOptions
@@ -71,11 +73,27 @@ class ServiceOptions:
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the service owns signals for all its frontends."""
+    """uvicorn without its own signal handling (the service owns signals for all its frontends) and with kiln's
+    listener, which accepts connections in bursts (frontends/http/listener.py)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        config = self.config
+        try:
+            bound = listener.bind(config.host, config.port, config.backlog)
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+            raise SystemExit(1) from None
+        await super().startup(sockets=[])  # uvicorn's state, without a server of its own
+        self.servers.append(listener.Listener(bound, self._protocol, config.ssl,  # type: ignore[arg-type]
+                                              burst=config.backlog))
+
+    def _protocol(self) -> asyncio.Protocol:
+        return self.config.http_protocol_class(config=self.config, server_state=self.server_state,  # type: ignore[call-arg]
+                                               app_state=self.lifespan.state)
 
 
 class Service:
