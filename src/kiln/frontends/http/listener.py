@@ -93,9 +93,13 @@ class Listener:
             await asyncio.gather(*self._starting, return_exceptions=True)
 
     def _start(self, connection: socket.socket) -> None:
-        connection.setblocking(False)
-        if connection.family in (socket.AF_INET, socket.AF_INET6):
-            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # responses leave when written
+        try:
+            connection.setblocking(False)
+            if connection.family in (socket.AF_INET, socket.AF_INET6):
+                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # responses leave when written
+        except OSError:  # the client already hung up; the connections behind it still get accepted
+            connection.close()
+            return
         task: asyncio.Task[object] = self._loop.create_task(
             self._loop.connect_accepted_socket(self._factory, connection, ssl=self._tls))
         self._starting.add(task)

@@ -150,3 +150,40 @@ def test_closing_stops_accepting_and_frees_the_port() -> None:
     port = asyncio.run(scenario())
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=1)
+
+
+def test_a_connection_that_fails_to_set_up_is_closed_and_the_rest_are_accepted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[asyncio.BaseTransport] = []
+    _Counting.made = made
+    real_setsockopt = socket.socket.setsockopt
+    failures: list[int] = []
+
+    def failing_once(sock: socket.socket, *args: object) -> None:
+        if args[:2] == (socket.IPPROTO_TCP, socket.TCP_NODELAY) and not failures:
+            failures.append(sock.fileno())
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_setsockopt(sock, *args)  # type: ignore[call-overload]
+
+    async def scenario() -> tuple[int, int]:
+        sockets = listener.bind("127.0.0.1", 0, backlog=16)
+        server = listener.Listener(sockets, _Counting, None, burst=16)
+        clients = _connect_waiting(sockets[0].getsockname()[1], 5)
+        monkeypatch.setattr(socket.socket, "setsockopt", failing_once)
+        try:
+            taken = server.accept_waiting(sockets[0])
+            for _ in range(50):
+                if len(made) == 4:
+                    break
+                await asyncio.sleep(0.01)
+            return taken, len(made)
+        finally:
+            monkeypatch.undo()
+            server.close()
+            for transport in made:
+                transport.close()
+            for client in clients:
+                client.close()
+
+    assert asyncio.run(scenario()) == (5, 4)
+    assert len(failures) == 1
