@@ -77,6 +77,19 @@ def test_every_scenario_is_measured_at_every_level(compared: tuple[dict[str, Any
         assert {"gpu_idle", "gpu_peak"} <= set(memory)  # None on a machine without a GPU
 
 
+def test_served_levels_count_every_model_on_the_server(compared: tuple[dict[str, Any], list[int], Path]) -> None:
+    doc = compared[0]
+    for scenario in doc["scenarios"][1:]:
+        expected = {"simple", *(f"simple_peer{i}" for i in range(1, scenario["models_loaded"]))}
+        for level in scenario["results"]:
+            rates = level["server_models_per_s"]
+            assert set(rates) == expected
+            assert all(rate > 0 for rate in rates.values())  # the peers' load reached the server too
+            # The server's count spans the level's windows and warm-up; the client's only its windows.
+            assert 0.2 < rates["simple"] / level["throughput_infer_per_s"] < 5
+    assert "direct" not in {s["name"] for s in doc["scenarios"] if "server_models_per_s" in s["results"][0]}
+
+
 def test_progress_reports_each_finished_scenario_as_partial(compared: tuple[dict[str, Any], list[int], Path]) -> None:
     doc = compared[0]
     assert [len(partial["scenarios"]) for partial in PROGRESS] == [1, 2, 3, 4]

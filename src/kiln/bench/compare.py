@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -47,6 +49,7 @@ from kiln.serve_process import free_port, wait_ready
 PROTOCOLS = ("http", "grpc")
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 120.0
+STATS_TIMEOUT_S = 30.0
 SCENARIOS = ("direct", "served", "served_with_others")
 
 Note = Callable[[str], None]
@@ -295,7 +298,7 @@ class Comparison:
         self.note(f"{label}: kiln serve with {1 + peers} model(s), {opts.protocol}, concurrency "
                   f"{list(opts.concurrency)}")
         with self._processes(work / "logs" / label) as processes:
-            server, url = self._start_server(processes, repo)
+            server, url, http_url = self._start_server(processes, repo)
             idle_rss, idle_gpu = _read_mib(rss_reader(server.pid)), _read_mib(gpu_reader(server.pid, False)[0])
             loads = [processes.start(f"load_{peer}", _module_command("peer", json.dumps(
                 {"model": peer, "protocol": opts.protocol, "url": url, "seed": opts.seed})), pipes=True)
@@ -303,16 +306,23 @@ class Comparison:
             for load in loads:
                 _expect(load, "ready")
             rows: list[LevelResult] = []
+            together: dict[int, dict[str, float]] = {}
             for concurrency in opts.concurrency:
                 for load in loads:
                     _send(load, f"{concurrency}\n")
                     _expect(load, f"running {concurrency}")
+                before, started = served_counts(http_url), time.monotonic()
                 result = run(opts.bench_options(target=opts.protocol, url=url, server_pid=server.pid,
                                                 concurrency=(concurrency,), client_processes=opts.client_processes))
+                together[concurrency] = _rates(before, served_counts(http_url), time.monotonic() - started)
                 rows.extend(result.results)
-        return _scenario(name, batching, 1 + peers, rows, idle_rss, idle_gpu)
+        entry = _scenario(name, batching, 1 + peers, rows, idle_rss, idle_gpu)
+        for level in entry["results"]:
+            level["server_models_per_s"] = together.get(level["concurrency"])
+        return entry
 
-    def _start_server(self, processes: Processes, repo: Path) -> tuple[Child, str]:
+    def _start_server(self, processes: Processes, repo: Path) -> tuple[Child, str, str]:
+        """`kiln serve` over ``repo``; returns it, the address the measured protocol uses and the HTTP address."""
         http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
         server = processes.start("server", [sys.executable, "-m", "kiln.cli", "serve", "--model-repository", str(repo),
                                             "--http-port", str(http_port), "--grpc-port", str(grpc_port),
@@ -323,7 +333,7 @@ class Comparison:
             raise UnavailableError(f"kiln bench compare could not start `kiln serve` over {repo}: {exc}\n"
                                    f"{server.log_tail()}") from None
         port = http_port if self.options.protocol == "http" else grpc_port
-        return server, f"127.0.0.1:{port}"
+        return server, f"127.0.0.1:{port}", f"127.0.0.1:{http_port}"
 
 
 def _send(child: Child, text: str) -> None:
@@ -350,6 +360,21 @@ def _read_mib(reader: ByteReader | None) -> float | None:
 
 def _peak(idle: float | None, samples: Sequence[float | None]) -> float | None:
     return max([v for v in (idle, *samples) if v is not None], default=None)
+
+
+def served_counts(http_url: str) -> dict[str, int]:
+    """Requests each model of a server has answered so far (every version), from the statistics extension."""
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/stats", timeout=STATS_TIMEOUT_S) as response:
+        entries = json.load(response)["model_stats"]
+    counts: dict[str, int] = {}
+    for entry in entries:
+        counts[entry["name"]] = counts.get(entry["name"], 0) + int(entry["inference_stats"]["success"]["count"])
+    return counts
+
+
+def _rates(before: dict[str, int], after: dict[str, int], seconds: float) -> dict[str, float]:
+    """Requests/s per model between two readings: what every model got while the measured one was measured."""
+    return {name: (count - before.get(name, 0)) / seconds for name, count in after.items()}
 
 
 def _scenario(name: str, batching: bool, models: int, rows: list[LevelResult], idle: float | None,

@@ -70,6 +70,36 @@ def comparison_table(doc: dict[str, Any]) -> Table:
     return Table(header, rows, numeric=1)
 
 
+TOGETHER_TITLE = "All models together (requests/s the server answered, ratio to one model alone)"
+TOGETHER_NOTE = ("From the server's statistics over each level of the measured model, peers included; the ratio is "
+                 "to the one-model scenario with the same batching.")
+
+
+def together_table(doc: dict[str, Any]) -> Table | None:
+    """Served scenarios: every model's requests/s summed at each level, as the server counted them while the
+    measured model was measured; None for a comparison recorded without those counts."""
+    levels: list[int] = doc["concurrency"]
+    served = [s for s in doc["scenarios"] if s["name"] != "direct"]
+    if not any(_together(s, c) is not None for s in served for c in levels):
+        return None
+    rows = []
+    for scenario in served:
+        alone = next((s for s in served if s["name"] == "served" and s["batching"] == scenario["batching"]), None)
+        cells = []
+        for c in levels:
+            total, base = _together(scenario, c), _together(alone, c) if alone is not None else None
+            ratio = f" ({total / base:.2f}x)" if total is not None and base else ""
+            cells.append(_number(total, 1 if total is not None and total < 100 else 0) + ratio)
+        rows.append([scenario_label(scenario), *cells])
+    return Table(["scenario", *(f"c={c} req/s (vs 1 model)" for c in levels)], rows, numeric=1)
+
+
+def _together(scenario: dict[str, Any], concurrency: int) -> float | None:
+    row = _level(scenario, concurrency)
+    rates = row.get("server_models_per_s") if row is not None else None
+    return sum(rates.values()) if rates else None
+
+
 def memory_keys(doc: dict[str, Any]) -> list[str]:
     """The memory figures present: RSS always, GPU memory when any deployment has it."""
     entries = doc["memory_mb"].values()
@@ -114,6 +144,7 @@ def markdown(doc: dict[str, Any], command: str | None = None) -> str:
              *([f"Command: `{command}`"] if command else []), "",
              "## Throughput (requests/s, ratio to direct) and p99 latency by concurrency\n",
              markdown_table(comparison_table(doc)),
+             *_together_section(doc),
              "## Memory (RSS)\n",
              markdown_table(memory_table(doc)),
              "Served memory is the batching variant with the higher peak.\n"]
@@ -121,6 +152,11 @@ def markdown(doc: dict[str, Any], command: str | None = None) -> str:
     if notes:
         parts += ["## Notes\n", *(f"- {note}" for note in notes), ""]
     return "\n".join(parts)
+
+
+def _together_section(doc: dict[str, Any]) -> list[str]:
+    table = together_table(doc)
+    return [] if table is None else [f"## {TOGETHER_TITLE}\n", TOGETHER_NOTE + "\n", markdown_table(table)]
 
 
 # -- plots --------------------------------------------------------------------------------------------------------

@@ -7,7 +7,15 @@ import base64
 import html
 from typing import Any
 
-from kiln.bench.report import Table, comparison_table, machine_line, memory_table
+from kiln.bench.report import (
+    TOGETHER_NOTE,
+    TOGETHER_TITLE,
+    Table,
+    comparison_table,
+    machine_line,
+    memory_table,
+    together_table,
+)
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1150px; }
@@ -49,6 +57,7 @@ def render_html(doc: dict[str, Any], images: dict[str, bytes], command: str | No
         f"<p><b>Command:</b> <code>{html.escape(command)}</code></p>" if command else "",
         "<h2>Throughput (requests/s, ratio to direct) and p99 latency by concurrency</h2>",
         _table(comparison_table(doc)),
+        *_together(doc),
         "<h2>Memory (RSS)</h2>", _table(memory_table(doc)),
         "<p>Served memory is the batching variant with the higher peak.</p>",
         f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "",
@@ -56,3 +65,10 @@ def render_html(doc: dict[str, Any], images: dict[str, bytes], command: str | No
         "</body></html>",
     ]
     return "\n".join(part for part in parts if part) + "\n"
+
+
+def _together(doc: dict[str, Any]) -> list[str]:
+    table = together_table(doc)
+    if table is None:
+        return []
+    return [f"<h2>{html.escape(TOGETHER_TITLE)}</h2>", f"<p>{html.escape(TOGETHER_NOTE)}</p>", _table(table)]

@@ -10,7 +10,16 @@ from typing import Any
 
 import pytest
 
-from kiln.bench.report import PLOTS, comparison_table, markdown, memory_table, scenario_label, write_report
+from kiln.bench.report import (
+    PLOTS,
+    TOGETHER_TITLE,
+    comparison_table,
+    markdown,
+    memory_table,
+    scenario_label,
+    together_table,
+    write_report,
+)
 from kiln.bench.report_html import render_html
 from kiln.bench.resources import MemoryFigures
 from kiln.bench.result import Latency, LevelResult
@@ -65,6 +74,32 @@ def test_table_has_a_row_per_scenario_and_ratios_to_direct(doc: dict[str, Any]) 
     assert table.rows[2][3] == "4,500 (1.29x)"  # batching above direct shows as a ratio above 1
     assert table.rows[3][1:] == ["290 (0.91x)", "2,200 (0.79x)", "2,700 (0.77x)", "4.20", "5.00", "9.00",
                                  "2,500.0", "4,100.0"]
+
+
+def _with_server_counts(doc: dict[str, Any]) -> dict[str, Any]:
+    """Per-model server rates on the served levels: one model alone, or three with the peers' shares."""
+    for entry in doc["scenarios"][1:]:
+        for level in entry["results"]:
+            rate = level["throughput_infer_per_s"]
+            peers = {f"resnet50_peer{i}": rate * 0.9 for i in range(1, entry["models_loaded"])}
+            level["server_models_per_s"] = {"resnet50": rate, **peers}
+    return doc
+
+
+def test_together_table_sums_every_model_and_compares_with_one_model(doc: dict[str, Any]) -> None:
+    table = together_table(_with_server_counts(doc))
+    assert table is not None
+    assert table.header == ["scenario", "c=1 req/s (vs 1 model)", "c=8 req/s (vs 1 model)", "c=16 req/s (vs 1 model)"]
+    assert [r[0] for r in table.rows] == ["served, 1 model", "served, 1 model, dynamic batching", "served, 3 models"]
+    assert table.rows[0][1:] == ["310 (1.00x)", "2,600 (1.00x)", "3,200 (1.00x)"]
+    # 3 models without batching: 290 + 2 x 261 = 812 against 310 alone (the no-batching one-model row)
+    assert table.rows[2][1:] == ["812 (2.62x)", "6,160 (2.37x)", "7,560 (2.36x)"]
+    assert TOGETHER_TITLE in markdown(doc) and TOGETHER_TITLE in render_html(doc, {})
+
+
+def test_a_comparison_without_server_counts_has_no_together_table(doc: dict[str, Any]) -> None:
+    assert together_table(doc) is None
+    assert TOGETHER_TITLE not in markdown(doc) and TOGETHER_TITLE not in render_html(doc, {})
 
 
 def test_missing_level_or_direct_row_shows_a_dash_and_no_ratio(doc: dict[str, Any]) -> None:
