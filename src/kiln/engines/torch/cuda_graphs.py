@@ -47,6 +47,11 @@ class CudaGraphs:
         """The batch sizes captured so far."""
         return tuple(sorted(self._graphs))
 
+    @property
+    def capture_order(self) -> tuple[int, ...]:
+        """The batch sizes captured so far, in the order they were captured."""
+        return tuple(self._graphs)
+
     def get(self, batch: int, make_inputs: Callable[[], list[torch.Tensor]]) -> CapturedGraph:
         """The graph for ``batch``, captured now over fresh static inputs if it is new. Call with ``lock`` held."""
         captured = self._graphs.get(batch)

@@ -102,6 +102,12 @@ class TorchEngine(Engine):
         return tuple(sorted({size for lane in lanes for size in lane.graphs.batch_sizes}))
 
     @property
+    def cuda_graph_capture_order(self) -> tuple[int, ...]:
+        """The first lane's batch sizes in the order they were captured (the listed ones at load, then others)."""
+        lanes = self._lanes.lanes if self._lanes is not None else ()
+        return lanes[0].graphs.capture_order if lanes else ()
+
+    @property
     def cuda_graph_count(self) -> int:
         """CUDA graphs captured so far over all lanes (each lane captures a batch size on its first use)."""
         lanes = self._lanes.lanes if self._lanes is not None else ()
@@ -307,9 +313,12 @@ class TorchEngine(Engine):
         return tensors
 
     def _capture_listed(self) -> None:
-        """Capture the listed batch sizes on the first lane at load; other lanes capture on first use."""
+        """Capture the listed batch sizes on the first lane at load, largest first; other lanes capture on first
+        use. The lane's graphs share one memory pool: after the largest capture, each smaller one fits in blocks the
+        pool already holds, where captures in rising order would each need slightly larger new blocks and leave the
+        smaller ones unused."""
         assert self._lanes is not None
-        sizes = self.settings.cuda_graph_batch_sizes if self.spec.batching else (0,)
+        sizes = sorted(self.settings.cuda_graph_batch_sizes, reverse=True) if self.spec.batching else [0]
         with torch.inference_mode(), self._on_device(), self._lanes.lane() as lane, \
                 _current_stream(lane.stream, self._device_index), lane.graphs.lock:
             for batch in sizes:

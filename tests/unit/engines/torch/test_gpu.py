@@ -69,6 +69,7 @@ def test_fp16_channels_last_and_a_cuda_graph_per_batch_size(tmp_path: Path, file
     engine = load_gpu(tmp_path, files[kind], GPU_PARAMETERS)
     assert engine.device == torch.device("cuda", 0) and engine.thread_safe
     assert engine.cuda_graph_batch_sizes == (1, 4)  # the listed sizes are captured at load
+    assert engine.cuda_graph_capture_order == (4, 1)  # largest first, so smaller graphs reuse its memory
     for rows in (4, 1, 3, 4, 3):  # replays must see each call's data, not the capture's
         image = images(rows)
         logits = engine.infer({"image": image})["logits"]
