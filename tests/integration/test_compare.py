@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -186,6 +187,33 @@ def _wait_for_server(pid: int, timeout_s: float = 60.0) -> set[int]:
             pass
         time.sleep(0.05)
     raise AssertionError(f"compare started no `kiln serve` within {timeout_s:.0f} s")
+
+
+def test_peers_send_from_as_many_processes_as_the_measured_model(repo: Path, tmp_path: Path) -> None:
+    args = parse(repo, "--concurrency", "2", "--batching", "on", "--client-processes", "2",
+                 "--output", str(tmp_path / "out"))
+    comparison = Comparison(options_from_args(args))
+    senders: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:  # the peer load process's own client processes, while it runs
+        while not done.is_set():
+            for process in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if "peer" in process.cmdline() and "kiln.bench.compare" in " ".join(process.cmdline()):
+                        senders.append(len(process.children()))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        doc = comparison.run()
+    finally:
+        done.set()
+        watcher.join()
+    assert max(senders, default=0) >= 2
+    peer_rates = [level["server_models_per_s"]["simple_peer1"] for level in doc["scenarios"][-1]["results"]]
+    assert peer_rates and all(rate > 0 for rate in peer_rates)
 
 
 def test_batching_variants_rewrite_only_the_config(repo: Path, tmp_path: Path) -> None:

@@ -69,7 +69,7 @@ class CompareOptions:
     max_trials: int = 5
     stability_percentage: float = 10.0
     device: str = "cpu"
-    client_processes: int = 1  # served scenarios: processes sending the measured model's requests
+    client_processes: int = 1  # served scenarios: processes sending the measured model's requests, and each peer's
     seed: int = 0
     work_dir: Path | None = None  # where temporary repositories and logs go (default: a fresh temporary folder)
 
@@ -301,7 +301,8 @@ class Comparison:
             server, url, http_url = self._start_server(processes, repo)
             idle_rss, idle_gpu = _read_mib(rss_reader(server.pid)), _read_mib(gpu_reader(server.pid, False)[0])
             loads = [processes.start(f"load_{peer}", _module_command("peer", json.dumps(
-                {"model": peer, "protocol": opts.protocol, "url": url, "seed": opts.seed})), pipes=True)
+                {"model": peer, "protocol": opts.protocol, "url": url, "seed": opts.seed,
+                 "client_processes": opts.client_processes})), pipes=True)
                 for peer in peer_names]
             for load in loads:
                 _expect(load, "ready")
@@ -417,7 +418,8 @@ def _direct_main(bench: dict[str, Any], out: Path, settings: dict[str, Any]) -> 
 def _peer_main(spec: dict[str, Any]) -> int:
     """Keep ``N`` requests outstanding on a peer model; N comes as a line on stdin, EOF or SIGTERM ends it."""
     signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(0))
-    options = BenchOptions(model=spec["model"], target=spec["protocol"], url=spec["url"], seed=spec["seed"])
+    options = BenchOptions(model=spec["model"], target=spec["protocol"], url=spec["url"], seed=spec["seed"],
+                           client_processes=spec.get("client_processes", 1))
     recorder = Recorder()
     done = threading.Event()
     threading.Thread(target=_drain, args=(recorder, done), daemon=True).start()

@@ -45,8 +45,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     measure.add_argument("--device", choices=["config", "cpu", "gpu"], default="config",
                          help="direct: where the engine runs (config: where its instance group puts it)")
     measure.add_argument("--client-processes", type=int, default=1, metavar="N",
-                         help="served scenarios: send the measured model's requests from N processes (large "
-                              "tensors: one Python client process is slower than the server)")
+                         help="served scenarios: send the measured model's requests, and each peer's, from N "
+                              "processes (large tensors: one Python client process is slower than the server)")
     measure.add_argument("--seed", type=int, default=0, help="seed of the random input data")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
