@@ -412,3 +412,25 @@ async def test_bf16_binary_output(client: httpx.AsyncClient) -> None:
     header, blob = _split(await client.post("/v2/models/mixed/infer", content=body, headers=headers))
     assert header["outputs"][0]["parameters"] == {"binary_data_size": 4}
     assert blob == h.tobytes()
+
+
+async def test_inference_skips_starlette_and_everything_else_goes_through_it(server: Server) -> None:
+    """InferFirst answers inference itself: in front of a Starlette app with no routes, infer still works, a
+    version's infer too, and any other request reaches the (empty) app."""
+    from starlette.applications import Starlette
+
+    from kiln.frontends.http.app import InferFirst, _guarded
+    from kiln.frontends.http.endpoints import Endpoints
+
+    app = InferFirst(Starlette(), _guarded(Endpoints(server, LIMIT).infer))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kiln") as http:
+        answer = await http.post("/v2/models/simple/infer", json=_simple())
+        versioned = await http.post("/v2/models/simple/versions/1/infer", json=_simple())
+        unknown = await http.post("/v2/models/nope/infer", json=_simple())
+        other = await http.get("/v2/models/simple/infer")
+        health = await http.get("/v2/health/ready")
+    sums = {o["name"]: o["data"] for o in answer.json()["outputs"]}
+    assert answer.status_code == 200 and sums["OUTPUT0"] == [i + 1 for i in range(16)]
+    assert versioned.status_code == 200 and versioned.json()["model_version"] == "1"
+    assert unknown.status_code == 404 and "nope" in unknown.json()["error"]  # the guarded endpoint's error
+    assert other.status_code == 404 and health.status_code == 404  # Starlette's, from the app without routes

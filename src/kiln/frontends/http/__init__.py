@@ -1,4 +1,4 @@
-"""The KServe V2 / Triton HTTP frontend: ``build_app(server)`` returns a Starlette ASGI app."""
+"""The KServe V2 / Triton HTTP frontend: ``build_app(server)`` returns its ASGI app."""
 
 from __future__ import annotations
 
