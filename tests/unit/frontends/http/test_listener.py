@@ -187,3 +187,35 @@ def test_a_connection_that_fails_to_set_up_is_closed_and_the_rest_are_accepted(
 
     assert asyncio.run(scenario()) == (5, 4)
     assert len(failures) == 1
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_an_ipv6_address_is_served_on_ipv6_only() -> None:
+    made: list[asyncio.BaseTransport] = []
+    _Counting.made = made
+
+    async def scenario() -> tuple[int, int]:
+        sockets = listener.bind("::1", 0, backlog=8)
+        server = listener.Listener(sockets, _Counting, None, burst=8)
+        port = sockets[0].getsockname()[1]
+        client = socket.create_connection(("::1", port))
+        try:
+            taken = server.accept_waiting(sockets[0])
+            await asyncio.sleep(0.05)
+            return taken, sockets[0].getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+        finally:
+            server.close()
+            for transport in made:
+                transport.close()
+            client.close()
+
+    assert asyncio.run(scenario()) == (1, 1)
