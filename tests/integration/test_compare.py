@@ -25,7 +25,7 @@ from kiln.bench.compare_cli import add_compare_arguments, command_line, options_
 from kiln.bench.report import PLOTS, write_report
 from kiln.config.parse import read_config
 from kiln.demo import build_demo_repository
-from kiln.errors import InvalidArgumentError
+from kiln.errors import InvalidArgumentError, UnavailableError
 
 psutil = pytest.importorskip("psutil")
 
@@ -214,6 +214,14 @@ def test_peers_send_from_as_many_processes_as_the_measured_model(repo: Path, tmp
     assert max(senders, default=0) >= 2
     peer_rates = [level["server_models_per_s"]["simple_peer1"] for level in doc["scenarios"][-1]["results"]]
     assert peer_rates and all(rate > 0 for rate in peer_rates)
+
+
+def test_statistics_that_cannot_be_read_give_a_clear_error() -> None:
+    from kiln.bench.compare import served_counts
+    from kiln.serve_process import free_port
+
+    with pytest.raises(UnavailableError, match="could not read the server's statistics at 127.0.0.1:"):
+        served_counts(f"127.0.0.1:{free_port()}")  # nothing listens there
 
 
 def test_batching_variants_rewrite_only_the_config(repo: Path, tmp_path: Path) -> None:

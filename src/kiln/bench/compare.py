@@ -365,8 +365,12 @@ def _peak(idle: float | None, samples: Sequence[float | None]) -> float | None:
 
 def served_counts(http_url: str) -> dict[str, int]:
     """Requests each model of a server has answered so far (every version), from the statistics extension."""
-    with urllib.request.urlopen(f"http://{http_url}/v2/models/stats", timeout=STATS_TIMEOUT_S) as response:
-        entries = json.load(response)["model_stats"]
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/models/stats", timeout=STATS_TIMEOUT_S) as response:
+            entries = json.load(response)["model_stats"]
+    except OSError as exc:  # URLError and timeouts derive from it
+        raise UnavailableError(f"kiln bench compare could not read the server's statistics at {http_url}: "
+                               f"{exc}") from None
     counts: dict[str, int] = {}
     for entry in entries:
         counts[entry["name"]] = counts.get(entry["name"], 0) + int(entry["inference_stats"]["success"]["count"])
