@@ -31,6 +31,7 @@ class Row:
     stable: bool | None
     rss_idle_mb: float | None = None
     rss_peak_mb: float | None = None
+    together_per_s: float | None = None  # every model the server held, from its statistics (served rows)
 
 
 @dataclass(frozen=True)
@@ -191,8 +192,21 @@ def _rows(reader: _Reader, items: Sequence[Any], scenario: str) -> tuple[Row, ..
             p99 = reader.number(reader.mapping(latency, f"{where}.latency_ms"), "p99", f"{where}.latency_ms")
         idle, peak = _row_memory(reader, obj.get("memory_mb"), where)
         rows.append(Row(concurrency=concurrency, throughput_per_s=throughput, p99_ms=p99,
-                        stable=reader.optional_bool(obj, "stable", where), rss_idle_mb=idle, rss_peak_mb=peak))
+                        stable=reader.optional_bool(obj, "stable", where), rss_idle_mb=idle, rss_peak_mb=peak,
+                        together_per_s=_together(reader, obj.get("server_models_per_s"), where)))
     return tuple(sorted(rows, key=lambda r: r.concurrency))
+
+
+def _together(reader: _Reader, value: object, where: str) -> float | None:
+    """The sum of ``server_models_per_s`` (requests/s per model name); None where a result has no such counts."""
+    if value is None:
+        return None
+    rates = reader.mapping(value, f"{where}.server_models_per_s")
+    total = 0.0
+    for name in rates:
+        rate = reader.number(rates, name, f"{where}.server_models_per_s")
+        total += rate or 0.0
+    return total
 
 
 def _row_memory(reader: _Reader, value: object, where: str) -> tuple[float | None, float | None]:

@@ -60,6 +60,7 @@ def derive(result: CompareResult, inputs: Inputs) -> Evidence:
     lines += memory_lines
     gain, batching_lines = _batching(result, missing)
     lines += batching_lines
+    lines += _together_lines(result.scenarios, labels)
     direct = _point(result.named("direct"), labels, inputs.concurrency)
     served_name = "served_with_others" if inputs.models > 1 and result.named("served_with_others") else "served"
     if not result.named(served_name):
@@ -190,6 +191,26 @@ def _batching(result: CompareResult, missing: list[str]) -> tuple[dict[int, floa
         return gain, [f"dynamic batching ({name.replace('_', ' ')} throughput, on vs off): {', '.join(parts)}"]
     missing.append("a served scenario measured with dynamic batching off and on (what batching adds)")
     return {}, ["dynamic batching: not measured both ways"]
+
+
+def _together_lines(scenarios: Sequence[Scenario], labels: dict[int, str]) -> list[str]:
+    """What all the models of a server answered together, against one model alone with the same batching (from
+    the server's statistics; results written before compare recorded them have none)."""
+    lines = []
+    for scenario in scenarios:
+        if scenario.name != "served_with_others":
+            continue
+        alone = next((s for s in scenarios if s.name == "served" and s.batching == scenario.batching), None)
+        parts = []
+        for row in scenario.rows:
+            base = _row(alone, row.concurrency) if alone is not None else None
+            if row.together_per_s is None or base is None or not base.together_per_s:
+                continue
+            parts.append(f"{_rate(row.together_per_s)} = {row.together_per_s / base.together_per_s:.2f}x at "
+                         f"c={row.concurrency}")
+        if parts:
+            lines.append(f"{labels[id(scenario)]}, all models together vs one model alone: {', '.join(parts)}")
+    return lines
 
 
 def _batching_word(gain: float) -> str:

@@ -160,3 +160,27 @@ def test_a_file_round_trip_keeps_the_model_and_machine(compare: dict[str, Any],
     path = write_compare(compare)
     evidence = derive(load_compare(path), Inputs())
     assert evidence.lines[0] == f"measured: resnet50 on gpu T4, cpu_count 8 ({path})"
+
+
+def test_models_together_come_from_the_server_counts_where_recorded(compare: dict[str, Any]) -> None:
+    served, others = compare["scenarios"][1], compare["scenarios"][2]
+    for row in served["results"]:
+        row["server_models_per_s"] = {"resnet50": row["throughput_infer_per_s"]}
+    for row in others["results"]:  # the measured model plus two peers at 90% of its rate
+        rate = row["throughput_infer_per_s"]
+        row["server_models_per_s"] = {"resnet50": rate, "resnet50_peer1": rate * 0.9, "resnet50_peer2": rate * 0.9}
+    lines = evidence_of(compare).lines
+    assert ("served with 3 models, all models together vs one model alone: 812/s = 2.62x at c=1, "
+            "6,160/s = 2.37x at c=8, 7,560/s = 2.36x at c=16") in lines
+
+
+def test_results_without_server_counts_say_nothing_about_models_together(compare: dict[str, Any]) -> None:
+    assert not any("all models together" in line for line in evidence_of(compare).lines)
+
+
+def test_server_counts_that_are_not_numbers_are_refused(compare: dict[str, Any]) -> None:
+    from kiln.errors import InvalidArgumentError
+
+    compare["scenarios"][2]["results"][0]["server_models_per_s"] = {"resnet50": "fast"}
+    with pytest.raises(InvalidArgumentError, match="server_models_per_s.resnet50"):
+        evidence_of(compare)
