@@ -53,8 +53,9 @@ def wait_ready(http_url: str, process: subprocess.Popen[bytes], timeout_s: float
 
 @contextlib.contextmanager
 def kiln_serve(repositories: Sequence[Path], *extra_args: str, log_path: Path | None = None,
-               ready_timeout_s: float = 60.0) -> Iterator[KilnProcess]:
-    """Start `kiln serve` on free ports, wait until it is ready, and stop it (SIGTERM, then kill) on exit."""
+               ready_timeout_s: float = 60.0, context: ssl.SSLContext | None = None) -> Iterator[KilnProcess]:
+    """Start `kiln serve` on free ports, wait until it is ready, and stop it (SIGTERM, then kill) on exit. Pass
+    ``context`` when ``extra_args`` turn on https, so that readiness is polled over TLS."""
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     command = [sys.executable, "-m", "kiln.cli", "serve", "--http-port", str(http_port),
                "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
@@ -65,7 +66,7 @@ def kiln_serve(repositories: Sequence[Path], *extra_args: str, log_path: Path | 
         log = stack.enter_context(open(log_path, "wb")) if log_path is not None else subprocess.DEVNULL
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_ready(f"127.0.0.1:{http_port}", process, ready_timeout_s)
+            wait_ready(f"127.0.0.1:{http_port}", process, ready_timeout_s, context=context)
             yield KilnProcess(f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", f"127.0.0.1:{metrics_port}",
                               process)
         finally:

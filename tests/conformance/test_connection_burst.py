@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 import socket
+import ssl
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -56,3 +59,36 @@ def test_a_taken_http_port_stops_the_server_with_a_clear_log(tmp_path: Path) -> 
         taken.close()
     text = log.read_text()
     assert "cannot listen on" in text and f":{port}" in text and "in use" in text, text
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command line makes the test certificate")
+def test_a_tls_burst_and_a_failed_handshake_are_handled(tmp_path: Path) -> None:
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", "key.pem", "-out", "cert.pem", "-days", "1", "-subj", "/CN=localhost"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    repo = tmp_path / "repo"
+    build_demo_repository(repo)
+    context = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
+    context.check_hostname = False
+    log = tmp_path / "serve.log"
+    with kiln_serve([repo], "--https-certfile", str(tmp_path / "cert.pem"), "--https-keyfile",
+                    str(tmp_path / "key.pem"), log_path=log, ready_timeout_s=30.0, context=context) as server:
+        host, port = server.http_url.rsplit(":", 1)
+        not_tls = socket.create_connection((host, int(port)), timeout=10)
+        not_tls.sendall(READY_REQUEST)  # plain HTTP to a TLS port: the handshake fails, the server carries on
+        connections = [socket.create_connection((host, int(port)), timeout=30) for _ in range(100)]
+
+        def ready(sock: socket.socket) -> bytes:
+            with context.wrap_socket(sock, server_hostname="localhost") as tls:
+                tls.sendall(READY_REQUEST)
+                return _status(tls)
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                statuses = list(pool.map(ready, connections))
+        finally:
+            not_tls.close()
+            for sock in connections:
+                sock.close()
+    assert statuses == [b"HTTP/1.1 200 OK"] * 100
+    assert "Traceback" not in log.read_text()
