@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +82,8 @@ def main() -> int:
 def _burst(url: str, names: list[str], args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     """One `kiln bench` per model, all started together; each model's requests/s from the server's counts over one
     window common to all, and each client's p99."""
+    from kiln.bench.compare import served_counts
+
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     clients = []
     client_ms = int((args.settle + args.seconds + 3) * 1000)  # clients measure past the common window
@@ -92,9 +93,9 @@ def _burst(url: str, names: list[str], args: argparse.Namespace, tmp: Path) -> l
                    "--json", str(tmp / f"{name}.json")]
         clients.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     time.sleep(args.settle)
-    before, started = _counts(url), time.monotonic()
+    before, started = served_counts(url), time.monotonic()
     time.sleep(args.seconds)
-    after, elapsed = _counts(url), time.monotonic() - started
+    after, elapsed = served_counts(url), time.monotonic() - started
     rows = []
     for name, client in zip(names, clients, strict=True):
         _, err = client.communicate(timeout=180)
@@ -104,12 +105,6 @@ def _burst(url: str, names: list[str], args: argparse.Namespace, tmp: Path) -> l
         rows.append({"model": name, "requests_per_s": (after[name] - before[name]) / elapsed,
                      "p99_ms": level["latency_ms"]["p99"], "client_requests_per_s": level["throughput_infer_per_s"]})
     return rows
-
-
-def _counts(url: str) -> dict[str, int]:
-    with urllib.request.urlopen(f"http://{url}/v2/models/stats", timeout=30) as response:
-        stats = json.load(response)["model_stats"]
-    return {entry["name"]: int(entry["inference_count"]) for entry in stats}
 
 
 if __name__ == "__main__":
