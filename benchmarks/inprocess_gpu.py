@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -63,6 +64,53 @@ async def _drive(server: Server, images: list[np.ndarray], datatype: DataType, s
     return done
 
 
+class _GpuTiming:
+    """CUDA events on each batch's lane stream, around its copies in, graph and copies out: how long the GPU took
+    per batch, and for how much of the measured window some batch was on the GPU (the union over lanes)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, Any]] = []
+        self.recording = False
+
+    def install(self) -> None:
+        import torch
+
+        from kiln.engines.torch.engine import TorchEngine
+
+        start = TorchEngine._start
+
+        def timed(engine: TorchEngine, lane: Any, *args: Any) -> Any:
+            if not self.recording:
+                return start(engine, lane, *args)
+            began = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            began.record(lane.stream)
+            hosts = start(engine, lane, *args)
+            ended = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            ended.record(lane.stream)
+            self.events.append((began, ended))
+            return hosts
+
+        TorchEngine._start = timed  # type: ignore[method-assign,assignment]
+
+    def summary(self) -> str:
+        import torch
+
+        torch.cuda.synchronize()
+        if not self.events:
+            return "gpu timing: no batches"
+        origin = self.events[0][0]
+        spans = sorted((origin.elapsed_time(b), origin.elapsed_time(e)) for b, e in self.events)
+        busy, reach = 0.0, float("-inf")
+        for begin, end in spans:  # the union of the spans
+            if end > reach:
+                busy += end - max(begin, reach)
+                reach = end
+        window = max(end for _, end in spans) - spans[0][0]
+        per_batch = sum(end - begin for begin, end in spans) / len(spans)
+        return (f"gpu per batch {per_batch:.2f} ms (launch to done on its stream), some batch on the GPU "
+                f"{100 * busy / window:.0f}% of the window")
+
+
 def _graphs(server: Server) -> tuple[str, int]:
     """Lanes in use per instance, and CUDA graphs captured over all instances' lanes."""
     engines = [engine for version in server._models[MODEL].versions.values() if version.loaded is not None
@@ -88,6 +136,8 @@ def main() -> int:
                         help="threads sharing a large staging copy (default: kiln's, staging.COPY_THREADS)")
     parser.add_argument("--parallel-copy-mb", type=float, default=0.0,
                         help="staging copies from this size are shared (default: kiln's, PARALLEL_COPY_BYTES)")
+    parser.add_argument("--gpu-timing", action="store_true",
+                        help="time each batch on its stream with CUDA events and print the GPU's busy share")
     parser.add_argument("--switch-interval-us", type=int, default=0,
                         help="sys.setswitchinterval for the run (default: Python's 5,000 us): how soon the waiter "
                              "thread gets the GIL back from a busy event loop")
@@ -99,6 +149,9 @@ def main() -> int:
     if args.parallel_copy_mb:
         staging.PARALLEL_COPY_BYTES = int(args.parallel_copy_mb * (1 << 20))
     preferred = [int(p) for p in args.preferred.split(",") if p]
+    timing = _GpuTiming()
+    if args.gpu_timing:
+        timing.install()
     with tempfile.TemporaryDirectory(prefix="kiln-inprocess-gpu-") as tmp:
         repo = _variant(args.repo, Path(tmp), args.instances, preferred, args.fp16_inputs, args.launch,
                         args.fill)
@@ -116,11 +169,13 @@ def main() -> int:
                       for _ in range(args.concurrency)]
             asyncio.run(_drive(server, images, datatype, 2.0))  # warm-up: lanes, buffers
             graphs_before = _graphs(server)
+            timing.recording = args.gpu_timing
             before = server.model_statistics(MODEL)[0]
             started = time.perf_counter()
             count = asyncio.run(_drive(server, images, datatype, args.seconds))
             elapsed = time.perf_counter() - started
             after = server.model_statistics(MODEL)[0]
+            timing.recording = False
             graphs_after = _graphs(server)
         finally:
             server.close()
@@ -137,6 +192,8 @@ def main() -> int:
           + ", ".join(f"{phase} {us:,.0f} us" for phase, us in phases.items())
           + f", lanes {graphs_after[0]}, graphs captured while measured {graphs_after[1] - graphs_before[1]}",
           flush=True)
+    if args.gpu_timing:
+        print(timing.summary(), flush=True)
     return 0
 
 
