@@ -4,8 +4,7 @@ average batch and the server's phase times per request. Quicker to run than gpu_
 stability windows), for A/B comparisons of one change within one device session.
 
     python benchmarks/inprocess_gpu.py REPO --concurrency 64 --instances 2 --preferred 8,32 [--fp16-inputs]
-        [--launch auto|off] [--fill thread|loop] [--streams N] [--copy-threads N] [--parallel-copy-mb MB]
-        [--switch-interval-us US]
+        [--launch auto|off] [--streams N] [--copy-threads N] [--parallel-copy-mb MB] [--switch-interval-us US]
 
 REPO holds the built ``resnet50`` (kiln build ... --device cuda); the edited copy goes under /tmp.
 """
@@ -32,8 +31,7 @@ from kiln.tensor import DataType
 MODEL = "resnet50"
 
 
-def _variant(built: Path, root: Path, instances: int, preferred: list[int], fp16: bool, launch: str,
-             fill: str) -> Path:
+def _variant(built: Path, root: Path, instances: int, preferred: list[int], fp16: bool, launch: str) -> Path:
     repo = root / "repo"
     shutil.copytree(built, repo)
     config = read_config(repo / MODEL)
@@ -45,7 +43,6 @@ def _variant(built: Path, root: Path, instances: int, preferred: list[int], fp16
         for tensor in config.input:
             tensor.data_type = pb.TYPE_FP16
     config.parameters["launch_execution"].string_value = launch
-    config.parameters["launch_fill"].string_value = fill
     (repo / MODEL / "config.pbtxt").write_text(config_to_text(config))
     return repo
 
@@ -129,8 +126,6 @@ def main() -> int:
     parser.add_argument("--fp16-inputs", action="store_true")
     parser.add_argument("--launch", choices=("auto", "off"), default="auto",
                         help="launch_execution: batches launched from the event loop (auto) or run by workers (off)")
-    parser.add_argument("--fill", choices=("thread", "loop"), default="thread",
-                        help="launch_fill: launched batches' rows copied on fill threads or on the event loop")
     parser.add_argument("--streams", type=int, default=0, help="cuda_streams per instance (default: the config's)")
     parser.add_argument("--copy-threads", type=int, default=0,
                         help="threads sharing a large staging copy (default: kiln's, staging.COPY_THREADS)")
@@ -153,8 +148,7 @@ def main() -> int:
     if args.gpu_timing:
         timing.install()
     with tempfile.TemporaryDirectory(prefix="kiln-inprocess-gpu-") as tmp:
-        repo = _variant(args.repo, Path(tmp), args.instances, preferred, args.fp16_inputs, args.launch,
-                        args.fill)
+        repo = _variant(args.repo, Path(tmp), args.instances, preferred, args.fp16_inputs, args.launch)
         if args.streams:
             config = read_config(repo / MODEL)
             assert config is not None
@@ -184,8 +178,7 @@ def main() -> int:
               / max(1, getattr(after, phase).count - getattr(before, phase).count) / 1000
               for phase in ("queue", "compute_input", "compute_infer", "compute_output")}
     print(f"instances {args.instances}, preferred {preferred or '-'}, fp16 inputs {args.fp16_inputs}, "
-          f"launch {args.launch}, fill {args.fill}, streams {args.streams or 'config'}, "
-          f"copy threads {staging.COPY_THREADS} from "
+          f"launch {args.launch}, streams {args.streams or 'config'}, copy threads {staging.COPY_THREADS} from "
           f"{staging.PARALLEL_COPY_BYTES / (1 << 20):g} MB, switch interval {sys.getswitchinterval() * 1e6:,.0f} us, "
           f"c={args.concurrency}: {count / elapsed:,.0f} img/s, average batch "
           f"{(after.inference_count - before.inference_count) / executions:.1f}, "

@@ -42,10 +42,8 @@ output [ {{ name: "y" data_type: TYPE_FP32 dims: [ 10 ] }} ]
 instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
 dynamic_batching {{ {batching} }}
 parameters {{ key: "launch_execution" value {{ string_value: "{launch}" }} }}
-parameters {{ key: "launch_fill" value {{ string_value: "{fill}" }} }}
 """
-# --paths name: the config's launch_execution and launch_fill
-PATHS = {"workers": ("off", "loop"), "launched": ("auto", "loop"), "filled": ("auto", "thread")}
+PATHS = {"workers": "off", "launched": "auto"}  # --paths name: the config's launch_execution
 
 
 class DeviceStandIn(Engine):
@@ -55,7 +53,6 @@ class DeviceStandIn(Engine):
 
     thread_safe = False
     launches = True
-    stages = True
     base_s = 0.001
     per_row_s = 0.00003
     SLOTS = 8
@@ -84,46 +81,20 @@ class DeviceStandIn(Engine):
         return launched.collect()
 
     def launch_parts(self, parts: Sequence[Mapping[str, Any]], outputs: Sequence[str]) -> _StandInBatch | None:
-        staged = self.stage_parts(parts, outputs)
-        if staged is None:
-            return None
-        staged.fill(one_call=False)
-        return staged.launch()
-
-    def stage_parts(self, parts: Sequence[Mapping[str, Any]], outputs: Sequence[str]) -> _StandInStaged | None:
         with self._lock:
             if not self._slots:
                 return None
             staging = self._slots.pop()
-        return _StandInStaged(self, staging, [part[self._input] for part in parts], outputs[0])
+        staged = staging.fill([part[self._input] for part in parts])
+        rows = int(staged.shape[0])
+        with self._lock:  # the device takes batches in launch order, one at a time
+            self._device_free_at = max(time.monotonic(), self._device_free_at) + self.base_s + self.per_row_s * rows
+            done_at = self._device_free_at
+        return _StandInBatch(self, staging, staged, done_at, outputs[0])
 
     def give_back(self, staging: Any) -> None:
         with self._lock:
             self._slots.append(staging)
-
-
-class _StandInStaged:
-    """A slot taken for a batch whose rows are copied by ``fill`` (on a fill thread, in one call) and which
-    ``launch`` puts on the stand-in device."""
-
-    def __init__(self, engine: DeviceStandIn, staging: Any, arrays: list[Any], output: str) -> None:
-        self._engine, self._staging, self._arrays, self._output = engine, staging, arrays, output
-        self._staged: Any = None
-
-    def fill(self, *, one_call: bool = True) -> None:
-        self._staged = self._staging.fill(self._arrays, one_call=one_call)
-
-    def launch(self) -> _StandInBatch:
-        engine = self._engine
-        rows = int(self._staged.shape[0])
-        with engine._lock:  # the device takes batches in launch order, one at a time
-            engine._device_free_at = max(time.monotonic(), engine._device_free_at) + engine.base_s \
-                + engine.per_row_s * rows
-            done_at = engine._device_free_at
-        return _StandInBatch(engine, self._staging, self._staged, done_at, self._output)
-
-    def abandon(self) -> None:
-        self._engine.give_back(self._staging)
 
 
 class _StandInBatch:
@@ -189,10 +160,9 @@ def main() -> int:
     parser.add_argument("--instances", default="1,2")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--preferred", default="", help="preferred_batch_size list, e.g. 8")
-    parser.add_argument("--paths", default="workers,launched,filled",
-                        help="workers (instances' worker threads run batches), launched (the event loop copies "
-                             "and launches them) and/or filled (the loop launches them, fill threads copy: "
-                             "docs/scheduling.md)")
+    parser.add_argument("--paths", default="workers,launched",
+                        help="workers (instances' worker threads run batches) and/or launched (the event loop "
+                             "launches them: docs/scheduling.md)")
     parser.add_argument("--dims", default="3,224,224", help="one request's image, FP32")
     parser.add_argument("--base-ms", type=float, default=1.0, help="fake device time per batch")
     parser.add_argument("--per-row-us", type=float, default=30.0, help="fake device time per image")
@@ -213,7 +183,7 @@ def main() -> int:
                         (repo / "m" / "1").mkdir(parents=True)
                         (repo / "m" / "config.pbtxt").write_text(CONFIG.format(
                             backend=BACKEND, max_batch=args.max_batch_size, dims=", ".join(map(str, dims)),
-                            instances=instances, launch=PATHS[path][0], fill=PATHS[path][1],
+                            instances=instances, launch=PATHS[path],
                             batching=f"preferred_batch_size: [ {args.preferred} ]" if args.preferred else ""))
                     row = {"instances": instances, "path": path, **_measure(repo, image, concurrency, args.seconds)}
                     rows.append(row)

@@ -64,22 +64,6 @@ class LaunchedBatch(Protocol):
         once, also after ``wait`` failed."""
 
 
-class StagedBatch(Protocol):
-    """A batch that holds an engine's buffers but whose rows are not yet copied in (see :meth:`Engine.stage_parts`).
-    Call :meth:`fill` and then :meth:`launch`, or :meth:`abandon`."""
-
-    def fill(self) -> None:
-        """Copy the requests' rows into the engine's host buffers. Any thread may call it: it holds the GIL only
-        briefly, so it can run beside a busy event loop."""
-
-    def launch(self) -> LaunchedBatch:
-        """Queue the filled batch on the device, as :meth:`Engine.launch_parts` does. When it fails, the buffers
-        are given back before the error is raised."""
-
-    def abandon(self) -> None:
-        """Give the buffers back without launching (the fill failed, or nobody waits for the answers)."""
-
-
 class Engine(abc.ABC):
     """A loaded model that runs batches in-process."""
 
@@ -88,9 +72,6 @@ class Engine(abc.ABC):
 
     launches: bool = False
     """True when :meth:`launch_parts` can queue a batch on a device and return before it has run."""
-
-    stages: bool = False
-    """True when :meth:`stage_parts` can take buffers for a batch whose rows another thread then copies in."""
 
     accepts_torch_tensors: bool = False
     """True when ``infer`` takes torch tensors as they are (a CUDA tensor stays on the GPU); others get numpy."""
@@ -136,12 +117,6 @@ class Engine(abc.ABC):
                      outputs: Sequence[str]) -> LaunchedBatch | None:
         """Queue a batch (as for :meth:`execute_parts`) on the engine's device and return without waiting for it;
         None when this engine cannot, or has no free buffers for another batch right now."""
-        return None
-
-    def stage_parts(self, parts: Sequence[Mapping[str, Array]],
-                    outputs: Sequence[str]) -> StagedBatch | None:
-        """Take the buffers for a batch as :meth:`launch_parts` would, without copying its rows yet; None when
-        this engine cannot, or has no free buffers right now. The parts must stay unchanged until the fill."""
         return None
 
     def close(self) -> None:  # noqa: B027  # optional hook: engines without resources need not override it

@@ -9,7 +9,7 @@ from typing import Any
 import numpy.typing as npt
 
 from kiln.config.spec import ModelSpec
-from kiln.engines.base import Engine, LaunchedBatch, StagedBatch
+from kiln.engines.base import Engine, LaunchedBatch
 from kiln.errors import InternalError, KilnError
 from kiln.server.classification import classify, read_labels
 from kiln.server.request import InferRequest, InferResponse, OutputTensor
@@ -65,16 +65,6 @@ class LoadedModel:
         None when the engine has no free buffers for it now."""
         try:
             return engine.launch_parts(_parts(requests), _output_names(self.spec, requests))
-        except KilnError:
-            raise
-        except Exception as exc:
-            raise self._engine_failure(exc) from exc
-
-    def stage_batch(self, engine: Engine, requests: list[InferRequest]) -> StagedBatch | None:
-        """Take ``engine``'s buffers for requests with identical input shapes (Engine.stage_parts), to be filled and
-        launched later; None when the engine has no free buffers for it now."""
-        try:
-            return engine.stage_parts(_parts(requests), _output_names(self.spec, requests))
         except KilnError:
             raise
         except Exception as exc:

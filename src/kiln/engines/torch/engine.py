@@ -93,7 +93,7 @@ class TorchEngine(Engine):
             streams = 1 if self.format is ModelFormat.AOTI else self.settings.cuda_streams
             self._lanes = LanePool(self._new_lane, streams)
             self._capture_listed()
-            self.launches = self.stages = True
+            self.launches = True
 
     @property
     def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
@@ -199,20 +199,6 @@ class TorchEngine(Engine):
     def launch_parts(self, parts: Sequence[Mapping[str, Array]],
                      outputs: Sequence[str]) -> LaunchedBatch | None:
         """Queue the batch on a free lane's stream and return; None without CUDA graphs or a free lane."""
-        staged = self.stage_parts(parts, outputs)
-        if staged is None:
-            return None
-        try:
-            staged.fill(one_call=False)  # this thread and the copy helpers share the rows
-        except BaseException:
-            staged.abandon()
-            raise
-        return staged.launch()
-
-    def stage_parts(self, parts: Sequence[Mapping[str, Array]],
-                    outputs: Sequence[str]) -> _StagedGraph | None:
-        """Take a free lane for the batch; its rows are copied by ``fill`` and it is queued by ``launch``. None
-        without CUDA graphs or a free lane."""
         lanes = self._lanes
         if self._function is None:
             raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
@@ -222,7 +208,17 @@ class TorchEngine(Engine):
         if lane is None:
             return None
         lane.graphs.lock.acquire()
-        return _StagedGraph(self, lanes, lane, parts, outputs)
+        try:
+            with torch.inference_mode(), self._on_device():
+                hosts = self._start(lane, parts, outputs)
+                lane.done.record(lane.stream)
+        except BaseException as exc:
+            lane.graphs.lock.release()
+            lanes.give_back(lane)
+            if isinstance(exc, KilnError):
+                raise
+            raise torch_failure(self.spec, exc) from exc
+        return _LaunchedGraph(self, lanes, lane, hosts)
 
     def _execute_graph(self, lanes: LanePool[GraphLane], parts: Sequence[Mapping[str, Array]],
                        outputs: Sequence[str]) -> dict[str, Array]:
@@ -232,32 +228,16 @@ class TorchEngine(Engine):
             lane.stream.synchronize()
             return self._host_results(hosts)
 
-    def _start(self, lane: GraphLane, parts: Sequence[Mapping[str, Array]], outputs: Sequence[str],
-               filled: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Queue on the lane's stream: the inputs' copies in, the graph, the outputs' copies to pinned buffers.
-        ``filled``: inputs already copied into the lane's pinned buffers (the others are staged here)."""
+    def _start(self, lane: GraphLane, parts: Sequence[Mapping[str, Array]],
+               outputs: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Queue on the lane's stream: the inputs' copies in, the graph, the outputs' copies to pinned buffers."""
         with _current_stream(lane.stream, self._device_index) as caller:
-            sources = [filled[name] if filled and name in filled else self._source(lane, caller, name, parts)
-                       for name in self._order]
+            sources = [self._source(lane, caller, name, parts) for name in self._order]
             batch = sources[0].shape[0] if self.spec.batching and sources else 0
             captured = lane.graphs.get(batch, functools.partial(self._static_inputs, lane, batch))
             result = lane.graphs.replay(captured, sources)
             assert isinstance(result, dict)  # _graph_body's outputs, in the config's dtypes
             return {name: self._host_output(lane, name, result[name]) for name in outputs}
-
-    def _fill(self, lane: GraphLane, parts: Sequence[Mapping[str, Array]], *,
-              one_call: bool) -> dict[str, torch.Tensor]:
-        """Copy the inputs that every part holds as host arrays into the lane's pinned buffers (tensors from CUDA
-        shared memory are joined where they lie, by ``_start``)."""
-        filled = {name: self._fill_input(lane, name, parts, one_call=one_call) for name in self._order}
-        return {name: tensor for name, tensor in filled.items() if tensor is not None}
-
-    def _fill_input(self, lane: GraphLane, name: str, parts: Sequence[Mapping[str, Array]], *,
-                    one_call: bool) -> torch.Tensor | None:
-        values = [part[name] for part in parts]
-        if any(isinstance(value, torch.Tensor) for value in values):
-            return None
-        return lane.staging[name].fill([self._to_model_shape(name, value) for value in values], one_call=one_call)
 
     def _host_results(self, hosts: Mapping[str, torch.Tensor]) -> dict[str, Array]:
         """The lane's pinned output buffers are reused by its next call: the caller gets its own copy."""
@@ -293,10 +273,9 @@ class TorchEngine(Engine):
         """What the graph's static input ``name`` is copied from: the lane's pinned buffer holding every part's
         rows, or, when some part is a tensor (read in place from CUDA shared memory), the parts joined where they
         lie. The lane's stream waits for the caller's, which made those tensors."""
-        filled = self._fill_input(lane, name, parts, one_call=False)
-        if filled is not None:
-            return filled
         values = [part[name] for part in parts]
+        if not any(isinstance(value, torch.Tensor) for value in values):
+            return lane.staging[name].fill([self._to_model_shape(name, value) for value in values])
         if any(isinstance(value, torch.Tensor) and value.is_cuda for value in values):
             lane.stream.wait_stream(caller)
         joined = values[0] if len(values) == 1 else join_rows(values)
@@ -366,59 +345,6 @@ def _current_stream(stream: torch.cuda.Stream, device_index: int) -> Iterator[to
         yield previous
     finally:
         torch.cuda.set_stream(previous)
-
-
-class _StagedGraph:
-    """A lane taken for a batch (TorchEngine.stage_parts): its rows are copied in by ``fill``, on any thread, and
-    the batch is queued by ``launch``, which hands the lane on to the launched batch."""
-
-    def __init__(self, engine: TorchEngine, lanes: LanePool[GraphLane], lane: GraphLane,
-                 parts: Sequence[Mapping[str, Array]], outputs: Sequence[str]) -> None:
-        self._engine = engine
-        self._lanes = lanes
-        self._lane: GraphLane | None = lane
-        self._parts = parts
-        self._outputs = outputs
-        self._filled: dict[str, torch.Tensor] = {}
-
-    def fill(self, *, one_call: bool = True) -> None:
-        """``one_call`` (the default, for a thread beside the event loop): each input is copied by one call that
-        holds no GIL; otherwise the calling thread and the copy helpers share the rows."""
-        try:
-            self._filled = self._engine._fill(self._held(), self._parts, one_call=one_call)
-        except KilnError:
-            raise
-        except Exception as exc:
-            raise torch_failure(self._engine.spec, exc) from exc
-
-    def launch(self) -> _LaunchedGraph:
-        engine, lane = self._engine, self._held()
-        self._lane = None  # the launched batch holds the lane from here, or it is given back below
-        try:
-            with torch.inference_mode(), engine._on_device():
-                hosts = engine._start(lane, self._parts, self._outputs, self._filled)
-                lane.done.record(lane.stream)
-        except BaseException as exc:
-            self._give_back(lane)
-            if isinstance(exc, KilnError):
-                raise
-            raise torch_failure(engine.spec, exc) from exc
-        return _LaunchedGraph(engine, self._lanes, lane, hosts)
-
-    def abandon(self) -> None:
-        if self._lane is not None:
-            lane, self._lane = self._lane, None
-            self._give_back(lane)
-
-    def _give_back(self, lane: GraphLane) -> None:
-        lane.graphs.lock.release()
-        self._lanes.give_back(lane)
-
-    def _held(self) -> GraphLane:
-        if self._lane is None:
-            raise InternalError(f"model '{self._engine.spec.name}': the staged batch was already launched or "
-                                f"abandoned")
-        return self._lane
 
 
 class _LaunchedGraph:

@@ -13,11 +13,6 @@ launch_cost-h200-2026-12-03.txt), and torch's own parallel copy (``torch.cat`` i
 per request) was slower still (staging_copy-h200-2026-12-03.txt). The copy is most of what a batch costs the
 host. A fill of one request (a direct caller's) stays on the calling thread: many callers would oversubscribe
 the cores they already keep busy.
-
-A thread that fills while the event loop serves (launched execution's fill threads) asks for ``one_call``: the
-whole batch is copied by one ``torch.cat`` that holds no GIL from the first row to the last. Copying request by
-request, that thread would need the GIL back after every request, and a busy loop gives it back only at the
-interpreter's switch interval (5 ms by default).
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch.utils.dlpack import from_dlpack
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 PARALLEL_COPY_BYTES = 1 << 20  # a fill at least this large is shared between COPY_THREADS threads
@@ -61,22 +55,15 @@ class RowStaging:
         self._buffer: torch.Tensor | None = None
         self._rows = 0
         self._view: npt.NDArray[Any] | None = None
-        self._numpy_dtype = numpy_dtype(dtype)  # what a one-call fill takes as it is
 
     @property
     def capacity(self) -> int:
         """Rows the current buffer holds (0 before the first fill)."""
         return self._rows
 
-    def fill(self, arrays: Sequence[npt.NDArray[Any]], *, one_call: bool = False) -> torch.Tensor:
+    def fill(self, arrays: Sequence[npt.NDArray[Any]]) -> torch.Tensor:
         """Copy ``arrays`` (each of shape ``(rows, *row_shape)``, or the whole shape without batching) back to back
-        into the buffer; return the filled part as a tensor. ``one_call``: copy them with one call that holds no
-        GIL throughout (arrays whose dtype torch cannot take, bfloat16 or one needing a cast, are copied one by one
-        all the same)."""
-        if one_call and self.batching and len(arrays) > 1:
-            filled = self._fill_in_one_call(arrays)
-            if filled is not None:
-                return filled
+        into the buffer; return the filled part as a tensor."""
         if not self.batching:
             (array,) = arrays
             view = self._reserve(1)
@@ -104,21 +91,6 @@ class RowStaging:
             _copy_all(placed)
         assert self._buffer is not None
         return self._buffer[:total]
-
-    def _fill_in_one_call(self, arrays: Sequence[npt.NDArray[Any]]) -> torch.Tensor | None:
-        wanted = self._numpy_dtype
-        if wanted is None or any(array.dtype != wanted for array in arrays):
-            return None
-        try:  # DLPack, unlike torch.from_numpy, takes read-only arrays (request bodies) without a warning
-            tensors = [from_dlpack(array) for array in arrays]
-        except (BufferError, TypeError, RuntimeError):  # a numpy too old to export read-only arrays
-            return None
-        total = sum(int(t.shape[0]) for t in tensors)
-        self._reserve(total)
-        assert self._buffer is not None
-        filled = self._buffer[:total]
-        torch.cat(tensors, out=filled)
-        return filled
 
     def rows(self, count: int) -> torch.Tensor:
         """The first ``count`` rows of the buffer, grown first if it holds fewer (the whole shape without
@@ -149,13 +121,6 @@ def _copy_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=max(1, COPY_THREADS - 1), thread_name_prefix="kiln-staging")
         return _pool
-
-
-def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any] | None:
-    """The numpy dtype that holds ``dtype``'s values as they are; None for those numpy lacks (bfloat16)."""
-    if dtype == torch.bfloat16:
-        return None
-    return torch.empty((), dtype=dtype).numpy().dtype
 
 
 def numpy_view(tensor: torch.Tensor) -> npt.NDArray[Any]:

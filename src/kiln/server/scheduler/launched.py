@@ -8,11 +8,6 @@ serving; one waiter thread blocks on the device and hands each finished batch ba
 outputs, answers, and launches what arrived meanwhile. Batches of different instances overlap: one batch's copies
 and kernels run while the loop answers another's callers and stages the next.
 
-Copying a batch's rows into pinned memory is most of what it costs the host. With ``parameters { key:
-"launch_fill" value { string_value: "thread" } }`` and engines that can stage (``Engine.stage_parts``), the loop
-only takes the lane; a fill thread per instance copies the rows, holding no GIL while it copies, and hands the
-batch back to the loop to launch, which serves other callers meanwhile. The default, ``loop``, copies on the loop.
-
 Per model: ``parameters { key: "launch_execution" value { string_value: "auto" | "off" } }``. ``auto`` (the
 default) launches whenever every instance can and the batching policy needs no queue: no queue delay, one
 priority level, no queue policies (timeouts, queue sizes), no preserve_ordering (which orders answers across
@@ -30,10 +25,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kiln.engines.base import LaunchedBatch, StagedBatch
+from kiln.engines.base import LaunchedBatch
 from kiln.errors import InternalError, InvalidArgumentError, KilnError, VersionUnloadingError
 from kiln.server.model import LoadedModel
 from kiln.server.request import InferRequest, InferResponse
@@ -42,8 +36,6 @@ from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.server.stats import ExecutionTimes
 
 PARAMETER = "launch_execution"
-FILL_PARAMETER = "launch_fill"
-DEFAULT_FILL = "loop"
 RETRY_S = 0.0005  # how soon requests retry when another caller (a blocking one, a draining scheduler) holds every lane
 # Batches each instance may have launched and not yet collected. Requests that arrive meanwhile wait and leave as
 # one batch when the instance's batch is back, as behind a busy Triton instance; launching each one onto another
@@ -94,17 +86,6 @@ def launch_mode(model: LoadedModel, policy: BatchingPolicy) -> str:
     return "auto" if mode == "auto" and able and not needs_queue else "off"
 
 
-def fill_mode(model: LoadedModel) -> str:
-    """Where launched batches' rows are copied: ``thread`` (fill threads, when every engine can stage) or
-    ``loop``."""
-    mode = model.spec.parameters.get(FILL_PARAMETER, DEFAULT_FILL) or DEFAULT_FILL
-    if mode not in ("thread", "loop"):
-        raise InvalidArgumentError(f"model '{model.name}': parameter '{FILL_PARAMETER}' is '{mode}'; expected "
-                                   f"thread or loop")
-    able = bool(model.engines) and all(engine.stages for engine in model.engines)
-    return "thread" if mode == "thread" and able else "loop"
-
-
 class LaunchRunner:
     def __init__(self, model: LoadedModel, policy: BatchingPolicy,
                  signature: Callable[[InferRequest], Hashable]) -> None:
@@ -123,10 +104,6 @@ class LaunchRunner:
         self._engine_turn = itertools.count()
         self._flights: queue.SimpleQueue[_Flight | None] = queue.SimpleQueue()
         self._waiter: threading.Thread | None = None
-        self._fillers: ThreadPoolExecutor | None = None
-        if self.active and fill_mode(model) == "thread":
-            self._fillers = ThreadPoolExecutor(max_workers=len(model.engines),
-                                               thread_name_prefix=f"kiln-{model.name}-{model.version}-fill")
         if self.active:
             self._waiter = threading.Thread(target=self._wait_for_device, daemon=True,
                                             name=f"kiln-{model.name}-{model.version}-launched")
@@ -161,8 +138,6 @@ class LaunchRunner:
         if self._waiter is not None:
             self._flights.put(None)
             self._waiter.join(timeout=max(0.0, deadline - time.monotonic()))
-        if self._fillers is not None:
-            self._fillers.shutdown(wait=False)
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         """Launch batches from this loop's waiting requests while an instance has no batch out and a free lane."""
@@ -225,62 +200,19 @@ class LaunchRunner:
             if not self._reserve(instance):
                 continue
             try:
-                if self._fillers is not None:
-                    staged = self.model.stage_batch(engines[instance], requests)
-                    if staged is not None:
-                        self._fillers.submit(self._fill, loop, batch, staged, instance, start)
-                        return True
-                else:
-                    launched = self.model.launch_batch(engines[instance], requests)
-                    if launched is not None:
-                        self._fly(loop, batch, launched, instance, start)
-                        return True
+                launched = self.model.launch_batch(engines[instance], requests)
             except BaseException as exc:  # the batch's requests get the error; the loop carries on
                 self._settle(instance, None)
                 self._fail(batch, exc)
                 return True
-            self._settle(instance, None)  # other callers hold its lanes
+            if launched is None:  # other callers hold its lanes
+                self._settle(instance, None)
+                continue
+            flight = _Flight(loop, batch, launched, instance, start, time.monotonic_ns())
+            self._settle(instance, flight)
+            self._flights.put(flight)
+            return True
         return False
-
-    def _fly(self, loop: asyncio.AbstractEventLoop, batch: list[_Item], launched: LaunchedBatch, instance: int,
-             start_ns: int) -> None:
-        flight = _Flight(loop, batch, launched, instance, start_ns, time.monotonic_ns())
-        self._settle(instance, flight)
-        self._flights.put(flight)
-
-    def _fill(self, loop: asyncio.AbstractEventLoop, batch: list[_Item], staged: StagedBatch, instance: int,
-              start_ns: int) -> None:
-        """On a fill thread: copy the batch's rows, then hand it back to its loop to launch."""
-        failure: BaseException | None = None
-        try:
-            staged.fill()
-        except BaseException as exc:  # answered on the loop
-            failure = exc
-        try:
-            loop.call_soon_threadsafe(self._launch_filled, loop, batch, staged, instance, start_ns, failure)
-        except RuntimeError:  # the loop is closed: nobody waits for these answers
-            staged.abandon()
-            self._settle(instance, None)
-            now = time.monotonic_ns()
-            for item in batch:
-                self.model.stats.record_failure(now - item.enqueued_ns, "CANCELED")
-            self._flush_waiting(None)
-
-    def _launch_filled(self, loop: asyncio.AbstractEventLoop, batch: list[_Item], staged: StagedBatch,
-                       instance: int, start_ns: int, failure: BaseException | None) -> None:
-        if failure is None:
-            try:
-                launched = staged.launch()  # gives the buffers back itself when it fails
-            except BaseException as exc:
-                failure = exc
-        else:
-            staged.abandon()
-        if failure is not None:
-            self._settle(instance, None)
-            self._fail(batch, failure)
-            self._flush_waiting(loop)
-            return
-        self._fly(loop, batch, launched, instance, start_ns)
 
     def _reserve(self, instance: int) -> bool:
         """Claim a launch on ``instance`` unless it has its batches out. Loops on other threads launch too, so the
@@ -313,8 +245,8 @@ class LaunchRunner:
                 flights.remove(flight)
 
     def _batches_out(self) -> int:
-        """Batches launched or being filled and not yet collected, over all instances (a snapshot)."""
-        return sum(len(flights) for flights in self._out_per_instance) + sum(self._launching)
+        """Batches launched and not yet collected, over all instances (a snapshot; a few lists to count)."""
+        return sum(len(flights) for flights in self._out_per_instance)
 
     def _wait_for_device(self) -> None:
         while True:

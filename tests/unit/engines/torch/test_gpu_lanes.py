@@ -110,55 +110,20 @@ def test_a_launched_batch_holds_its_lane_until_collected(tmp_path: Path, files: 
     engine.close()
 
 
-def test_a_staged_batch_is_filled_on_another_thread_and_launched(tmp_path: Path, files: dict[str, Path]) -> None:
-    import threading
-
-    engine = load_gpu(tmp_path, files["conv_export"], {**GPU_PARAMETERS, "cuda_streams": "2"})
-    assert engine.stages
-    host, on_device = [images(2), images(1)], images(3)
-    first = engine.stage_parts([{"image": p} for p in host], ["logits"])
-    second = engine.stage_parts([{"image": torch.from_numpy(on_device).cuda()}], ["logits"])  # joined on launch
-    assert first is not None and second is not None
-    assert engine.stage_parts([{"image": images(1)}], ["logits"]) is None  # both lanes are taken
-    filling = threading.Thread(target=first.fill)
-    filling.start()
-    filling.join()
-    second.fill()
-    outputs = []
-    for staged in (first, second):
-        launched = staged.launch()
-        launched.wait()
-        outputs.append(launched.collect()["logits"])
-    np.testing.assert_allclose(outputs[0], fp32_reference(np.concatenate(host)), rtol=2e-2, atol=2e-2)
-    got = outputs[1].cpu().numpy() if isinstance(outputs[1], torch.Tensor) else outputs[1]
-    np.testing.assert_allclose(got, fp32_reference(on_device), rtol=2e-2, atol=2e-2)
-    with pytest.raises(InternalError, match="already launched or abandoned"):
-        first.launch()
-    abandoned = engine.stage_parts([{"image": images(1)}], ["logits"])
-    assert abandoned is not None
-    abandoned.abandon()
-    again = engine.launch_parts([{"image": images(4)}], ["logits"])  # every lane is free again
-    assert again is not None and again.collect()["logits"].shape == (4, 5)
-    engine.close()
-
-
-@pytest.mark.parametrize("fill", ["thread", "loop"])
 def test_served_batches_are_launched_from_the_event_loop(tmp_path: Path, files: dict[str, Path],
-                                                          monkeypatch: pytest.MonkeyPatch, fill: str) -> None:
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncio
     import threading
 
     launching_threads: set[str] = set()
-    entry = "stage_parts" if fill == "thread" else "launch_parts"
-    launch = getattr(TorchEngine, entry)
+    launch = TorchEngine.launch_parts
 
     def recording(self: TorchEngine, *args: Any) -> Any:
         launching_threads.add(threading.current_thread().name)
         return launch(self, *args)
 
-    monkeypatch.setattr(TorchEngine, entry, recording)
-    text = config("torch_aoti", *IMAGE_IO, kind="KIND_GPU",
-                  parameters={**GPU_PARAMETERS, "cuda_streams": "2", "launch_fill": fill},
+    monkeypatch.setattr(TorchEngine, "launch_parts", recording)
+    text = config("torch_aoti", *IMAGE_IO, kind="KIND_GPU", parameters={**GPU_PARAMETERS, "cuda_streams": "2"},
                   extra="dynamic_batching { preferred_batch_size: [ 4 ] }").replace("count: 1", "count: 2")
     write_model_folder(tmp_path / "repo", "m", text, files["conv_export"])
     server = Server(ServerOptions(repositories=[tmp_path / "repo"]))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from typing import Any
 
 import ml_dtypes
@@ -189,37 +188,3 @@ def test_rows_hands_out_the_buffer_growing_it_when_needed() -> None:
     assert staging.rows(5).shape == (5, 3) and staging.capacity == 5
     whole = RowStaging(torch.int32, (2, 2), batching=False, max_rows=0, pinned=False).rows(1)
     assert whole.shape == (2, 2)
-
-
-def test_a_one_call_fill_copies_every_part_with_torch_cat_and_warns_of_nothing(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    cat = torch.cat
-    calls: list[int] = []
-
-    def counting_cat(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(len(tensors))
-        return cat(tensors, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "cat", counting_cat)
-    staging = RowStaging(torch.float16, (2, 3), batching=True, max_rows=8, pinned=False)
-    received = np.frombuffer(np.arange(6, dtype=np.float16).tobytes(), np.float16).reshape(1, 2, 3)  # read-only
-    strided = np.asfortranarray(np.arange(12, dtype=np.float16).reshape(2, 2, 3) + 100)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        filled = staging.fill([received, strided], one_call=True)
-    assert calls == [2]
-    np.testing.assert_array_equal(filled.numpy(), np.concatenate([received, strided]))
-    again = staging.fill([strided], one_call=True)  # one part: nothing to join, copied as usual
-    assert calls == [2]
-    np.testing.assert_array_equal(again.numpy(), strided)
-
-
-@pytest.mark.parametrize("parts", [
-    [np.full((1, 3), 0.5, np.float64), np.ones((1, 3), np.float32)],  # one part needs a cast
-    [np.array([[1.5, -2.0, 0.25]], dtype=ml_dtypes.bfloat16)] * 2,  # a dtype torch.from_numpy cannot take
-], ids=["cast", "bfloat16"])
-def test_a_one_call_fill_of_parts_torch_cannot_join_as_they_are_copies_them_one_by_one(parts: list[Any]) -> None:
-    dtype = torch.bfloat16 if parts[0].dtype == np.dtype(ml_dtypes.bfloat16) else torch.float32
-    staging = RowStaging(dtype, (3,), batching=True, max_rows=8, pinned=False)
-    filled = staging.fill(parts, one_call=True)
-    np.testing.assert_array_equal(filled.float().numpy(), np.concatenate([p.astype(np.float32) for p in parts]))
