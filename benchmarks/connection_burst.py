@@ -82,7 +82,7 @@ def main() -> int:
 def _burst(url: str, names: list[str], args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     """One `kiln bench` per model, all started together; each model's requests/s from the server's counts over one
     window common to all, and each client's p99."""
-    from kiln.bench.compare import served_counts
+    from kiln.bench.served_counts import served_counts
 
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     clients = []

@@ -86,8 +86,8 @@ def test_served_levels_count_every_model_on_the_server(compared: tuple[dict[str,
             rates = level["server_models_per_s"]
             assert set(rates) == expected
             assert all(rate > 0 for rate in rates.values())  # the peers' load reached the server too
-            # The server's count spans the level's windows and warm-up; the client's only its windows.
-            assert 0.2 < rates["simple"] / level["throughput_infer_per_s"] < 5
+            # Both count the same windows: the server's figure for the measured model is the client's.
+            assert 0.85 < rates["simple"] / level["throughput_infer_per_s"] < 1.15
     assert "direct" not in {s["name"] for s in doc["scenarios"] if "server_models_per_s" in s["results"][0]}
 
 
@@ -217,7 +217,7 @@ def test_peers_send_from_as_many_processes_as_the_measured_model(repo: Path, tmp
 
 
 def test_statistics_that_cannot_be_read_give_a_clear_error() -> None:
-    from kiln.bench.compare import served_counts
+    from kiln.bench.served_counts import served_counts
     from kiln.serve_process import free_port
 
     with pytest.raises(UnavailableError, match="could not read the server's statistics at 127.0.0.1:"):

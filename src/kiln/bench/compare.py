@@ -24,8 +24,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -39,6 +37,7 @@ from kiln.bench.records import Level, Recorder
 from kiln.bench.resources import MIB, ByteReader, gpu_reader, rss_reader
 from kiln.bench.result import BenchResult, LevelResult
 from kiln.bench.runner import run
+from kiln.bench.served_counts import CountSampler
 from kiln.bench.targets import create_target
 from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.model_dir import open_model_dir
@@ -49,7 +48,6 @@ from kiln.serve_process import free_port, wait_ready
 PROTOCOLS = ("http", "grpc")
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 120.0
-STATS_TIMEOUT_S = 30.0
 SCENARIOS = ("direct", "served", "served_with_others")
 
 Note = Callable[[str], None]
@@ -312,10 +310,17 @@ class Comparison:
                 for load in loads:
                     _send(load, f"{concurrency}\n")
                     _expect(load, f"running {concurrency}")
-                before, started = served_counts(http_url), time.monotonic()
-                result = run(opts.bench_options(target=opts.protocol, url=url, server_pid=server.pid,
-                                                concurrency=(concurrency,), client_processes=opts.client_processes))
-                together[concurrency] = _rates(before, served_counts(http_url), time.monotonic() - started)
+                sampler = CountSampler(http_url)
+                sampler.start()
+                try:
+                    result = run(opts.bench_options(target=opts.protocol, url=url, server_pid=server.pid,
+                                                    concurrency=(concurrency,),
+                                                    client_processes=opts.client_processes))
+                finally:
+                    sampler.stop()
+                for level in result.results:
+                    if level.window_span_ns is not None:
+                        together[concurrency] = sampler.rates(*level.window_span_ns)
                 rows.extend(result.results)
         entry = _scenario(name, batching, 1 + peers, rows, idle_rss, idle_gpu)
         for level in entry["results"]:
@@ -361,25 +366,6 @@ def _read_mib(reader: ByteReader | None) -> float | None:
 
 def _peak(idle: float | None, samples: Sequence[float | None]) -> float | None:
     return max([v for v in (idle, *samples) if v is not None], default=None)
-
-
-def served_counts(http_url: str) -> dict[str, int]:
-    """Requests each model of a server has answered so far (every version), from the statistics extension."""
-    try:
-        with urllib.request.urlopen(f"http://{http_url}/v2/models/stats", timeout=STATS_TIMEOUT_S) as response:
-            entries = json.load(response)["model_stats"]
-    except OSError as exc:  # URLError and timeouts derive from it
-        raise UnavailableError(f"kiln bench compare could not read the server's statistics at {http_url}: "
-                               f"{exc}") from None
-    counts: dict[str, int] = {}
-    for entry in entries:
-        counts[entry["name"]] = counts.get(entry["name"], 0) + int(entry["inference_stats"]["success"]["count"])
-    return counts
-
-
-def _rates(before: dict[str, int], after: dict[str, int], seconds: float) -> dict[str, float]:
-    """Requests/s per model between two readings: what every model got while the measured one was measured."""
-    return {name: (count - before.get(name, 0)) / seconds for name, count in after.items()}
 
 
 def _scenario(name: str, batching: bool, models: int, rows: list[LevelResult], idle: float | None,

@@ -123,6 +123,7 @@ class Measurement:
     server: ServerCounters | None  # counter differences over the merged windows
     sends: SendCounts | None
     memory: MemoryFigures
+    span_ns: tuple[int, int] | None = None  # the merged windows' start and end, on the measuring clock
 
     @property
     def throughput_per_s(self) -> float:
@@ -147,7 +148,7 @@ def merge(level: Level, windows: Sequence[Window], stable: bool, sends: SendCoun
         errors=sum(w.errors for w in windows),
         client_send_ns=sum(w.send_ns for w in merged) / timed if timed else None,
         client_recv_ns=sum(w.recv_ns for w in merged) / timed if timed else None,
-        server=server, sends=sends, memory=memory)
+        server=server, sends=sends, memory=memory, span_ns=(first.start_ns, last.end_ns))
 
 
 def _sleep_until(deadline_ns: int) -> None:

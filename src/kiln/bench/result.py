@@ -67,6 +67,9 @@ class LevelResult:
     requests: int = 0  # counted in the merged windows
     duration_s: float = 0.0  # of the merged windows
     sends: SendCounts | None = None  # request-rate mode only
+    # The merged windows' start and end (time.monotonic_ns of the measuring process): counts read elsewhere, such
+    # as every model's on the server, can be matched to exactly the time the figures above cover.
+    window_span_ns: tuple[int, int] | None = None
 
     @classmethod
     def from_measurement(cls, measured: Measurement, batch_size: int) -> LevelResult:
@@ -81,7 +84,7 @@ class LevelResult:
                    throughput_infer_per_s=rate, throughput_items_per_s=rate * batch_size, latency_ms=Latency(**ms),
                    client_ms=client, server_us=server, stable=measured.stable, windows=measured.windows,
                    errors=measured.errors, memory_mb=measured.memory, requests=measured.requests,
-                   duration_s=measured.duration_ns / 1e9, sends=measured.sends)
+                   duration_s=measured.duration_ns / 1e9, sends=measured.sends, window_span_ns=measured.span_ns)
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> LevelResult:
@@ -95,7 +98,8 @@ class LevelResult:
                    client_ms=optional("client_ms", ClientTimesMs), server_us=optional("server_us", ServerTimesUs),
                    stable=doc["stable"], windows=doc["windows"], errors=doc["errors"],
                    memory_mb=MemoryFigures(**doc["memory_mb"]), requests=doc.get("requests", 0),
-                   duration_s=doc.get("duration_s", 0.0), sends=optional("sends", SendCounts))
+                   duration_s=doc.get("duration_s", 0.0), sends=optional("sends", SendCounts),
+                   window_span_ns=tuple(doc["window_span_ns"]) if doc.get("window_span_ns") else None)
 
     @property
     def network_us(self) -> float | None:
