@@ -71,13 +71,13 @@ def comparison_table(doc: dict[str, Any]) -> Table:
 
 
 TOGETHER_TITLE = "All models together (requests/s the server answered, ratio to one model alone)"
-TOGETHER_NOTE = ("From the server's statistics over each level of the measured model, peers included; the ratio is "
-                 "to the one-model scenario with the same batching.")
+TOGETHER_NOTE = ("From the server's statistics over the windows kept at each level of the measured model, peers "
+                 "included; the ratio is to the one-model scenario with the same batching.")
 
 
 def together_table(doc: dict[str, Any]) -> Table | None:
-    """Served scenarios: every model's requests/s summed at each level, as the server counted them while the
-    measured model was measured; None for a comparison recorded without those counts."""
+    """Served scenarios: every model's requests/s summed at each level, as the server counted them over the
+    windows the measured model's level kept; None for a comparison recorded without those counts."""
     levels: list[int] = doc["concurrency"]
     served = [s for s in doc["scenarios"] if s["name"] != "direct"]
     if not any(_together(s, c) is not None for s in served for c in levels):
