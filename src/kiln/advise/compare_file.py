@@ -193,13 +193,20 @@ def _rows(reader: _Reader, items: Sequence[Any], scenario: str) -> tuple[Row, ..
         idle, peak = _row_memory(reader, obj.get("memory_mb"), where)
         rows.append(Row(concurrency=concurrency, throughput_per_s=throughput, p99_ms=p99,
                         stable=reader.optional_bool(obj, "stable", where), rss_idle_mb=idle, rss_peak_mb=peak,
-                        together_per_s=_together(reader, obj.get("server_models_per_s"), where)))
+                        together_per_s=_together(reader, obj, where)))
     return tuple(sorted(rows, key=lambda r: r.concurrency))
 
 
-def _together(reader: _Reader, value: object, where: str) -> float | None:
-    """The sum of ``server_models_per_s`` (requests/s per model name); None where a result has no such counts."""
+def _together(reader: _Reader, row: Mapping[str, Any], where: str) -> float | None:
+    """The sum of ``server_models_per_s`` (requests/s per model name); None where a result has no such counts, or
+    counts made before compare matched them to the kept windows (rows without ``window_span_ns``): those spread
+    each level's start-up over the rate and put one model alone far below what its clients measured."""
+    value = row.get("server_models_per_s")
     if value is None:
+        return None
+    if row.get("window_span_ns") is None:
+        reader.ignored.append(f"{where}.server_models_per_s: counted over the whole level, not the kept windows (a "
+                              f"file from before window_span_ns)")
         return None
     rates = reader.mapping(value, f"{where}.server_models_per_s")
     total = 0.0

@@ -163,15 +163,30 @@ def test_a_file_round_trip_keeps_the_model_and_machine(compare: dict[str, Any],
 
 
 def test_models_together_come_from_the_server_counts_where_recorded(compare: dict[str, Any]) -> None:
+    _record_server_counts(compare)
+    lines = evidence_of(compare).lines
+    assert ("served with 3 models, all models together vs one model alone: 812/s = 2.62x at c=1, "
+            "6,160/s = 2.37x at c=8, 7,560/s = 2.36x at c=16") in lines
+
+
+def _record_server_counts(compare: dict[str, Any], windows: bool = True) -> None:
     served, others = compare["scenarios"][1], compare["scenarios"][2]
     for row in served["results"]:
         row["server_models_per_s"] = {"resnet50": row["throughput_infer_per_s"]}
     for row in others["results"]:  # the measured model plus two peers at 90% of its rate
         rate = row["throughput_infer_per_s"]
         row["server_models_per_s"] = {"resnet50": rate, "resnet50_peer1": rate * 0.9, "resnet50_peer2": rate * 0.9}
+    for row in served["results"] + others["results"]:
+        if windows:
+            row["window_span_ns"] = [10**9, 4 * 10**9]
+
+
+def test_server_counts_from_before_they_matched_the_kept_windows_are_not_used(compare: dict[str, Any]) -> None:
+    _record_server_counts(compare, windows=False)
     lines = evidence_of(compare).lines
-    assert ("served with 3 models, all models together vs one model alone: 812/s = 2.62x at c=1, "
-            "6,160/s = 2.37x at c=8, 7,560/s = 2.36x at c=16") in lines
+    assert not any("all models together" in line for line in lines)
+    assert any(line.startswith("ignored: ") and "server_models_per_s: counted over the whole level" in line
+               for line in lines)
 
 
 def test_results_without_server_counts_say_nothing_about_models_together(compare: dict[str, Any]) -> None:
@@ -182,5 +197,6 @@ def test_server_counts_that_are_not_numbers_are_refused(compare: dict[str, Any])
     from kiln.errors import InvalidArgumentError
 
     compare["scenarios"][2]["results"][0]["server_models_per_s"] = {"resnet50": "fast"}
+    compare["scenarios"][2]["results"][0]["window_span_ns"] = [10**9, 4 * 10**9]
     with pytest.raises(InvalidArgumentError, match="server_models_per_s.resnet50"):
         evidence_of(compare)
