@@ -5,7 +5,7 @@ stability windows), for A/B comparisons of one change within one device session.
 
     python benchmarks/inprocess_gpu.py REPO --concurrency 64 --instances 2 --preferred 8,32 [--fp16-inputs]
         [--launch auto|off] [--streams N] [--copy-threads N] [--parallel-copy-mb MB] [--switch-interval-us US]
-        [--gpu-timing] [--one-compute-stream]
+        [--gpu-timing] [--shared-stream-from N|off]
 
 REPO holds the built ``resnet50`` (kiln build ... --device cuda); the edited copy goes under /tmp.
 """
@@ -109,35 +109,6 @@ class _GpuTiming:
                 f"{100 * busy / window:.0f}% of the window")
 
 
-def _replay_on_one_compute_stream() -> None:
-    """An experiment: every lane still copies in and out on its own stream, but replays its graph on one stream
-    shared by all instances, so the GPU runs graphs one after another instead of interleaving their kernels while
-    the copies overlap. Does a GPU busy 99% of the time at c=64 lose throughput to interleaving?"""
-    import torch
-
-    from kiln.engines.torch.cuda_graphs import CapturedGraph, CudaGraphs
-
-    shared: dict[Any, Any] = {}
-
-    def replay(self: CudaGraphs, captured: CapturedGraph, inputs: Any) -> object:
-        lane = torch.cuda.current_stream()
-        for static, value in zip(captured.inputs, inputs, strict=True):
-            static.copy_(value, non_blocking=True)
-        compute = shared.get(lane.device)
-        if compute is None:
-            compute = shared[lane.device] = torch.cuda.Stream(lane.device)  # type: ignore[no-untyped-call]
-        compute.wait_stream(lane)
-        torch.cuda.set_stream(compute)
-        try:
-            captured.graph.replay()
-        finally:
-            torch.cuda.set_stream(lane)
-        lane.wait_stream(compute)  # the lane's copies out follow its graph
-        return captured.outputs
-
-    CudaGraphs.replay = replay  # type: ignore[method-assign]
-
-
 def _graphs(server: Server) -> tuple[str, int]:
     """Lanes in use per instance, and CUDA graphs captured over all instances' lanes."""
     engines = [engine for version in server._models[MODEL].versions.values() if version.loaded is not None
@@ -163,8 +134,9 @@ def main() -> int:
                         help="staging copies from this size are shared (default: kiln's, PARALLEL_COPY_BYTES)")
     parser.add_argument("--gpu-timing", action="store_true",
                         help="time each batch on its stream with CUDA events and print the GPU's busy share")
-    parser.add_argument("--one-compute-stream", action="store_true",
-                        help="experiment: replay every lane's graph on one shared stream, copies on the lanes' own")
+    parser.add_argument("--shared-stream-from", default="",
+                        help="cuda_shared_stream_from_batch: batches this large replay on the model's shared stream "
+                             "(a batch size or off; default: the config's)")
     parser.add_argument("--switch-interval-us", type=int, default=0,
                         help="sys.setswitchinterval for the run (default: Python's 5,000 us): how soon the waiter "
                              "thread gets the GIL back from a busy event loop")
@@ -179,15 +151,15 @@ def main() -> int:
     timing = _GpuTiming()
     if args.gpu_timing:
         timing.install()
-    if args.one_compute_stream:
-        _replay_on_one_compute_stream()
     with tempfile.TemporaryDirectory(prefix="kiln-inprocess-gpu-") as tmp:
         repo = _variant(args.repo, Path(tmp), args.instances, preferred, args.fp16_inputs, args.launch)
+        config = read_config(repo / MODEL)
+        assert config is not None
         if args.streams:
-            config = read_config(repo / MODEL)
-            assert config is not None
             config.parameters["cuda_streams"].string_value = str(args.streams)
-            (repo / MODEL / "config.pbtxt").write_text(config_to_text(config))
+        if args.shared_stream_from:
+            config.parameters["cuda_shared_stream_from_batch"].string_value = args.shared_stream_from
+        (repo / MODEL / "config.pbtxt").write_text(config_to_text(config))
         server = Server(ServerOptions(repositories=[repo], control_mode="explicit", load_models=(MODEL,)))
         server.start()
         try:
@@ -212,7 +184,7 @@ def main() -> int:
               / max(1, getattr(after, phase).count - getattr(before, phase).count) / 1000
               for phase in ("queue", "compute_input", "compute_infer", "compute_output")}
     print(f"instances {args.instances}, preferred {preferred or '-'}, fp16 inputs {args.fp16_inputs}, "
-          f"launch {args.launch}, one compute stream {args.one_compute_stream}, "
+          f"launch {args.launch}, shared stream from {args.shared_stream_from or 'config'}, "
           f"streams {args.streams or 'config'}, copy threads {staging.COPY_THREADS} from "
           f"{staging.PARALLEL_COPY_BYTES / (1 << 20):g} MB, switch interval {sys.getswitchinterval() * 1e6:,.0f} us, "
           f"c={args.concurrency}: {count / elapsed:,.0f} img/s, average batch "

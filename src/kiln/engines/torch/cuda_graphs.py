@@ -22,6 +22,9 @@ WARMUP_RUNS = 3  # runs before capture, so lazy initialisation (cuBLAS handles, 
 # capture would leave one behind each time. Captures take turns on it.
 _CAPTURE_LOCK = threading.Lock()
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+# Large batches of a model replay on one stream per device, shared by its instances' lanes (shared_compute_stream).
+_SHARED_STREAMS_LOCK = threading.Lock()
+_SHARED_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}
 
 
 @dataclass
@@ -60,12 +63,25 @@ class CudaGraphs:
             self._graphs[batch] = captured
         return captured
 
-    def replay(self, captured: CapturedGraph, inputs: Sequence[torch.Tensor]) -> object:
-        """Copy ``inputs`` into the static buffers and replay. Call with ``lock`` held, and read the returned
-        outputs before releasing it."""
+    def replay(self, captured: CapturedGraph, inputs: Sequence[torch.Tensor],
+               compute: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None) -> object:
+        """Copy ``inputs`` into the static buffers and replay, all on the current stream; or, given ``compute``
+        (the current stream, the stream to replay on), copy on the current stream, replay on the other once the
+        copies are done, and leave the current stream waiting for the replay, so what the caller queues next (its
+        copies out) follows it. Call with ``lock`` held, and read the returned outputs before releasing it."""
         for static, value in zip(captured.inputs, inputs, strict=True):
             static.copy_(value, non_blocking=True)
-        captured.graph.replay()
+        if compute is None:
+            captured.graph.replay()
+            return captured.outputs
+        current, other = compute
+        other.wait_stream(current)
+        torch.cuda.set_stream(other)
+        try:
+            captured.graph.replay()
+        finally:
+            torch.cuda.set_stream(current)
+        current.wait_stream(other)
         return captured.outputs
 
     def close(self) -> None:
@@ -90,6 +106,19 @@ class CudaGraphs:
                                 f"models that synchronize with the host or change shapes inside forward() cannot be "
                                 f"captured (set cuda_graphs: false)") from exc
         return CapturedGraph(graph, inputs, outputs)
+
+
+def shared_compute_stream(model: str, device: torch.device) -> torch.cuda.Stream:
+    """The one stream on ``device`` on which every instance of ``model`` replays its large batches' graphs. Queued
+    on one stream, the GPU runs them one after another, so each finishes as early as it can and its instance can
+    answer and stage its next batch while the GPU runs the other's; side by side, both would finish late."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _SHARED_STREAMS_LOCK:
+        stream = _SHARED_STREAMS.get((model, index))
+        if stream is None:
+            stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            _SHARED_STREAMS[(model, index)] = stream
+        return stream
 
 
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:

@@ -8,7 +8,8 @@ not thread-safe (pytorch/pytorch#118260, #123177), so calls into any compiled mo
 process-wide lock. CUDA graphs replay static buffers, so each concurrent caller takes a lane (lanes.py): a CUDA
 stream with its own graphs and pinned staging buffers, up to ``cuda_streams`` of them, so that several callers'
 copies and kernels overlap on the GPU instead of taking turns under one lock. A lane can also be launched from the
-event loop (``launch_parts``) and collected when its stream is done.
+event loop (``launch_parts``) and collected when its stream is done. Large batches (``cuda_shared_stream_from_batch``
+rows or more) replay on one stream shared by the model's instances, so the GPU runs them one at a time.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from kiln.config.spec import ModelSpec, TensorSpec
 from kiln.engines.base import Array, Engine, EngineOptions, LaunchedBatch
-from kiln.engines.torch.cuda_graphs import CudaGraphs
+from kiln.engines.torch.cuda_graphs import CudaGraphs, shared_compute_stream
 from kiln.engines.torch.lanes import LanePool
 from kiln.engines.torch.loading import LoadedModel, ModelFormat, detect_format, load_model
 from kiln.engines.torch.naming import input_positions, output_positions, select_outputs
@@ -87,6 +88,10 @@ class TorchEngine(Engine):
         self.thread_safe = not self._compiled or self.settings.cuda_graphs
         self._function: Callable[..., Any] | None = _prepare(loaded, self.settings)
         self._lanes: LanePool[GraphLane] | None = None
+        self._shared_stream: torch.cuda.Stream | None = None
+        self._shared_from = self.settings.cuda_shared_stream_from_batch or 0
+        if self.settings.cuda_graphs and self._shared_from and spec.batching:
+            self._shared_stream = shared_compute_stream(spec.name, self.device)
         if self.settings.cuda_graphs:
             # An AOTInductor package runs single-threaded for capture and may keep buffers between runs, so its
             # graphs are not replayed on several streams at once.
@@ -112,6 +117,12 @@ class TorchEngine(Engine):
         """CUDA graphs captured so far over all lanes (each lane captures a batch size on its first use)."""
         lanes = self._lanes.lanes if self._lanes is not None else ()
         return sum(len(lane.graphs.batch_sizes) for lane in lanes)
+
+    @property
+    def shared_compute_stream(self) -> torch.cuda.Stream | None:
+        """The stream this model's instances replay batches of ``cuda_shared_stream_from_batch`` rows or more on
+        (one per model and GPU); None when the parameter is off or the engine replays no graphs."""
+        return self._shared_stream
 
     @property
     def cuda_streams_in_use(self) -> int:
@@ -230,12 +241,16 @@ class TorchEngine(Engine):
 
     def _start(self, lane: GraphLane, parts: Sequence[Mapping[str, Array]],
                outputs: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Queue on the lane's stream: the inputs' copies in, the graph, the outputs' copies to pinned buffers."""
+        """Queue on the lane's stream: the inputs' copies in, the graph, the outputs' copies to pinned buffers. A
+        batch of ``cuda_shared_stream_from_batch`` rows or more replays its graph on the model's shared stream
+        instead, between its copies."""
         with _current_stream(lane.stream, self._device_index) as caller:
             sources = [self._source(lane, caller, name, parts) for name in self._order]
             batch = sources[0].shape[0] if self.spec.batching and sources else 0
             captured = lane.graphs.get(batch, functools.partial(self._static_inputs, lane, batch))
-            result = lane.graphs.replay(captured, sources)
+            shared = self._shared_stream
+            compute = (lane.stream, shared) if shared is not None and batch >= self._shared_from else None
+            result = lane.graphs.replay(captured, sources, compute)
             assert isinstance(result, dict)  # _graph_body's outputs, in the config's dtypes
             return {name: self._host_output(lane, name, result[name]) for name in outputs}
 

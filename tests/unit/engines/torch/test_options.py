@@ -57,6 +57,13 @@ def fake_aoti_package(path: Path) -> Path:
     ({"cuda_streams": "4"}, "parameter 'cuda_streams' is set, but 'cuda_graphs' is not 'true'; the streams replay "
                             "CUDA graphs, so set cuda_graphs: true or remove cuda_streams"),
     ({"cuda_streams": "0"}, "parameter 'cuda_streams' is '0'; expected a whole number of 1 or more"),
+    ({"cuda_shared_stream_from_batch": "16"},
+     "parameter 'cuda_shared_stream_from_batch' is set, but 'cuda_graphs' is not 'true'; the shared stream replays "
+     "CUDA graphs, so set cuda_graphs: true or remove cuda_shared_stream_from_batch"),
+    ({"cuda_shared_stream_from_batch": "0"},
+     "parameter 'cuda_shared_stream_from_batch' is '0'; expected a batch size of 1 or more, or off"),
+    ({"cuda_shared_stream_from_batch": "never"},
+     "parameter 'cuda_shared_stream_from_batch' is 'never'; expected a batch size of 1 or more, or off"),
     ({"compile_mode": "fast"}, "parameter 'compile_mode' is 'fast'; expected one of: none, default, reduce-overhead, "
                                "max-autotune, max-autotune-no-cudagraphs"),
     ({"compile_mode": "default"}, "parameter 'compile_mode' is 'default', but torch.compile cannot compile "
@@ -76,6 +83,26 @@ def test_batch_sizes_need_a_batch_dimension(tmp_path: Path, files: dict[str, Pat
         "(max_batch_size: 0); its one CUDA graph is captured at load, so remove the parameter")
 
 
+def test_the_shared_stream_needs_a_batch_dimension(tmp_path: Path, files: dict[str, Path]) -> None:
+    text = config("torch_aoti", *TWO_HEADS_IO, kind="KIND_GPU", max_batch_size=0,
+                  parameters={"cuda_graphs": "true", "cuda_shared_stream_from_batch": "8"})
+    spec = open_model_dir(write_model_folder(tmp_path, "m", text, files["export"])).spec
+    with pytest.raises(ConfigError) as info:
+        read_settings(spec, EngineOptions(kind="gpu"))
+    assert str(info.value) == (
+        "model 'm': parameter 'cuda_shared_stream_from_batch' is '8', but the model has no batch dimension "
+        "(max_batch_size: 0), so its one graph always replays on its lane's stream; remove the parameter")
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, 32), ("8", 8), (" OFF ", None)])
+def test_shared_stream_from_batch_defaults_to_32(tmp_path: Path, files: dict[str, Path], value: str | None,
+                                                 expected: int | None) -> None:
+    parameters = {"cuda_graphs": "true"} | ({} if value is None else {"cuda_shared_stream_from_batch": value})
+    text = config("torch_aoti", *TWO_HEADS_IO, kind="KIND_GPU", parameters=parameters)
+    spec = open_model_dir(write_model_folder(tmp_path, "m", text, files["export"])).spec
+    assert read_settings(spec, EngineOptions(kind="gpu")).cuda_shared_stream_from_batch == expected
+
+
 def test_cuda_graphs_conflict_with_compile_modes_that_record_graphs(tmp_path: Path, files: dict[str, Path]) -> None:
     text = config("torch_aoti", *TWO_HEADS_IO, kind="KIND_GPU",
                   parameters={"cuda_graphs": "true", "compile_mode": "reduce-overhead"})
@@ -91,12 +118,13 @@ def test_cuda_graphs_conflict_with_compile_modes_that_record_graphs(tmp_path: Pa
 def test_settings_parse_every_parameter(tmp_path: Path, files: dict[str, Path]) -> None:
     parameters = {"precision": " FP16 ", "channels_last": "True", "cuda_graphs": "true",
                   "cuda_graph_batch_sizes": "8, 2,2 ,1, 4-5", "cuda_streams": "3",
-                  "compile_mode": "max-autotune-no-cudagraphs", "num_threads": "3"}
+                  "cuda_shared_stream_from_batch": "6", "compile_mode": "max-autotune-no-cudagraphs",
+                  "num_threads": "3"}
     text = config("torch_aoti", *TWO_HEADS_IO, kind="KIND_GPU", parameters=parameters)
     spec = open_model_dir(write_model_folder(tmp_path, "m", text, files["export"])).spec
     assert read_settings(spec, EngineOptions(kind="gpu")) == TorchSettings(
         precision="fp16", channels_last=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 4, 5, 8),
-        cuda_streams=3, compile_mode="max-autotune-no-cudagraphs", num_threads=3)
+        cuda_streams=3, cuda_shared_stream_from_batch=6, compile_mode="max-autotune-no-cudagraphs", num_threads=3)
     assert read_settings(spec, EngineOptions(kind="gpu")).compute_dtype == torch.float16
     assert TorchSettings().compute_dtype is None  # fp32 leaves the module and its inputs as they are
 
