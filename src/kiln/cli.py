@@ -58,16 +58,18 @@ def _parser() -> argparse.ArgumentParser:
                                               "memory")
     add_bench_arguments(bench)
     bench.set_defaults(run=run_bench)
-    compare = commands.add_parser("bench-compare", help="the reference experiment on one model (also `kiln bench "
-                                  "compare`): direct vs served vs served beside other models, with a report")
+    compare = commands.add_parser("bench-compare", prog="kiln bench compare",
+                                  help="the reference experiment on one model (also `kiln bench compare`): direct "
+                                       "vs served vs served beside other models, with a report")
     add_compare_arguments(compare)
     compare.set_defaults(run=run_compare)
     edge = commands.add_parser("edge", help="run a model at the edge: answer locally, route uncertain or anomalous "
                                             "requests to a cloud kiln server")
     add_edge_arguments(edge)
     edge.set_defaults(run=run_edge)
-    calibrate = commands.add_parser("edge-calibrate", help="write the calibration statistics the edge's range "
-                                                          "checks read (also `kiln edge calibrate`)")
+    calibrate = commands.add_parser("edge-calibrate", prog="kiln edge calibrate",
+                                    help="write the calibration statistics the edge's range checks read (also "
+                                         "`kiln edge calibrate`)")
     add_calibrate_arguments(calibrate)
     calibrate.set_defaults(run=run_calibrate)
     capture = commands.add_parser("capture", help="samples edges captured for retraining (kiln serve --capture-dir)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,9 @@ from kiln.errors import InvalidArgumentError, UnavailableError
 
 psutil = pytest.importorskip("psutil")
 
-CHROMIUM = Path("/usr/bin/chromium")
+# Debian's package, Ubuntu's older name, Google's build: whichever is on PATH.
+CHROMIUM = next((found for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+                 if (found := shutil.which(name))), None)
 SHOT_SIZE = (1200, 2000)
 ARGS = ["simple", "--models", "1", "--concurrency", "1,4", "-p", "250", "-r", "3", "-s", "100", "--quiet"]
 
@@ -253,14 +256,15 @@ def test_bad_arguments_fail_before_any_process_starts(repo: Path) -> None:
 
 
 def test_report_renders_in_headless_chromium(compared: tuple[dict[str, Any], list[int], Path]) -> None:
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is not installed: the report screenshot needs headless Chromium")
+    if CHROMIUM is None:
+        pytest.skip("no chromium, chromium-browser or google-chrome on PATH: the report screenshot needs headless "
+                    "Chromium")
     image = pytest.importorskip("matplotlib.image", reason="matplotlib (the bench extra) reads the screenshot")
     out = compared[2]
     assert {p.name for p in out.iterdir()} >= {"compare.json", "compare.md", "report.html", *PLOTS}
     with tempfile.TemporaryDirectory(prefix="kiln-chromium-") as profile:
         shot = Path(profile) / "shot.png"
-        subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+        subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                         "--no-first-run", "--disable-background-networking", "--disable-component-update",
                         "--disable-sync", f"--user-data-dir={profile}/data", f"--screenshot={shot}",
                         f"--window-size={SHOT_SIZE[0]},{SHOT_SIZE[1]}", (out / "report.html").as_uri()],
