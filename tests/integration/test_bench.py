@@ -71,6 +71,15 @@ def test_direct_bench_sweeps_concurrency(repo: Path) -> None:
     assert result.machine["cpu_count"] >= 1
 
 
+def test_a_latency_threshold_stops_the_sweep_after_the_first_level_over_it(repo: Path) -> None:
+    stopped = run(BenchOptions(model="simple", target="direct", model_repository=repo, concurrency=(1, 2, 4),
+                               latency_threshold_ms=1e-6, **QUICK))  # every level is slower than a nanosecond
+    assert [level.concurrency for level in stopped.results] == [1]
+    kept = run(BenchOptions(model="simple", target="direct", model_repository=repo, concurrency=(1, 2, 4),
+                            latency_threshold_ms=60_000.0, **QUICK))
+    assert [level.concurrency for level in kept.results] == [1, 2, 4]
+
+
 def test_direct_bench_at_a_request_rate_keeps_its_schedule(repo: Path) -> None:
     result = run(BenchOptions(model="simple", target="direct", model_repository=repo, request_rates=(200.0,),
                               batch_size=4, **QUICK))
