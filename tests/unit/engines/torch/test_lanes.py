@@ -58,6 +58,92 @@ def test_concurrent_callers_get_distinct_lanes_up_to_the_limit() -> None:
     assert sorted(held) == [0, 1] and waiter_got[0] in (0, 1) and len(pool.lanes) == 2
 
 
+def wait_until(condition: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_waiting_callers_get_lanes_in_the_order_they_came() -> None:
+    pool = LanePool(lambda index: index, limit=1)
+    order: list[str] = []
+    first = pool.try_take()
+    assert first == 0 and pool.try_take() is None
+
+    def caller(name: str) -> None:
+        with pool.lane():
+            order.append(name)
+
+    threads = []
+    for count, name in enumerate("abc", start=1):
+        threads.append(threading.Thread(target=caller, args=(name,)))
+        threads[-1].start()
+        wait_until(lambda count=count: pool.waiting == count)  # a queued before b, b before c
+    pool.give_back(first)
+    for thread in threads:
+        thread.join()
+    assert order == ["a", "b", "c"] and pool.waiting == 0
+
+
+def test_a_lane_given_back_goes_to_the_waiter_not_to_the_next_taker() -> None:
+    pool = LanePool(lambda index: index, limit=1)
+    lane = pool.try_take()
+    assert lane is not None
+    got: list[int] = []
+    hold = threading.Event()
+
+    def waiter() -> None:
+        with pool.lane() as mine:
+            got.append(mine)
+            hold.wait()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    wait_until(lambda: pool.waiting == 1)
+    pool.give_back(lane)
+    assert pool.try_take() is None  # this thread still holds the GIL, but the lane is the waiter's
+    hold.set()
+    thread.join()
+    assert got == [0] and pool.try_take() == 0
+
+
+def test_threads_beyond_the_lanes_all_make_progress() -> None:
+    """Four threads on two lanes, each call waiting off the GIL while it holds its lane: every thread gets its
+    turns. When a lane given back could be taken again by the thread that gave it, some threads got none."""
+    pool = LanePool(lambda index: index, limit=2)
+    counts = [0] * 4
+    stop = time.monotonic() + 0.6
+
+    def caller(slot: int) -> None:
+        while time.monotonic() < stop:
+            with pool.lane():
+                time.sleep(0.002)
+            counts[slot] += 1
+
+    threads = [threading.Thread(target=caller, args=(slot,)) for slot in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert min(counts) >= max(counts) // 2 > 0, counts
+
+
+def test_a_lane_that_fails_to_be_made_does_not_count_against_the_limit() -> None:
+    attempts: list[int] = []
+
+    def make(index: int) -> int:
+        attempts.append(index)
+        if len(attempts) == 1:
+            raise RuntimeError("out of memory")
+        return index
+
+    pool = LanePool(make, limit=1)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pool.try_take()
+    assert pool.try_take() == 0 and pool.lanes == (0,) and attempts == [0, 0]
+
+
 def test_a_pool_needs_at_least_one_lane() -> None:
     with pytest.raises(ValueError, match="limit of 1 or more, got 0"):
         LanePool(lambda index: index, limit=0)
