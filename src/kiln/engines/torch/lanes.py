@@ -82,27 +82,54 @@ class LanePool(Generic[T]):
         waiter.ready.release()
 
     def _take(self, wait: bool) -> T | None:
+        while True:
+            with self._mutex:
+                if self._free:  # only while nobody waits: a lane given back goes to a waiter first
+                    return self._free.popleft()
+                if len(self._made) + self._making < self._limit:
+                    index = len(self._made) + self._making
+                    self._making += 1
+                    waiter = None
+                elif not wait:
+                    return None
+                else:
+                    waiter = _Waiter[T]()
+                    self._waiters.append(waiter)
+            if waiter is None:
+                return self._make_lane(index)
+            try:
+                waiter.ready.acquire()  # blocks without the GIL until give_back hands this caller a lane
+            except BaseException:  # interrupted (Ctrl-C in the main thread): leave no lane with a caller who left
+                self._abandon(waiter)
+                raise
+            if waiter.lane is not None:
+                return waiter.lane
+            # Woken without a lane: one could not be made, so there is room to make one again.
+
+    def _abandon(self, waiter: _Waiter[T]) -> None:
         with self._mutex:
-            if self._free:  # only while nobody waits: a lane given back goes to a waiter first
-                return self._free.popleft()
-            if len(self._made) + self._making < self._limit:
-                index = len(self._made) + self._making
-                self._making += 1
-                waiter = None
-            elif not wait:
-                return None
-            else:
-                waiter = _Waiter[T]()
-                self._waiters.append(waiter)
-        if waiter is not None:
-            waiter.ready.acquire()  # blocks without the GIL until give_back hands this caller a lane
-            return waiter.lane
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+                return
+        # Already woken: pass on what it was given, a lane or the room to make one.
+        if waiter.lane is not None:
+            self.give_back(waiter.lane)
+            return
+        with self._mutex:
+            woken = self._waiters.popleft() if self._waiters else None
+        if woken is not None:
+            woken.ready.release()
+
+    def _make_lane(self, index: int) -> T:
         try:
             with self._make_lock:
                 lane = self._make(index)
         except BaseException:
             with self._mutex:
                 self._making -= 1
+                woken = self._waiters.popleft() if self._waiters else None
+            if woken is not None:  # it waited for a lane that will not come: let it try to make one
+                woken.ready.release()
             raise
         with self._mutex:
             self._made.append(lane)

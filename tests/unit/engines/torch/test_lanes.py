@@ -144,6 +144,71 @@ def test_a_lane_that_fails_to_be_made_does_not_count_against_the_limit() -> None
     assert pool.try_take() == 0 and pool.lanes == (0,) and attempts == [0, 0]
 
 
+def test_a_caller_waiting_on_a_lane_that_fails_to_be_made_makes_one_itself() -> None:
+    making = threading.Event()
+    fail = threading.Event()
+    attempts: list[str] = []
+
+    def make(index: int) -> int:
+        attempts.append(threading.current_thread().name)
+        if len(attempts) == 1:
+            making.set()
+            fail.wait()
+            raise RuntimeError("out of memory")
+        return index
+
+    pool = LanePool(make, limit=1)
+    errors: list[BaseException] = []
+    got: list[int] = []
+
+    def first() -> None:
+        try:
+            pool.try_take()
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    def second() -> None:
+        with pool.lane() as lane:
+            got.append(lane)
+
+    maker = threading.Thread(target=first, name="first")
+    maker.start()
+    making.wait()
+    waiter = threading.Thread(target=second, name="second")
+    waiter.start()
+    wait_until(lambda: pool.waiting == 1)  # the only lane is being made: it waits for it
+    fail.set()
+    maker.join()
+    waiter.join(5)
+    assert not waiter.is_alive(), "the waiter was left waiting for a lane that was never made"
+    assert len(errors) == 1 and got == [0] and attempts == ["first", "second"]
+
+
+def test_a_waiter_interrupted_by_a_signal_leaves_the_queue() -> None:
+    """Ctrl-C while the main thread waits for a lane: the lane given back later must not go to the caller that
+    left, or the pool would lose it for good."""
+    import signal
+
+    pool = LanePool(lambda index: index, limit=1)
+    lane = pool.try_take()
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    try:
+        with pytest.raises(KeyboardInterrupt), pool.lane():
+            pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert pool.waiting == 0
+    assert lane is not None
+    pool.give_back(lane)
+    assert pool.try_take() == lane
+
+
 def test_a_pool_needs_at_least_one_lane() -> None:
     with pytest.raises(ValueError, match="limit of 1 or more, got 0"):
         LanePool(lambda index: index, limit=0)
