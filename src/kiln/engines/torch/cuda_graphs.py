@@ -24,7 +24,16 @@ _CAPTURE_LOCK = threading.Lock()
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 # Large batches of a model replay on one stream per device, shared by its instances' lanes (shared_compute_stream).
 _SHARED_STREAMS_LOCK = threading.Lock()
-_SHARED_STREAMS: dict[tuple[str, int], torch.cuda.Stream] = {}
+_SHARED_STREAMS: dict[tuple[str, int], SharedStream] = {}
+
+
+@dataclass(frozen=True)
+class SharedStream:
+    """A stream several lanes replay graphs on, and the lock that keeps one lane's wait, replay and event together
+    (another lane's batch queued between them would delay this one's copies out by its whole graph)."""
+
+    stream: torch.cuda.Stream
+    lock: threading.Lock
 
 
 @dataclass
@@ -64,24 +73,27 @@ class CudaGraphs:
         return captured
 
     def replay(self, captured: CapturedGraph, inputs: Sequence[torch.Tensor],
-               compute: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None) -> object:
+               compute: tuple[torch.cuda.Stream, SharedStream] | None = None) -> object:
         """Copy ``inputs`` into the static buffers and replay, all on the current stream; or, given ``compute``
-        (the current stream, the stream to replay on), copy on the current stream, replay on the other once the
-        copies are done, and leave the current stream waiting for the replay, so what the caller queues next (its
-        copies out) follows it. Call with ``lock`` held, and read the returned outputs before releasing it."""
+        (the current stream, the shared stream to replay on), copy on the current stream, replay on the shared one
+        once the copies are done, and leave the current stream waiting for the replay, so what the caller queues
+        next (its copies out) follows it. Call with ``lock`` held, and read the returned outputs before releasing
+        it."""
         for static, value in zip(captured.inputs, inputs, strict=True):
             static.copy_(value, non_blocking=True)
         if compute is None:
             captured.graph.replay()
             return captured.outputs
-        current, other = compute
-        other.wait_stream(current)
-        torch.cuda.set_stream(other)
-        try:
-            captured.graph.replay()
-        finally:
-            torch.cuda.set_stream(current)
-        current.wait_stream(other)
+        current, shared = compute
+        with shared.lock:
+            shared.stream.wait_stream(current)
+            torch.cuda.set_stream(shared.stream)
+            try:
+                captured.graph.replay()
+            finally:
+                torch.cuda.set_stream(current)
+            replayed = shared.stream.record_event()
+        current.wait_event(replayed)
         return captured.outputs
 
     def close(self) -> None:
@@ -108,17 +120,17 @@ class CudaGraphs:
         return CapturedGraph(graph, inputs, outputs)
 
 
-def shared_compute_stream(model: str, device: torch.device) -> torch.cuda.Stream:
+def shared_compute_stream(model: str, device: torch.device) -> SharedStream:
     """The one stream on ``device`` on which every instance of ``model`` replays its large batches' graphs. Queued
     on one stream, the GPU runs them one after another, so each finishes as early as it can and its instance can
     answer and stage its next batch while the GPU runs the other's; side by side, both would finish late."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _SHARED_STREAMS_LOCK:
-        stream = _SHARED_STREAMS.get((model, index))
-        if stream is None:
+        shared = _SHARED_STREAMS.get((model, index))
+        if shared is None:
             stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-            _SHARED_STREAMS[(model, index)] = stream
-        return stream
+            shared = _SHARED_STREAMS[(model, index)] = SharedStream(stream, threading.Lock())
+        return shared
 
 
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:

@@ -27,7 +27,7 @@ import torch
 
 from kiln.config.spec import ModelSpec, TensorSpec
 from kiln.engines.base import Array, Engine, EngineOptions, LaunchedBatch
-from kiln.engines.torch.cuda_graphs import CudaGraphs, shared_compute_stream
+from kiln.engines.torch.cuda_graphs import CudaGraphs, SharedStream, shared_compute_stream
 from kiln.engines.torch.lanes import LanePool
 from kiln.engines.torch.loading import LoadedModel, ModelFormat, detect_format, load_model
 from kiln.engines.torch.naming import input_positions, output_positions, select_outputs
@@ -88,7 +88,7 @@ class TorchEngine(Engine):
         self.thread_safe = not self._compiled or self.settings.cuda_graphs
         self._function: Callable[..., Any] | None = _prepare(loaded, self.settings)
         self._lanes: LanePool[GraphLane] | None = None
-        self._shared_stream: torch.cuda.Stream | None = None
+        self._shared_stream: SharedStream | None = None
         self._shared_from = self.settings.cuda_shared_stream_from_batch or 0
         if self.settings.cuda_graphs and self._shared_from and spec.batching:
             self._shared_stream = shared_compute_stream(spec.name, self.device)
@@ -122,7 +122,7 @@ class TorchEngine(Engine):
     def shared_compute_stream(self) -> torch.cuda.Stream | None:
         """The stream this model's instances replay batches of ``cuda_shared_stream_from_batch`` rows or more on
         (one per model and GPU); None when the parameter is off or the engine replays no graphs."""
-        return self._shared_stream
+        return self._shared_stream.stream if self._shared_stream is not None else None
 
     @property
     def cuda_streams_in_use(self) -> int:

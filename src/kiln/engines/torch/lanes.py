@@ -9,6 +9,7 @@ beside another's kernels. Lanes are made on demand, up to a limit (each costs gr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -18,12 +19,14 @@ T = TypeVar("T")
 
 
 class _Waiter(Generic[T]):
-    """A caller waiting for a lane: it blocks on its own lock, and whoever gives a lane back hands it over here."""
+    """A caller waiting for a lane: it blocks on its own lock, and is handed, under the pool's mutex, either a lane
+    given back or the room to make one (a slot another caller failed to fill)."""
 
     def __init__(self) -> None:
         self.ready = threading.Lock()
         self.ready.acquire()
         self.lane: T | None = None
+        self.may_make = False
 
 
 class LanePool(Generic[T]):
@@ -40,12 +43,13 @@ class LanePool(Generic[T]):
             raise ValueError(f"a lane pool needs a limit of 1 or more, got {limit}")
         self._make = make
         self._limit = limit
-        self._mutex = threading.Lock()  # guards the lists below, never held while a lane is made or waited for
+        self._mutex = threading.Lock()  # guards the fields below; never held while a lane is made or waited for
         self._free: deque[T] = deque()
         self._waiters: deque[_Waiter[T]] = deque()
         self._made: list[T] = []
-        self._making = 0  # lanes being made now, counted against the limit
-        self._make_lock = threading.Lock()  # lanes are made one at a time, as before any other caller's
+        self._making = 0  # slots being filled now (lanes being made), counted against the limit
+        self._make_lock = threading.Lock()  # lanes are made one at a time
+        self._indices = itertools.count()
 
     @property
     def lanes(self) -> tuple[T, ...]:
@@ -60,17 +64,23 @@ class LanePool(Generic[T]):
     @contextlib.contextmanager
     def lane(self) -> Iterator[T]:
         """Hold a lane for the duration of the block: a free one, a new one, or the next to come free."""
-        lane = self._take(wait=True)
-        assert lane is not None
+        lane = self._take()
         try:
             yield lane
         finally:
             self.give_back(lane)
 
     def try_take(self) -> T | None:
-        """A free lane or a new one, without waiting; None when all ``limit`` lanes are held (or callers already
-        wait for them). Give it back with :meth:`give_back`."""
-        return self._take(wait=False)
+        """A free lane, or a new one when no other lane is being made; None when every lane is held, callers
+        already wait, or another thread is making one (the event loop calls this and must not wait for that).
+        Give it back with :meth:`give_back`."""
+        with self._mutex:
+            if self._free:  # only while nobody waits: a lane given back goes to a waiter first
+                return self._free.popleft()
+            if self._making or len(self._made) >= self._limit:
+                return None
+            self._making += 1
+        return self._make_lane()
 
     def give_back(self, lane: T) -> None:
         with self._mutex:
@@ -78,60 +88,62 @@ class LanePool(Generic[T]):
                 self._free.append(lane)
                 return
             waiter = self._waiters.popleft()
-        waiter.lane = lane
+            waiter.lane = lane
         waiter.ready.release()
 
-    def _take(self, wait: bool) -> T | None:
-        while True:
-            with self._mutex:
-                if self._free:  # only while nobody waits: a lane given back goes to a waiter first
-                    return self._free.popleft()
-                if len(self._made) + self._making < self._limit:
-                    index = len(self._made) + self._making
-                    self._making += 1
-                    waiter = None
-                elif not wait:
-                    return None
-                else:
-                    waiter = _Waiter[T]()
-                    self._waiters.append(waiter)
-            if waiter is None:
-                return self._make_lane(index)
-            try:
-                waiter.ready.acquire()  # blocks without the GIL until give_back hands this caller a lane
-            except BaseException:  # interrupted (Ctrl-C in the main thread): leave no lane with a caller who left
-                self._abandon(waiter)
-                raise
+    def _take(self) -> T:
+        with self._mutex:
+            if self._free:
+                return self._free.popleft()
+            if len(self._made) + self._making < self._limit:
+                self._making += 1
+                waiter = None
+            else:
+                waiter = _Waiter[T]()
+                self._waiters.append(waiter)
+        if waiter is None:
+            return self._make_lane()
+        try:
+            waiter.ready.acquire()  # blocks without the GIL until this caller is handed a lane or a slot
             if waiter.lane is not None:
                 return waiter.lane
-            # Woken without a lane: one could not be made, so there is room to make one again.
+            assert waiter.may_make
+        except BaseException:  # interrupted (Ctrl-C in the main thread): pass on what this caller was handed
+            self._abandon(waiter)
+            raise
+        return self._make_lane()  # the slot was counted for this caller when it was handed over
 
     def _abandon(self, waiter: _Waiter[T]) -> None:
         with self._mutex:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
                 return
-        # Already woken: pass on what it was given, a lane or the room to make one.
-        if waiter.lane is not None:
-            self.give_back(waiter.lane)
-            return
-        with self._mutex:
-            woken = self._waiters.popleft() if self._waiters else None
-        if woken is not None:
-            woken.ready.release()
+            lane, may_make = waiter.lane, waiter.may_make
+        if lane is not None:
+            self.give_back(lane)
+        elif may_make:
+            self._release_slot()
 
-    def _make_lane(self, index: int) -> T:
+    def _make_lane(self) -> T:
+        """Fill a slot already counted in ``_making``: make a lane, or hand the slot on if making fails."""
         try:
             with self._make_lock:
-                lane = self._make(index)
+                lane = self._make(next(self._indices))
         except BaseException:
-            with self._mutex:
-                self._making -= 1
-                woken = self._waiters.popleft() if self._waiters else None
-            if woken is not None:  # it waited for a lane that will not come: let it try to make one
-                woken.ready.release()
+            self._release_slot()
             raise
         with self._mutex:
             self._made.append(lane)
             self._making -= 1
         return lane
+
+    def _release_slot(self) -> None:
+        """A counted slot stays empty: the longest waiting caller gets it (it waited for a lane that will not come
+        back), or it is freed."""
+        with self._mutex:
+            if not self._waiters:
+                self._making -= 1
+                return
+            waiter = self._waiters.popleft()
+            waiter.may_make = True
+        waiter.ready.release()

@@ -141,7 +141,7 @@ def test_a_lane_that_fails_to_be_made_does_not_count_against_the_limit() -> None
     pool = LanePool(make, limit=1)
     with pytest.raises(RuntimeError, match="out of memory"):
         pool.try_take()
-    assert pool.try_take() == 0 and pool.lanes == (0,) and attempts == [0, 0]
+    assert pool.try_take() == 1 and pool.lanes == (1,) and attempts == [0, 1]  # indices are never reused
 
 
 def test_a_caller_waiting_on_a_lane_that_fails_to_be_made_makes_one_itself() -> None:
@@ -181,7 +181,7 @@ def test_a_caller_waiting_on_a_lane_that_fails_to_be_made_makes_one_itself() -> 
     maker.join()
     waiter.join(5)
     assert not waiter.is_alive(), "the waiter was left waiting for a lane that was never made"
-    assert len(errors) == 1 and got == [0] and attempts == ["first", "second"]
+    assert len(errors) == 1 and got == [1] and attempts == ["first", "second"]
 
 
 def test_a_waiter_interrupted_by_a_signal_leaves_the_queue() -> None:
@@ -207,6 +207,27 @@ def test_a_waiter_interrupted_by_a_signal_leaves_the_queue() -> None:
     assert lane is not None
     pool.give_back(lane)
     assert pool.try_take() == lane
+
+
+def test_try_take_does_not_wait_while_another_thread_makes_a_lane() -> None:
+    """The event loop calls try_take: it must not sit behind a slow make (a CUDA stream and pinned buffers)."""
+    making, finish = threading.Event(), threading.Event()
+
+    def make(index: int) -> int:
+        making.set()
+        finish.wait()
+        return index
+
+    pool = LanePool(make, limit=2)
+    maker = threading.Thread(target=lambda: pool.try_take())
+    maker.start()
+    making.wait()
+    began = time.monotonic()
+    assert pool.try_take() is None
+    assert time.monotonic() - began < 0.5
+    finish.set()
+    maker.join()
+    assert pool.lanes == (0,)
 
 
 def test_a_pool_needs_at_least_one_lane() -> None:
