@@ -3,6 +3,7 @@ exported programs and an AOTInductor package. Tiny models; run where a GPU is (s
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import warnings
@@ -15,6 +16,9 @@ import torch
 import kiln
 from kiln.engines.torch import TorchEngine
 from kiln.errors import ConfigError
+from kiln.server.request import InferRequest, InputTensor
+from kiln.server.server import Server
+from kiln.tensor import DataType
 
 from ._models import ConvNet, config, require_loadable_aoti, write_model_folder
 
@@ -33,6 +37,18 @@ def images(rows: int) -> np.ndarray:
 def fp32_reference(image: np.ndarray) -> np.ndarray:
     with torch.inference_mode():
         return ConvNet().eval()(torch.from_numpy(image)).numpy()
+
+
+def served_logits(server: Server, inputs: list[np.ndarray], model: str = "m") -> list[np.ndarray]:
+    """Every image sent at once to ``server`` from one event loop; each one's logits."""
+
+    async def send_all() -> list[np.ndarray]:
+        requests = [InferRequest(model_name=model, inputs=[InputTensor("image", DataType.FP32, i.shape, i)])
+                    for i in inputs]
+        responses = await asyncio.gather(*(server.infer(r) for r in requests))
+        return [r.outputs[0].data for r in responses]
+
+    return asyncio.run(send_all())
 
 
 def load_gpu(tmp_path: Path, source: Path, parameters: dict[str, str], name: str = "m") -> TorchEngine:

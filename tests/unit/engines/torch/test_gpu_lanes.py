@@ -17,7 +17,7 @@ from kiln.server.server import Server, ServerOptions
 from kiln.tensor import DataType
 
 from ._models import config, write_model_folder
-from .test_gpu import GPU_PARAMETERS, IMAGE_IO, calls_from_threads, fp32_reference, images, load_gpu
+from .test_gpu import GPU_PARAMETERS, IMAGE_IO, calls_from_threads, fp32_reference, images, load_gpu, served_logits
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; PyTorch sees none")]
@@ -65,8 +65,6 @@ def test_parts_with_cuda_tensors_join_on_the_device(tmp_path: Path, files: dict[
 
 
 def test_served_with_dynamic_batching_and_two_instances(tmp_path: Path, files: dict[str, Path]) -> None:
-    import asyncio
-
     text = config("torch_aoti", *IMAGE_IO, kind="KIND_GPU", parameters=GPU_PARAMETERS,
                   extra="dynamic_batching { max_queue_delay_microseconds: 2000 }")
     text = text.replace("count: 1", "count: 2")
@@ -74,15 +72,8 @@ def test_served_with_dynamic_batching_and_two_instances(tmp_path: Path, files: d
     server = Server(ServerOptions(repositories=[tmp_path / "repo"]))
     assert not server.start()
     inputs = [images(1) for _ in range(16)]
-
-    async def send_all() -> list[np.ndarray]:
-        requests = [InferRequest(model_name="m", inputs=[InputTensor("image", DataType.FP32, i.shape, i)])
-                    for i in inputs]
-        responses = await asyncio.gather(*(server.infer(r) for r in requests))
-        return [r.outputs[0].data for r in responses]
-
     try:
-        got = asyncio.run(send_all())
+        got = served_logits(server, inputs)
     finally:
         server.close()
     for image, logits in zip(inputs, got, strict=True):

@@ -3,19 +3,16 @@ ones on their lane's own stream. Skipped without a GPU."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from kiln.server.request import InferRequest, InputTensor
 from kiln.server.server import Server, ServerOptions
-from kiln.tensor import DataType
 
 from ._models import config, write_model_folder
-from .test_gpu import GPU_PARAMETERS, IMAGE_IO, fp32_reference, images, load_gpu
+from .test_gpu import GPU_PARAMETERS, IMAGE_IO, fp32_reference, images, load_gpu, served_logits
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; PyTorch sees none")]
@@ -69,15 +66,8 @@ def test_served_large_batches_of_two_instances_are_right(tmp_path: Path, files: 
     server = Server(ServerOptions(repositories=[tmp_path / "repo"]))
     assert not server.start()
     inputs = [images(1) for _ in range(64)]
-
-    async def send_all() -> list[np.ndarray]:
-        requests = [InferRequest(model_name="m", inputs=[InputTensor("image", DataType.FP32, i.shape, i)])
-                    for i in inputs]
-        responses = await asyncio.gather(*(server.infer(r) for r in requests))
-        return [r.outputs[0].data for r in responses]
-
     try:
-        got = asyncio.run(send_all())
+        got = served_logits(server, inputs)
         stats = server.model_statistics("m")[0]
     finally:
         server.close()

@@ -10,6 +10,7 @@ import torch
 
 import kiln
 from kiln.config import open_model_dir
+from kiln.config.spec import ModelSpec
 from kiln.engines import EngineOptions
 from kiln.engines.torch.options import TorchSettings, read_settings
 from kiln.errors import ConfigError, UnavailableError, UnsupportedError
@@ -25,6 +26,12 @@ def load_error(tmp_path: Path, source: Path, parameters: dict[str, str], error: 
     with pytest.raises(error) as info:
         kiln.load(folder, kind="gpu" if kind == "KIND_GPU" else "cpu")
     return str(info.value)
+
+
+def gpu_spec(tmp_path: Path, source: Path, parameters: dict[str, str], max_batch_size: int = 8) -> ModelSpec:
+    """The spec of an exported program on a KIND_GPU instance with these parameters (nothing is loaded)."""
+    text = config("torch_aoti", *TWO_HEADS_IO, kind="KIND_GPU", parameters=parameters, max_batch_size=max_batch_size)
+    return open_model_dir(write_model_folder(tmp_path, "m", text, source)).spec
 
 
 def fake_aoti_package(path: Path) -> Path:
@@ -84,9 +91,8 @@ def test_batch_sizes_need_a_batch_dimension(tmp_path: Path, files: dict[str, Pat
 
 
 def test_the_shared_stream_needs_a_batch_dimension(tmp_path: Path, files: dict[str, Path]) -> None:
-    text = config("torch_aoti", *TWO_HEADS_IO, kind="KIND_GPU", max_batch_size=0,
-                  parameters={"cuda_graphs": "true", "cuda_shared_stream_from_batch": "8"})
-    spec = open_model_dir(write_model_folder(tmp_path, "m", text, files["export"])).spec
+    spec = gpu_spec(tmp_path, files["export"], {"cuda_graphs": "true", "cuda_shared_stream_from_batch": "8"},
+                    max_batch_size=0)
     with pytest.raises(ConfigError) as info:
         read_settings(spec, EngineOptions(kind="gpu"))
     assert str(info.value) == (
@@ -98,15 +104,12 @@ def test_the_shared_stream_needs_a_batch_dimension(tmp_path: Path, files: dict[s
 def test_shared_stream_from_batch_defaults_to_32(tmp_path: Path, files: dict[str, Path], value: str | None,
                                                  expected: int | None) -> None:
     parameters = {"cuda_graphs": "true"} | ({} if value is None else {"cuda_shared_stream_from_batch": value})
-    text = config("torch_aoti", *TWO_HEADS_IO, kind="KIND_GPU", parameters=parameters)
-    spec = open_model_dir(write_model_folder(tmp_path, "m", text, files["export"])).spec
+    spec = gpu_spec(tmp_path, files["export"], parameters)
     assert read_settings(spec, EngineOptions(kind="gpu")).cuda_shared_stream_from_batch == expected
 
 
 def test_cuda_graphs_conflict_with_compile_modes_that_record_graphs(tmp_path: Path, files: dict[str, Path]) -> None:
-    text = config("torch_aoti", *TWO_HEADS_IO, kind="KIND_GPU",
-                  parameters={"cuda_graphs": "true", "compile_mode": "reduce-overhead"})
-    spec = open_model_dir(write_model_folder(tmp_path, "m", text, files["export"])).spec
+    spec = gpu_spec(tmp_path, files["export"], {"cuda_graphs": "true", "compile_mode": "reduce-overhead"})
     with pytest.raises(ConfigError) as info:
         read_settings(spec, EngineOptions(kind="gpu"))
     assert str(info.value) == (
@@ -120,8 +123,7 @@ def test_settings_parse_every_parameter(tmp_path: Path, files: dict[str, Path]) 
                   "cuda_graph_batch_sizes": "8, 2,2 ,1, 4-5", "cuda_streams": "3",
                   "cuda_shared_stream_from_batch": "6", "compile_mode": "max-autotune-no-cudagraphs",
                   "num_threads": "3"}
-    text = config("torch_aoti", *TWO_HEADS_IO, kind="KIND_GPU", parameters=parameters)
-    spec = open_model_dir(write_model_folder(tmp_path, "m", text, files["export"])).spec
+    spec = gpu_spec(tmp_path, files["export"], parameters)
     assert read_settings(spec, EngineOptions(kind="gpu")) == TorchSettings(
         precision="fp16", channels_last=True, cuda_graphs=True, cuda_graph_batch_sizes=(1, 2, 4, 5, 8),
         cuda_streams=3, cuda_shared_stream_from_batch=6, compile_mode="max-autotune-no-cudagraphs", num_threads=3)
