@@ -30,9 +30,9 @@ from _common import command_line, format_table, machine_info, write_json
 
 from kiln.bench import BenchOptions, BenchResult, LevelResult, run
 from kiln.build import BuildOptions, build
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.parse import config_to_text, read_config
 from kiln.demo.resnet import build_resnet50
+from kiln.v2._generated import model_config_pb2 as pb
 
 MODEL = "resnet50"
 BARS = {16: 8_000.0, 64: 12_000.0}  # served, dynamic batching, images/s

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.parse import config_to_text, read_config
 from kiln.engines.torch import staging
 from kiln.server import InferRequest, InputTensor, Server, ServerOptions
 from kiln.tensor import DataType
+from kiln.v2._generated import model_config_pb2 as pb
 
 MODEL = "resnet50"
 

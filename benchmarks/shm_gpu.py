@@ -35,10 +35,10 @@ from _common import command_line, format_table, write_json
 
 import kiln
 from kiln.build import BuildOptions, build
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.parse import read_config
 from kiln.demo.resnet import build_resnet50
 from kiln.testing.serve import kiln_serve
+from kiln.v2._generated import model_config_pb2 as pb
 
 MODEL = "resnet50"
 TENSORS = ("request body", "system shm", "cuda shm")

@@ -4,11 +4,16 @@ The public API: :func:`load` a model into an :class:`Engine` and call ``engine.i
 protocol-free :class:`Server` over a model repository (what ``kiln serve`` puts behind HTTP and gRPC).
 """
 
+from typing import TYPE_CHECKING
+
 from kiln import errors
 from kiln.direct import load
 from kiln.engines.base import Engine, EngineOptions
 from kiln.errors import ErrorCode, KilnError
 from kiln.tensor import DataType
+
+if TYPE_CHECKING:  # loaded on first use at run time (see __getattr__)
+    from kiln.server.server import Server, ServerOptions
 
 __version__ = "0.1.0"
 

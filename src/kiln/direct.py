@@ -6,7 +6,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any, cast
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.backends import FILE_BACKENDS
 from kiln.config.model_dir import ModelDir, open_model_dir
 from kiln.config.onnx_io import FileTensor, read_onnx_io
@@ -14,6 +13,7 @@ from kiln.config.spec import ModelSpec
 from kiln.config.validate import validate_config
 from kiln.engines.base import Engine, EngineOptions, create_engine, instance_group_options
 from kiln.errors import ConfigError, InvalidArgumentError, ModelNotFoundError
+from kiln.v2._generated import model_config_pb2 as pb
 
 
 def load(path: str | Path, version: int | None = None, **options: Any) -> Engine:

@@ -1,7 +1,7 @@
 """Typed errors raised by every layer of kiln.
 
 Each error carries an :class:`ErrorCode` (Triton's eight codes). Frontends map the code to an HTTP status or a
-gRPC code in one place (``kiln.frontends.status``); nothing else in kiln knows about transports.
+gRPC code in one place (``kiln.v2.status``); nothing else in kiln knows about transports.
 
 The tree::
 
@@ -109,6 +109,19 @@ class UnknownError(KilnError):
     code = ErrorCode.UNKNOWN
 
 
+_BY_CODE: dict[ErrorCode, type[KilnError]] = {
+    ErrorCode.INVALID_ARG: InvalidArgumentError, ErrorCode.NOT_FOUND: NotFoundError,
+    ErrorCode.UNAVAILABLE: UnavailableError, ErrorCode.UNSUPPORTED: UnsupportedError,
+    ErrorCode.ALREADY_EXISTS: AlreadyExistsError, ErrorCode.CANCELLED: CancelledError,
+    ErrorCode.INTERNAL: InternalError, ErrorCode.UNKNOWN: UnknownError,
+}
+
+
+def error_for_code(code: ErrorCode, message: str) -> KilnError:
+    """The base error of ``code`` (what a client rebuilds from a status it received)."""
+    return _BY_CODE[code](message)
+
+
 __all__ = [
     "AlreadyExistsError",
     "CancelledError",
@@ -126,4 +139,5 @@ __all__ = [
     "UnknownError",
     "UnsupportedError",
     "VersionUnloadingError",
+    "error_for_code",
 ]

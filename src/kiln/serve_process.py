@@ -9,11 +9,11 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from kiln.v2.client import HttpClient, ServerUnreachableError
 
 
 @dataclass(frozen=True)
@@ -37,17 +37,16 @@ def wait_ready(http_url: str, process: subprocess.Popen[bytes], timeout_s: float
     """Poll ``/v2/health/ready`` (over https with ``context``, e.g. a server started with --https-certfile)."""
     scheme = "https" if context is not None else "http"
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"kiln serve exited with status {process.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"{scheme}://{http_url}/v2/health/ready", timeout=1.0,
-                                        context=context) as response:
-                if response.status == 200:
+    with HttpClient(f"{scheme}://{http_url}", timeout_s=1.0, tls=context) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"kiln serve exited with status {process.returncode} before it was ready")
+            try:
+                if client.ready():
                     return
-        except (urllib.error.URLError, OSError):  # not listening yet; TLS and timeouts are OSErrors too
-            pass
-        time.sleep(0.05)
+            except ServerUnreachableError:  # not listening yet
+                pass
+            time.sleep(0.05)
     raise TimeoutError(f"kiln serve was not ready within {timeout_s}s")
 
 

@@ -15,12 +15,11 @@ import pytest
 from kiln.bench import BenchOptions, BenchResult, LevelResult, run
 from kiln.bench.cli import add_bench_arguments, run_bench
 from kiln.bench.targets import RequestFailedError
-from kiln.bench.targets.http11 import HttpConnection
-from kiln.bench.targets.kserve_http import HttpStatusError
 from kiln.bench.targets.remote import listening_pid, split_url
 from kiln.demo import build_demo_repository
-from kiln.errors import InvalidArgumentError
+from kiln.errors import InvalidArgumentError, NotFoundError
 from kiln.testing.serve import KilnProcess, kiln_serve
+from kiln.v2.client.aio import Connection
 
 QUICK = {"measurement_interval_ms": 200, "max_trials": 3, "stability_percentage": 100.0}
 
@@ -216,7 +215,7 @@ def test_grpc_sends_beyond_max_outstanding_are_dropped(server: KilnProcess) -> N
 
 
 def test_an_unknown_model_fails_before_measuring(server: KilnProcess) -> None:
-    with pytest.raises(HttpStatusError, match="HTTP 404"):
+    with pytest.raises(NotFoundError, match="answered 404"):
         run(BenchOptions(model="nope", target="http", url=server.http_url, **QUICK))
 
 
@@ -268,7 +267,7 @@ async def test_http_connection_reopens_what_the_server_closed_after_keep_alive()
 
     server = await asyncio.start_server(answer_once, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    connection = HttpConnection("127.0.0.1", port, timeout_s=5)
+    connection = Connection("127.0.0.1", port, timeout_s=5)
     try:
         for _ in range(3):
             response = await connection.request("GET", "/v2/health/ready")

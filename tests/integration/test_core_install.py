@@ -23,6 +23,15 @@ SCRIPT = textwrap.dedent("""
         a = np.arange(16, dtype=np.int32).reshape(1, 16)
         out = engine.infer({"INPUT0": a, "INPUT1": a})
     assert (out["OUTPUT0"] == 2 * a).all() and (out["OUTPUT1"] == 0).all()
+    # An edge device talks to its cloud with kiln's V2 client, which needs nothing beyond the core install.
+    from kiln.edge import EdgeRunner, Policy
+    from kiln.v2.client import HttpClient, ServerUnreachableError
+    with EdgeRunner(sys.argv[1] + "/simple", None, Policy(mode="local-only")) as edge:
+        assert (edge.infer({"INPUT0": a, "INPUT1": a}).outputs["OUTPUT0"] == 2 * a).all()
+    try:
+        HttpClient("127.0.0.1:9", timeout_s=1).ready()
+    except ServerUnreachableError:
+        pass
     print("core install ok")
 """)
 

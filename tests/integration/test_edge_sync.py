@@ -23,7 +23,8 @@ from kiln.demo.models import build_mlp
 from kiln.demo.repository import render_config
 from kiln.edge import EdgeRunner, Policy
 from kiln.edge.cli import add_edge_arguments, start_sync
-from kiln.edge.sync import HttpSyncSource, ModelSync, SyncError, SyncOptions
+from kiln.edge.sync import HttpSyncSource, ModelSync, SyncOptions
+from kiln.errors import KilnError
 from kiln.testing.repo import write_model
 from kiln.testing.serve import kiln_serve
 
@@ -85,7 +86,7 @@ def test_published_version_reaches_the_edge_and_a_corrupt_one_is_rejected(tmp_pa
                     "--repository-poll-secs", "0.5", "--allow-grpc", "false", "--allow-metrics", "false",
                     log_path=tmp_path / "cloud.log") as cloud, \
             EdgeRunner(edge_dir, cloud.http_url, Policy(mode="local-only")) as edge:
-        with pytest.raises(SyncError, match="401"):  # the download endpoints want the key
+        with pytest.raises(KilnError, match="401"):  # the download endpoints want the key
             HttpSyncSource(cloud.http_url).list_files("mlp", 1)
         source = HttpSyncSource(cloud.http_url, api_key=KEY)
         parser = argparse.ArgumentParser()

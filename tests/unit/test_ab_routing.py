@@ -14,13 +14,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.spec import ModelSpec
 from kiln.errors import InvalidArgumentError, ModelNotFoundError, ModelNotReadyError
 from kiln.server import InferRequest, InputTensor, Server, ServerOptions
 from kiln.server.routing import parse_routing_config, parse_weights, rendezvous
 from kiln.tensor import DataType
 from kiln.testing import IR_VERSION, OPSET, write_model
+from kiln.v2._generated import model_config_pb2 as pb
 
 
 def scale_model(scale: float) -> onnx.ModelProto:

@@ -30,9 +30,9 @@ from kiln.errors import (  # noqa: E402
 from kiln.server import InferRequest, InputTensor, RequestedOutput, Server, ServerOptions  # noqa: E402
 from kiln.server.cuda_ipc import IPC_HANDLE_BYTES, unavailable_reason  # noqa: E402
 from kiln.server.cuda_shm import CudaRegionStatus, CudaSharedMemoryRegistry, host_array  # noqa: E402
-from kiln.server.request import SharedMemoryRef  # noqa: E402
 from kiln.tensor import DataType  # noqa: E402
 from kiln.testing.repo import write_model  # noqa: E402
+from kiln.v2.types import SharedMemoryRef  # noqa: E402
 
 _DOUBLE = """name: "double"
 platform: "pytorch_libtorch"

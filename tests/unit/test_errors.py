@@ -85,7 +85,7 @@ def test_message_is_str_and_attribute() -> None:
 
 
 def test_module_all_lists_every_error_class() -> None:
-    exported = {name for name in errors.__all__ if name != "ErrorCode"}
+    exported = {name for name in errors.__all__ if name not in ("ErrorCode", "error_for_code")}
     assert exported == {cls.__name__ for cls, _, _ in TREE}
     for name in errors.__all__:
         assert getattr(errors, name) is not None
@@ -97,3 +97,9 @@ def test_docstring_tree_names_every_class() -> None:
         assert cls.__name__ in doc
     for code in ErrorCode:
         assert code.value in doc
+
+
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_error_for_code_rebuilds_an_error_with_that_code(code: ErrorCode) -> None:
+    error = errors.error_for_code(code, "what the server said")
+    assert error.code is code and error.message == "what the server said"

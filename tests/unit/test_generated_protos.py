@@ -33,9 +33,9 @@ from tritonclient.grpc import model_config_pb2 as tc_mc
 from tritonclient.grpc import service_pb2 as tc_svc
 
 from kiln._proto_pool import POOL
-from kiln.config._generated import model_config_pb2 as kiln_mc
-from kiln.frontends.grpc._generated import grpc_service_pb2 as kiln_svc
-from kiln.frontends.grpc._generated import grpc_service_pb2_grpc as kiln_svc_grpc
+from kiln.v2._generated import grpc_service_pb2 as kiln_svc
+from kiln.v2._generated import grpc_service_pb2_grpc as kiln_svc_grpc
+from kiln.v2._generated import model_config_pb2 as kiln_mc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GEN_SCRIPT = REPO_ROOT / "tools" / "gen_protos.py"
@@ -333,8 +333,8 @@ def test_kiln_registers_in_private_pool_only() -> None:
 
 
 def test_generated_classes_have_importable_module_names() -> None:
-    assert kiln_mc.ModelConfig.__module__ == "kiln.config._generated.model_config_pb2"
-    assert kiln_svc.ModelInferRequest.__module__ == "kiln.frontends.grpc._generated.grpc_service_pb2"
+    assert kiln_mc.ModelConfig.__module__ == "kiln.v2._generated.model_config_pb2"
+    assert kiln_svc.ModelInferRequest.__module__ == "kiln.v2._generated.grpc_service_pb2"
     cfg = kiln_mc.ModelConfig(name="m", max_batch_size=2)
     clone = pickle.loads(pickle.dumps(cfg))
     assert type(clone) is kiln_mc.ModelConfig
@@ -780,9 +780,9 @@ _PURE_PYTHON_SNIPPET = textwrap.dedent(
     assert api_implementation.Type() == "python", api_implementation.Type()
     if sys.argv[1] == "tritonclient-first":
         from tritonclient.grpc import service_pb2 as tc
-        from kiln.frontends.grpc._generated import grpc_service_pb2 as kiln
+        from kiln.v2._generated import grpc_service_pb2 as kiln
     else:
-        from kiln.frontends.grpc._generated import grpc_service_pb2 as kiln
+        from kiln.v2._generated import grpc_service_pb2 as kiln
         from tritonclient.grpc import service_pb2 as tc
     req = kiln.ModelInferRequest(model_name="m")
     req.parameters["u"].uint64_param = 5

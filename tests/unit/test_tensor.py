@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.errors import InvalidArgumentError
 from kiln.tensor import DataType, byte_size, decode_bytes, element_count, encode_bytes
+from kiln.v2._generated import model_config_pb2 as pb
 
 # wire name, config name, proto number, numpy dtype, bytes per element (triton.md section 2, KServe v2 sizes)
 TABLE: list[tuple[str, str, int, np.dtype, int | None]] = [

@@ -39,11 +39,11 @@ from kiln.bench.result import BenchResult, LevelResult
 from kiln.bench.runner import run
 from kiln.bench.served_counts import CountSampler
 from kiln.bench.targets import create_target
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.model_dir import open_model_dir
 from kiln.config.parse import CONFIG_FILENAME, config_to_text, read_config
 from kiln.errors import InvalidArgumentError, UnavailableError
 from kiln.serve_process import free_port, wait_ready
+from kiln.v2._generated import model_config_pb2 as pb
 
 PROTOCOLS = ("http", "grpc")
 STOP_GRACE_S = 10.0

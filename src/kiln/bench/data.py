@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.config.spec import TensorSpec
 from kiln.errors import InvalidArgumentError, UnsupportedError
 from kiln.tensor import DataType, decode_bytes, element_count
+from kiln.v2.types import TensorMeta
 
 Array = npt.NDArray[Any]
 Request = dict[str, Array]
@@ -39,7 +39,7 @@ class ModelInputs:
     dimension) and its max_batch_size (0: no batching)."""
 
     name: str
-    inputs: tuple[TensorSpec, ...]
+    inputs: tuple[TensorMeta, ...]
     max_batch_size: int = 0
 
     @property
@@ -69,7 +69,7 @@ def build_requests(model: ModelInputs, input_data: str, batch_size: int, shapes:
     return _requests_from_samples(model, samples, batch_size)
 
 
-def sample_shape(model: str, tensor: TensorSpec, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+def sample_shape(model: str, tensor: TensorMeta, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
     """One sample's shape: the model's dims, with -1 taken from ``--shape``."""
     given = shapes.get(tensor.name)
     if given is None:
@@ -102,7 +102,7 @@ def _check_shape_names(model: ModelInputs, shapes: Mapping[str, tuple[int, ...]]
                                    f"{', '.join(sorted(names))}")
 
 
-def _generated(tensor: TensorSpec, shape: tuple[int, ...], kind: str, seed: int) -> Array:
+def _generated(tensor: TensorMeta, shape: tuple[int, ...], kind: str, seed: int) -> Array:
     dtype = tensor.datatype.numpy_dtype
     if kind == "zero":
         if tensor.datatype is DataType.BYTES:
@@ -210,7 +210,7 @@ def _json_sample(model: ModelInputs, path: Path, index: int, entry: object,
     return sample
 
 
-def _json_tensor(model: str, tensor: TensorSpec, value: object, shapes: Mapping[str, tuple[int, ...]],
+def _json_tensor(model: str, tensor: TensorMeta, value: object, shapes: Mapping[str, tuple[int, ...]],
                  where: str) -> Array:
     shape: tuple[int, ...] | None = None
     if isinstance(value, dict) and "content" in value:
@@ -234,7 +234,7 @@ def _json_tensor(model: str, tensor: TensorSpec, value: object, shapes: Mapping[
     return flat.astype(tensor.datatype.numpy_dtype).reshape(shape)
 
 
-def _from_b64(tensor: TensorSpec, text: str, shape: tuple[int, ...], where: str) -> Array:
+def _from_b64(tensor: TensorMeta, text: str, shape: tuple[int, ...], where: str) -> Array:
     try:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:

@@ -4,14 +4,12 @@ the windows it kept, so start-up, warm-up and the windows it discarded do not di
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from bisect import bisect_left
 
-from kiln.errors import UnavailableError
+from kiln.errors import KilnError, UnavailableError
+from kiln.v2.client import HttpClient
 
 STATS_TIMEOUT_S = 30.0
 SAMPLE_INTERVAL_S = 0.1  # a 3 s span is then placed within about 3% at either end
@@ -20,13 +18,11 @@ SAMPLE_INTERVAL_S = 0.1  # a 3 s span is then placed within about 3% at either e
 def served_counts(http_url: str) -> dict[str, int]:
     """Requests each model of a server has answered so far (every version), from the statistics extension."""
     try:
-        with urllib.request.urlopen(f"http://{http_url}/v2/models/stats", timeout=STATS_TIMEOUT_S) as response:
-            entries = json.load(response)["model_stats"]
-    except OSError as exc:  # URLError and timeouts derive from it
-        if isinstance(exc, urllib.error.HTTPError):
-            exc.close()  # it holds the answer's connection open
+        with HttpClient(http_url, timeout_s=STATS_TIMEOUT_S) as client:
+            entries = client.statistics()["model_stats"]
+    except KilnError as exc:
         raise UnavailableError(f"kiln bench compare could not read the server's statistics at {http_url}: "
-                               f"{exc}") from None
+                               f"{exc.message}") from None
     counts: dict[str, int] = {}
     for entry in entries:
         counts[entry["name"]] = counts.get(entry["name"], 0) + int(entry["inference_stats"]["success"]["count"])

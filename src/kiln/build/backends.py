@@ -16,9 +16,9 @@ from kiln.build.preflight import onnxruntime_unsupported, raise_if_unsupported
 from kiln.build.progress import Progress
 from kiln.build.report import BuildReport
 from kiln.build.sources import ModuleSource, OnnxSource
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.onnx_io import FileIO
 from kiln.errors import UnavailableError, UnsupportedError
+from kiln.v2._generated import model_config_pb2 as pb
 
 if TYPE_CHECKING:
     from kiln.build.builder import BuildOptions

@@ -21,13 +21,13 @@ from kiln.build.progress import Progress
 from kiln.build.report import REPORT_FILENAME, BuildReport, VerificationError
 from kiln.build.sources import ModuleSource, OnnxSource
 from kiln.build.verify import DEFAULT_TOLERANCES, Tolerances, compare, time_both
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.model_dir import open_model_dir, version_folders
 from kiln.config.onnx_io import FileIO
 from kiln.config.parse import CONFIG_FILENAME, config_to_text, parse_config_text
 from kiln.direct import load
 from kiln.engines.base import Engine
 from kiln.errors import InternalError, InvalidArgumentError, KilnError
+from kiln.v2._generated import model_config_pb2 as pb
 
 if TYPE_CHECKING:
     import torch

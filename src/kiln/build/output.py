@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import cast
 
 from kiln._files import write_atomic
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.model_dir import version_folders
 from kiln.config.onnx_io import FileIO, FileTensor
 from kiln.config.parse import CONFIG_FILENAME
 from kiln.errors import AlreadyExistsError, InvalidArgumentError, UnsupportedError
 from kiln.tensor import DataType
+from kiln.v2._generated import model_config_pb2 as pb
 
 
 def choose_version(model_dir: Path, version: int | None) -> int:

@@ -13,9 +13,9 @@ from typing import cast
 
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.backends import default_filename, resolve_backend
 from kiln.config.onnx_io import FileIO, FileTensor
+from kiln.v2._generated import model_config_pb2 as pb
 
 DEFAULT_MAX_BATCH_SIZE = 4
 SEQUENCE_IDLE_DEFAULT_US = 1_000_000  # Triton's default max_sequence_idle_microseconds

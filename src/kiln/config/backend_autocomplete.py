@@ -13,9 +13,9 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.render import config_to_json
 from kiln.errors import ConfigError
+from kiln.v2._generated import model_config_pb2 as pb
 
 ConfigCompleter = Callable[[dict[str, Any], Path], "dict[str, Any] | None"]
 """(config as Triton JSON, the newest served version's model file) -> the completed JSON, or None: unchanged."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.autocomplete import DEFAULT_MAX_BATCH_SIZE, complete_from_file, normalize
 from kiln.config.backend_autocomplete import complete_with_backend, has_config_completer
 from kiln.config.backends import FILE_BACKENDS
@@ -14,6 +13,7 @@ from kiln.config.parse import CONFIG_FILENAME, read_config
 from kiln.config.spec import ModelSpec
 from kiln.config.validate import check_file_name, validate_config
 from kiln.errors import ConfigError, ModelNotFoundError
+from kiln.v2._generated import model_config_pb2 as pb
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.errors import ConfigError
+from kiln.v2._generated import model_config_pb2 as pb
 
 CONFIG_FILENAME = "config.pbtxt"
 

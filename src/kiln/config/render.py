@@ -11,7 +11,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from kiln.config._generated import model_config_pb2 as pb
+from kiln.v2._generated import model_config_pb2 as pb
 
 
 def config_to_json(config: pb.ModelConfig) -> dict[str, Any]:

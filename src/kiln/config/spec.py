@@ -6,9 +6,9 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.errors import InvalidArgumentError
 from kiln.tensor import DataType
+from kiln.v2._generated import model_config_pb2 as pb
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import PurePosixPath
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.autocomplete import sequence_input_names
 from kiln.config.onnx_io import FileIO, FileTensor
 from kiln.config.spec import ModelSpec, TensorSpec
 from kiln.errors import ConfigError
 from kiln.tensor import DataType
+from kiln.v2._generated import model_config_pb2 as pb
 
 _Tensors = Sequence[pb.ModelInput | pb.ModelOutput]
 

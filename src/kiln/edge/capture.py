@@ -14,7 +14,6 @@ keeps answering locally meanwhile. The queue is read from disk at start, so samp
 
 from __future__ import annotations
 
-import http.client
 import io
 import json
 import logging
@@ -35,8 +34,9 @@ import numpy.typing as npt
 from kiln._files import write_atomic
 from kiln.edge.counters import Counters
 from kiln.edge.runner import EdgeRunner
-from kiln.edge.tls import cloud_endpoint
 from kiln.errors import ConfigError
+from kiln.v2.client import HttpClient, ServerUnreachableError
+from kiln.v2.client.calls import error_text
 
 Array = npt.NDArray[Any]
 log = logging.getLogger("kiln.edge.capture")
@@ -131,13 +131,12 @@ class CaptureUploader:
                  edge_id: str | None = None, timeout_s: float = 10.0, min_backoff_s: float = 0.5,
                  max_backoff_s: float = 30.0, tls: ssl.SSLContext | None = None) -> None:
         self.queue = queue
-        self.endpoint = cloud_endpoint(url, tls)
+        self.http = HttpClient(url, timeout_s=timeout_s, api_key=api_key, tls=tls, what="cloud url")
         self.model = model
         self.edge_id = edge_id or socket.gethostname()
         self.timeout_s = timeout_s
         self.min_backoff_s = min_backoff_s
         self.max_backoff_s = max_backoff_s
-        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kiln-edge-capture", daemon=True)
 
@@ -194,17 +193,13 @@ class CaptureUploader:
         path = f"/v2/kiln/models/{model}/versions/{meta['version']}/capture"
         headers = {"Content-Type": "application/octet-stream", "Kiln-Capture-Id": meta["id"],
                    "Kiln-Capture-Reason": urllib.parse.quote(meta["reason"]),
-                   "Kiln-Capture-Source": meta["source"], "Kiln-Edge-Id": self.edge_id, **self._auth}
-        connection = self.endpoint.connection(self.timeout_s)
+                   "Kiln-Capture-Source": meta["source"], "Kiln-Edge-Id": self.edge_id}
         try:
-            connection.request("POST", path, body=payload, headers=headers)
-            response = connection.getresponse()
-            text = response.read()[:300].decode("utf-8", "replace")
-            return response.status, text
-        except (OSError, http.client.HTTPException) as exc:
-            return 0, f"{type(exc).__name__}: {exc}"
-        finally:
-            connection.close()
+            with self.http:  # one connection per upload: samples come seconds apart
+                response = self.http.request("POST", path, payload, headers)
+        except ServerUnreachableError as exc:
+            return 0, exc.message
+        return response.status, error_text(response.body) if not response.ok else ""
 
 
 class EdgeCapture:

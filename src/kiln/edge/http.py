@@ -23,13 +23,11 @@ from starlette.routing import Route
 from kiln import __version__
 from kiln.edge.runner import EdgeResult, EdgeRunner
 from kiln.errors import ModelNotFoundError, UnsupportedError
-from kiln.frontends.http import codec
-from kiln.frontends.http.app import DEFAULT_MAX_INPUT_SIZE
-from kiln.frontends.http.body import read_body
-from kiln.frontends.http.endpoints import error_response
-from kiln.server.request import InferRequest, InferResponse, OutputTensor
-from kiln.server.server import ModelMetadata
 from kiln.tensor import DataType
+from kiln.v2 import http_codec as codec
+from kiln.v2.http_body import DEFAULT_MAX_INPUT_SIZE, read_body
+from kiln.v2.http_responses import error_response, json_response
+from kiln.v2.types import InferRequest, InferResponse, ModelMetadata, OutputTensor
 
 SOURCE_HEADER = "Kiln-Source"
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -51,18 +49,19 @@ class EdgeEndpoints:
         return Response()
 
     async def server_metadata(self, request: Request) -> Response:
-        return _json({"name": "kiln-edge", "version": __version__, "extensions": ["binary_tensor_data"]})
+        return json_response({"name": "kiln-edge", "version": __version__, "extensions": ["binary_tensor_data"]})
 
     async def model_metadata(self, request: Request) -> Response:
         self._check_model(request)
-        return _json(codec.model_metadata_doc(self.metadata))
+        return json_response(codec.model_metadata_doc(self.metadata))
 
     async def model_ready(self, request: Request) -> Response:
         self._check_model(request)
         return Response()
 
     async def edge_stats(self, request: Request) -> Response:
-        return _json({"model": self.runner.name, "mode": self.runner.policy.mode, **self.runner.stats.snapshot()})
+        stats = self.runner.stats.snapshot()
+        return json_response({"model": self.runner.name, "mode": self.runner.policy.mode, **stats})
 
     async def infer(self, request: Request) -> Response:
         name, version = self._check_model(request)
@@ -145,9 +144,5 @@ def _guarded(endpoint: Endpoint) -> Endpoint:
 async def _routing_error(request: Request, exc: Exception) -> Response:
     """Unknown paths (404) and wrong methods (405), with the ``{"error": ...}`` body every other error has."""
     assert isinstance(exc, HTTPException)
-    return Response(codec.encode_json({"error": exc.detail}), exc.status_code, headers=exc.headers,
-                    media_type=codec.JSON_TYPE)
+    return json_response({"error": exc.detail}, exc.status_code, exc.headers)
 
-
-def _json(doc: Any) -> Response:
-    return Response(codec.encode_json(doc), media_type=codec.JSON_TYPE)

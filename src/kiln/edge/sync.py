@@ -18,7 +18,6 @@ version. Rejected versions (a corrupt download, a failed load or smoke test, a r
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import logging
 import shutil
@@ -37,10 +36,10 @@ import kiln
 from kiln.config.parse import CONFIG_FILENAME
 from kiln.config.spec import ModelSpec
 from kiln.edge.runner import EdgeRunner
-from kiln.edge.tls import cloud_endpoint
 from kiln.engines.base import Engine
 from kiln.errors import ConfigError, KilnError
 from kiln.tensor import DataType
+from kiln.v2.client import HttpClient
 
 Array = npt.NDArray[Any]
 log = logging.getLogger("kiln.edge.sync")
@@ -75,44 +74,23 @@ class HttpSyncSource:
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 30.0,
                  tls: ssl.SSLContext | None = None) -> None:
-        self.endpoint = cloud_endpoint(url, tls)
-        self.timeout_s = timeout_s
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = HttpClient(url, timeout_s=timeout_s, api_key=api_key, tls=tls, what="cloud url")
 
     def ready_versions(self, model: str) -> list[int]:
-        entries = json.loads(self._request("POST", "/v2/repository/index", b'{"ready": true}'))
+        with self.http:  # polls are far apart: no connection is kept between them
+            entries = self.http.repository_index(ready_only=True)
         return sorted(int(e["version"]) for e in entries
                       if e.get("name") == model and e.get("state") == "READY" and str(e.get("version")).isdigit())
 
     def list_files(self, model: str, version: int) -> list[RemoteFile]:
-        doc = json.loads(self._request("GET", _files_path(model, version)))
+        with self.http:
+            doc = self.http.get(_files_path(model, version))
         return [RemoteFile(str(e["path"]), int(e["size"]), str(e["sha256"])) for e in doc]
 
     def download(self, model: str, version: int, path: str, destination: Path) -> None:
         quoted = urllib.parse.quote(path, safe="/")
-        connection = self.endpoint.connection(self.timeout_s)
-        try:
-            connection.request("GET", f"{_files_path(model, version)}/{quoted}", headers=self._headers)
-            response = connection.getresponse()
-            if response.status != 200:
-                raise SyncError(f"GET {path}: {response.status} {response.read(300)!r}")
-            with destination.open("wb") as f:
-                while block := response.read(_CHUNK):
-                    f.write(block)
-        finally:
-            connection.close()
-
-    def _request(self, method: str, path: str, body: bytes | None = None) -> bytes:
-        connection = self.endpoint.connection(self.timeout_s)
-        try:
-            connection.request(method, path, body=body, headers=self._headers)
-            response = connection.getresponse()
-            data = response.read()
-        finally:
-            connection.close()
-        if response.status != 200:
-            raise SyncError(f"{method} {path}: {response.status} {data[:300]!r}")
-        return data
+        with destination.open("wb") as sink:
+            self.http.download(f"{_files_path(model, version)}/{quoted}", sink, _CHUNK)
 
 
 @dataclass(frozen=True)
@@ -159,7 +137,7 @@ class ModelSync:
             return None  # one new version at a time
         try:
             versions = self.source.ready_versions(self.model)
-        except (OSError, http.client.HTTPException, SyncError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (KilnError, OSError, SyncError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.info("model '%s': cloud index not available: %s", self.model, exc)
             return None
         current = int(self.runner.version) if self.runner.version.isdigit() else 0
@@ -169,7 +147,7 @@ class ModelSync:
         version = newer[-1]
         try:
             self._take(version)
-        except (SyncError, KilnError, OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as exc:
+        except (SyncError, KilnError, OSError, ValueError, KeyError, TypeError) as exc:
             self._reject(version, str(exc))
             return None
         return version

@@ -18,13 +18,13 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.backend_autocomplete import register_config_completer
 from kiln.config.backends import register_backend_name
 from kiln.config.spec import ModelSpec, TensorSpec
 from kiln.engines.checks import check_inputs, check_outputs
 from kiln.engines.dlpack import outputs_like, prepare_inputs
 from kiln.errors import InvalidArgumentError, UnsupportedError
+from kiln.v2._generated import model_config_pb2 as pb
 
 Array = npt.NDArray[Any]
 

@@ -1,7 +1,7 @@
 """The protocol-free server core: repository, models, schedulers, statistics."""
 
-from kiln.server.request import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput
-from kiln.server.server import ModelMetadata, Server, ServerOptions
+from kiln.server.server import Server, ServerOptions
+from kiln.v2.types import InferRequest, InferResponse, InputTensor, ModelMetadata, OutputTensor, RequestedOutput
 
 __all__ = [
     "InferRequest",

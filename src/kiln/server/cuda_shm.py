@@ -26,9 +26,9 @@ import numpy.typing as npt
 from kiln.errors import InvalidArgumentError
 from kiln.server.cuda_ipc import RegionMemory
 from kiln.server.region_table import RegionTable
-from kiln.server.request import InferRequest, InferResponse, OutputTensor, SharedMemoryRef
 from kiln.server.shm import BUSY_TIMEOUT_S, RegionLease, check_window
 from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
+from kiln.v2.types import InferRequest, InferResponse, OutputTensor, SharedMemoryRef
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.spec import ModelSpec
 from kiln.engines.base import Engine, EngineOptions, create_engine, instance_group_options
+from kiln.v2._generated import model_config_pb2 as pb
 
 # Config parameters with which a model sets its own thread counts (onnxruntime and PyTorch backends).
 _THREAD_PARAMETERS = ("intra_op_thread_count", "inter_op_thread_count", "num_threads")

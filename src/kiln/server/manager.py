@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.model_dir import ModelDir, open_model_dir
 from kiln.config.spec import ModelSpec
 from kiln.errors import InvalidArgumentError, KilnError, ModelNotFoundError, ModelNotReadyError, UnsupportedError
@@ -30,6 +29,7 @@ from kiln.server.repository import RepositoryScan, scan_repositories
 from kiln.server.routing import parse_routing_config
 from kiln.server.staging import STAGING_FOLDER
 from kiln.server.stats import RequestObserver
+from kiln.v2._generated import model_config_pb2 as pb
 
 log = logging.getLogger("kiln.server")
 

@@ -12,9 +12,9 @@ from kiln.config.spec import ModelSpec
 from kiln.engines.base import Engine, LaunchedBatch
 from kiln.errors import InternalError, KilnError
 from kiln.server.classification import classify, read_labels
-from kiln.server.request import InferRequest, InferResponse, OutputTensor
 from kiln.server.stats import ExecutionTimes, RequestObserver, StatsRecorder
 from kiln.tensor import DataType
+from kiln.v2.types import InferRequest, InferResponse, OutputTensor
 
 
 class LoadedModel:

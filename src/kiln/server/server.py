@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln import __version__
-from kiln.config._generated import model_config_pb2 as pb
-from kiln.config.spec import TensorSpec
 from kiln.errors import (
     AlreadyExistsError,
     InvalidArgumentError,
@@ -34,7 +32,6 @@ from kiln.server.ensemble import EnsembleScheduler, StepStats
 from kiln.server.manager import CONTROL_MODES, ManagerOptions, RepositoryManager
 from kiln.server.registry import IndexEntry, ModelRecord, ModelState, VersionRecord
 from kiln.server.repository import scan_repositories
-from kiln.server.request import InferRequest, InferResponse
 from kiln.server.routing import (
     DEFAULT_KEY,
     ModelRouting,
@@ -51,6 +48,8 @@ from kiln.server.shm import RegionStatus, SharedMemoryRegistry, region_names
 from kiln.server.staging import check_model_name, parse_config_override, stage_files
 from kiln.server.stats import ModelStats, RequestObserver
 from kiln.server.validate import validate_request
+from kiln.v2._generated import model_config_pb2 as pb
+from kiln.v2.types import InferRequest, InferResponse, ModelMetadata
 
 log = logging.getLogger("kiln.server")
 
@@ -86,16 +85,6 @@ class ServerOptions:
                               load_models=self.load_models, model_load_thread_count=self.model_load_thread_count,
                               autocomplete=self.autocomplete, default_max_batch_size=self.default_max_batch_size,
                               cpu_threads=self.cpu_threads)
-
-
-@dataclass(frozen=True)
-class ModelMetadata:
-    name: str
-    versions: list[str]
-    platform: str
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-    batching: bool
 
 
 class Server:

@@ -22,8 +22,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kiln.errors import KilnError
-from kiln.server.request import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput
 from kiln.tensor import DataType
+from kiln.v2.types import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput
 
 log = logging.getLogger("kiln.server")
 

@@ -34,8 +34,8 @@ import numpy.typing as npt
 
 from kiln.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from kiln.server.region_table import RegionTable
-from kiln.server.request import InferRequest, InferResponse, OutputTensor, SharedMemoryRef
 from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
+from kiln.v2.types import InferRequest, InferResponse, OutputTensor, SharedMemoryRef
 
 SHM_DIR = Path("/dev/shm")
 """Where Linux keeps POSIX shared-memory objects (``shm_open(key)`` opens ``/dev/shm/<key without '/'>``)."""

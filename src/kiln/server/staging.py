@@ -14,9 +14,9 @@ from pathlib import Path, PurePosixPath
 
 from google.protobuf import json_format
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.parse import CONFIG_FILENAME, config_to_text
 from kiln.errors import InvalidArgumentError
+from kiln.v2._generated import model_config_pb2 as pb
 
 STAGING_FOLDER = ".kiln-staging"
 

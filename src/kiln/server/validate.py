@@ -7,8 +7,8 @@ import math
 from kiln.config.spec import ModelSpec
 from kiln.engines.checks import check_shape
 from kiln.errors import InvalidArgumentError
-from kiln.server.request import InferRequest
 from kiln.tensor import element_count
+from kiln.v2.types import InferRequest
 
 
 def validate_request(spec: ModelSpec, request: InferRequest) -> int:

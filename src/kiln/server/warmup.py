@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.spec import ModelSpec
 from kiln.engines.base import Engine
 from kiln.errors import ConfigError
 from kiln.tensor import DataType, element_count
+from kiln.v2._generated import model_config_pb2 as pb
 
 
 def warm_up(spec: ModelSpec, model_path: Path, engines: list[Engine]) -> None:

@@ -19,10 +19,10 @@ from tritonclient.utils import InferenceServerException
 from kiln.demo import build_demo_repository
 from kiln.frontends.grpc import server as grpc_frontend
 from kiln.frontends.grpc import start_grpc_server
-from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
-from kiln.frontends.grpc._generated import grpc_service_pb2_grpc as pb_grpc
 from kiln.frontends.grpc.workers import start_grpc_workers
 from kiln.server.server import Server, ServerOptions
+from kiln.v2._generated import grpc_service_pb2 as pb
+from kiln.v2._generated import grpc_service_pb2_grpc as pb_grpc
 
 HOST = "127.0.0.1"
 

@@ -11,8 +11,8 @@ import pytest
 
 from kiln.demo import build_demo_repository
 from kiln.frontends.http import build_app
-from kiln.server.request import InferRequest, InferResponse
 from kiln.server.server import Server, ServerOptions
+from kiln.v2.types import InferRequest, InferResponse
 
 PIPELINE = ["mlp", "mlp_pipeline", "mlp_postprocess", "mlp_preprocess"]  # demo models, sorted
 

@@ -8,9 +8,9 @@ import pytest
 
 from kiln.build.gpu_memory import GpuFootprint, instances_that_fit, measure_footprint
 from kiln.build.output import GPU_INSTANCES, gpu_preferred_batch_sizes, make_config
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.onnx_io import FileIO, FileTensor
 from kiln.tensor import DataType
+from kiln.v2._generated import model_config_pb2 as pb
 
 IO = FileIO(inputs=(FileTensor("x", DataType.FP32, (-1, 3, 8, 8)),),
             outputs=(FileTensor("y", DataType.FP32, (-1, 10)),))

@@ -9,12 +9,12 @@ import pytest
 from onnx import numpy_helper
 
 from kiln.config import open_model_dir
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.autocomplete import DEFAULT_MAX_BATCH_SIZE, normalize
 from kiln.config.parse import parse_config_text
 from kiln.errors import ConfigError
 from kiln.tensor import DataType
 from kiln.testing import onnx_add_sub_model, onnx_identity_model, write_model
+from kiln.v2._generated import model_config_pb2 as pb
 
 
 def _tensors(entries: object) -> list[tuple[str, int, list[int]]]:

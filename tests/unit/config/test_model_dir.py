@@ -8,10 +8,10 @@ import onnx
 import pytest
 
 from kiln.config import ModelDir, open_model_dir, select_versions, version_folders
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.parse import parse_config_text
 from kiln.errors import ConfigError, ModelNotFoundError
 from kiln.testing import make_repo, onnx_add_sub_model, onnx_identity_model, write_model
+from kiln.v2._generated import model_config_pb2 as pb
 
 IO = ('input [ { name: "I" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
       'output [ { name: "O" data_type: TYPE_FP32 dims: [ 1 ] } ]\n')

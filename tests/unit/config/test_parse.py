@@ -10,9 +10,9 @@ from google.protobuf import text_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.parse import CONFIG_FILENAME, config_to_text, parse_config_text, read_config
 from kiln.errors import ConfigError
+from kiln.v2._generated import model_config_pb2 as pb
 
 SIMPLE = """
 name: "simple"

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config import config_to_json, open_model_dir
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.parse import parse_config_text
 from kiln.testing import onnx_add_sub_model, write_model
+from kiln.v2._generated import model_config_pb2 as pb
 
 FULL = """
 name: "m"

@@ -126,7 +126,7 @@ def test_mlp_matches_numpy(repo: Path) -> None:
 def test_config_parses_as_model_config(
     repo: Path, name: str, max_batch_size: int, inputs: list[tuple[str, list[int]]]
 ) -> None:
-    pb2 = pytest.importorskip("kiln.config._generated.model_config_pb2")
+    pb2 = pytest.importorskip("kiln.v2._generated.model_config_pb2")
     config = text_format.Parse((repo / name / "config.pbtxt").read_text(), pb2.ModelConfig())
     assert config.name == name
     assert config.platform == "onnxruntime_onnx"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.edge.cloud import CloudClient, _error_text, parse_url
+from kiln.edge.cloud import CloudClient, parse_url
 from kiln.errors import ConfigError
 
 
@@ -27,12 +27,6 @@ def test_bad_urls_are_refused(url: str) -> None:
 def test_infer_path_quotes_the_model_name_and_carries_the_version() -> None:
     assert CloudClient("h:1", "a b/c").path == "/v2/models/a%20b%2Fc/infer"
     assert CloudClient("h:1", "mlp", version="3").path == "/v2/models/mlp/versions/3/infer"
-
-
-def test_error_text_reads_the_kserve_error_body() -> None:
-    assert _error_text(b'{"error": "model not found"}') == "model not found"
-    assert _error_text(b"<html>bad gateway</html>") == "<html>bad gateway</html>"
-    assert _error_text(b'{"detail": 1}') == '{"detail": 1}'
 
 
 def test_the_api_key_goes_with_every_infer_request() -> None:

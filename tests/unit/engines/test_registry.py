@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import kiln
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.spec import ModelSpec, TensorSpec
 from kiln.engines import Engine, EngineOptions, backend_names, base, create_engine, register_backend
 from kiln.engines.base import Array, empty_like_spec
 from kiln.errors import UnsupportedError
 from kiln.tensor import DataType
 from kiln.testing import write_model
+from kiln.v2._generated import model_config_pb2 as pb
 
 
 @pytest.fixture(autouse=True)

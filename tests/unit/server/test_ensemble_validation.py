@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from kiln.errors import ModelNotReadyError
-from kiln.server.request import InferRequest
 from kiln.server.server import Server, ServerOptions
 from kiln.tensor import DataType
 from kiln.testing.repo import make_repo, onnx_add_sub_model, onnx_identity_model, write_model
+from kiln.v2.types import InferRequest
 
 HEAD = """name: "ens"
 platform: "ensemble"

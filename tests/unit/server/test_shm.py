@@ -25,10 +25,10 @@ from kiln.errors import (
     UnsupportedError,
 )
 from kiln.server import InferRequest, InputTensor, RequestedOutput, Server, ServerOptions
-from kiln.server.request import InferResponse, OutputTensor, SharedMemoryRef, shared_memory_ref
 from kiln.server.shm import SHM_DIR, RegionStatus, SharedMemoryRegistry
 from kiln.tensor import DataType
 from kiln.testing.repo import write_model
+from kiln.v2.types import InferResponse, OutputTensor, SharedMemoryRef, shared_memory_ref
 
 _ECHO = """name: "echo"
 backend: "identity"

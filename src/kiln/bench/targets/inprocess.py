@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Protocol
 
+from kiln import Server, ServerOptions
 from kiln.bench.data import ModelInputs, Request
 from kiln.bench.options import BenchOptions
 from kiln.bench.records import ClientTimes
 from kiln.bench.server_stats import Duration, ServerCounters, add_counters
 from kiln.bench.targets.aio import AsyncTarget
 from kiln.errors import ModelNotReadyError
-from kiln.server.request import InferRequest, InputTensor
-from kiln.server.server import Server, ServerOptions
-from kiln.server.stats import ModelStats
 from kiln.tensor import DataType
+from kiln.v2.types import InferRequest, InputTensor
 
 
 class InProcessTarget(AsyncTarget):
@@ -66,7 +66,22 @@ class InProcessTarget(AsyncTarget):
         return os.getpid()
 
 
-def counters(stats: ModelStats) -> ServerCounters:
+class _Count(Protocol):
+    @property
+    def count(self) -> int: ...
+
+    @property
+    def ns(self) -> int: ...
+
+
+class _Stats(Protocol):
+    """What the bench reads of one entry of ``Server.model_statistics``."""
+
+    @property
+    def success(self) -> _Count: ...
+
+
+def counters(stats: _Stats) -> ServerCounters:
     phases = {name: Duration(getattr(stats, name).count, getattr(stats, name).ns)
               for name in ("queue", "compute_input", "compute_infer", "compute_output")}
     return ServerCounters(stats.success.count, phases)

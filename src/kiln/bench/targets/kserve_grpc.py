@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -21,12 +20,12 @@ from kiln.bench.records import ClientTimes
 from kiln.bench.server_stats import PHASES, Duration, ServerCounters, add_counters
 from kiln.bench.targets.base import REQUEST_TIMEOUT_S
 from kiln.bench.targets.remote import RemoteTarget
-from kiln.bench.targets.wire import from_raw, raw_bytes
 from kiln.config.spec import TensorSpec
 from kiln.errors import InvalidArgumentError, UnavailableError
-from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
 from kiln.serve_process import KilnProcess
 from kiln.tensor import DataType
+from kiln.v2 import grpc_codec
+from kiln.v2._generated import grpc_service_pb2 as pb
 
 SERVICE = "/inference.GRPCInferenceService/"
 CONNECT_TIMEOUT_S = 30.0
@@ -76,11 +75,12 @@ class GrpcTarget(RemoteTarget):
 
     async def ainfer(self, slot: int, request: Request) -> ClientTimes | None:
         start = time.monotonic_ns()
-        message = encode_request(self.model, self.version, request, self._datatypes)
+        message = grpc_codec.encode_request(self.model, request, version=self.version,
+                                            datatypes=self._datatypes).SerializeToString()
         sent = time.monotonic_ns()
         data = await self._infer(message, timeout=REQUEST_TIMEOUT_S)
         received = time.monotonic_ns()
-        decode_response(data)
+        grpc_codec.decode_response(pb.ModelInferResponse.FromString(data))
         return ClientTimes(sent - start, time.monotonic_ns() - received)
 
     async def astats(self) -> ServerCounters | None:
@@ -97,26 +97,6 @@ class GrpcTarget(RemoteTarget):
         channel, self._channel = self._channel, None
         if channel is not None:
             await channel.close()
-
-
-def encode_request(model: str, version: str, request: Request, datatypes: Mapping[str, DataType]) -> bytes:
-    """A serialized ModelInferRequest carrying every input in ``raw_input_contents``."""
-    message = pb.ModelInferRequest(model_name=model, model_version=version)
-    for name, array in request.items():
-        datatype = datatypes[name]
-        message.inputs.add(name=name, datatype=datatype.wire_name, shape=array.shape)
-        message.raw_input_contents.append(raw_bytes(array, datatype))
-    return message.SerializeToString()
-
-
-def decode_response(data: bytes) -> dict[str, Any]:
-    message = pb.ModelInferResponse.FromString(data)
-    raw = message.raw_output_contents
-    if len(raw) != len(message.outputs):
-        raise InvalidArgumentError(f"the infer response has {len(message.outputs)} outputs but {len(raw)} "
-                                   f"raw_output_contents; kiln bench reads raw outputs only")
-    return {tensor.name: from_raw(DataType.from_wire(tensor.datatype), list(tensor.shape), raw[i])
-            for i, tensor in enumerate(message.outputs)}
 
 
 async def _reachable(host: str, port: int) -> None:

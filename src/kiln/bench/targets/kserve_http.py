@@ -8,26 +8,21 @@ decoding the outputs into arrays; what remains of the latency is the response wa
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
-from urllib.parse import quote
 
 from kiln.bench.data import ModelInputs, Request
 from kiln.bench.options import BenchOptions
 from kiln.bench.records import ClientTimes
 from kiln.bench.server_stats import ServerCounters, counters_from_doc
 from kiln.bench.targets.base import REQUEST_TIMEOUT_S
-from kiln.bench.targets.http11 import HttpConnection, HttpResponse
 from kiln.bench.targets.remote import RemoteTarget
-from kiln.bench.targets.wire import HEADER_LENGTH, decode_http_response, http_body
 from kiln.config.spec import TensorSpec
-from kiln.errors import InvalidArgumentError, UnavailableError
+from kiln.errors import InvalidArgumentError, KilnError
 from kiln.tensor import DataType
-
-
-class HttpStatusError(UnavailableError):
-    """The server answered with a status other than 200."""
+from kiln.v2.client import AsyncHttpClient, ServerUnreachableError
+from kiln.v2.client.calls import decode_infer, model_path
+from kiln.v2.http_codec import encode_request
 
 
 class HttpTarget(RemoteTarget):
@@ -38,69 +33,56 @@ class HttpTarget(RemoteTarget):
         super().__init__(options)
         self._binary_input = options.input_tensor_format == "binary"
         self._binary_output = options.output_tensor_format == "binary"
-        self._connections: dict[int, HttpConnection] = {}
-        self._control: HttpConnection | None = None
+        # One client (so one connection) per request slot: concurrency N is N connections, as perf_analyzer has it.
+        self._clients: dict[int, AsyncHttpClient] = {}
+        self._control: AsyncHttpClient | None = None
         self._datatypes: dict[str, DataType] = {}
         self._model_path = ""
 
+    def _client(self) -> AsyncHttpClient:
+        return AsyncHttpClient(f"{self.host}:{self.port}", timeout_s=REQUEST_TIMEOUT_S)
+
     async def aopen(self) -> ModelInputs:
-        self._control = HttpConnection(self.host, self.port, REQUEST_TIMEOUT_S)
-        self._model_path = f"/v2/models/{quote(self.model, safe='')}"
-        if self.version:
-            self._model_path += f"/versions/{quote(self.version, safe='')}"
-        metadata = await self._get_json(self._model_path)
+        self._control = control = self._client()
+        self._model_path = model_path(self.model, self.version)
+        metadata = await control.model_metadata(self.model, self.version)
         try:
-            config = await self._get_json(self._model_path + "/config")
+            config = await control.model_config(self.model, self.version)
             max_batch_size = int(config.get("max_batch_size", 0))
-        except (HttpStatusError, ValueError):  # a V2 server without Triton's configuration extension
+        except ServerUnreachableError:
+            raise
+        except (KilnError, ValueError, AttributeError):  # a V2 server without Triton's configuration extension
             max_batch_size = 0
         inputs = tuple(_tensor(self.model, item, max_batch_size > 0) for item in metadata.get("inputs", []))
         self._datatypes = {t.name: t.datatype for t in inputs}
         return ModelInputs(self.model, inputs, max_batch_size)
 
     async def ainfer(self, slot: int, request: Request) -> ClientTimes | None:
-        connection = self._connections.get(slot)
-        if connection is None:
-            connection = self._connections[slot] = HttpConnection(self.host, self.port, REQUEST_TIMEOUT_S)
+        client = self._clients.get(slot)
+        if client is None:
+            client = self._clients[slot] = self._client()
         start = time.monotonic_ns()
-        body, headers = http_body(request, self._datatypes, self._binary_input, self._binary_output)
-        response = await connection.request("POST", self._model_path + "/infer", body, headers)
-        _check(response)
-        length = response.headers.get(HEADER_LENGTH.lower())
-        decode_http_response(response.body, int(length) if length is not None else None)
+        body, headers = encode_request(request, datatypes=self._datatypes, binary_input=self._binary_input,
+                                       binary_output=self._binary_output)
+        response = await client.request("POST", self._model_path + "/infer", body, headers)
+        decode_infer(response)
         return ClientTimes(response.sent_ns - start, time.monotonic_ns() - response.head_ns)
 
     async def astats(self) -> ServerCounters | None:
+        assert self._control is not None
         try:
-            doc = await self._get_json(self._model_path + "/stats")
-        except HttpStatusError:  # a server without the statistics extension: no breakdown
+            doc = await self._control.statistics(self.model, self.version)
+        except ServerUnreachableError:
+            raise
+        except KilnError:  # a server without the statistics extension: no breakdown
             return None
         return counters_from_doc(doc, self.model)
 
     async def aclose(self) -> None:
-        connections = [*self._connections.values(), *([self._control] if self._control else [])]
-        self._connections, self._control = {}, None
-        for connection in connections:
-            await connection.close()
-
-    async def _get_json(self, path: str) -> dict[str, Any]:
-        assert self._control is not None
-        response = await self._control.request("GET", path)
-        _check(response)
-        doc = json.loads(response.body)
-        if not isinstance(doc, dict):
-            raise ValueError(f"GET {path}: expected a JSON object")
-        return doc
-
-
-def _check(response: HttpResponse) -> None:
-    if response.status == 200:
-        return
-    try:
-        message = json.loads(response.body).get("error", "")
-    except (ValueError, AttributeError):
-        message = response.body[:200].decode("utf-8", "replace")
-    raise HttpStatusError(f"HTTP {response.status}: {message}")
+        clients = [*self._clients.values(), *([self._control] if self._control else [])]
+        self._clients, self._control = {}, None
+        for client in clients:
+            await client.close()
 
 
 def _tensor(model: str, item: dict[str, Any], batching: bool) -> TensorSpec:

@@ -21,7 +21,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.render import config_to_json
 from kiln.config.spec import ModelSpec
 from kiln.engines.base import Array, Engine, EngineOptions
@@ -29,6 +28,7 @@ from kiln.engines.python.api import Adapter, KilnAdapter, TritonAdapter, named
 from kiln.engines.python.loader import ModelModule, import_model_file, model_class
 from kiln.engines.python.tensors import batch_size, collect_outputs, model_inputs
 from kiln.errors import InternalError, KilnError, UnavailableError, UnsupportedError
+from kiln.v2._generated import model_config_pb2 as pb
 
 log = logging.getLogger("kiln.engines.python")
 

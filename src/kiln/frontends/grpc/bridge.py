@@ -23,7 +23,7 @@ from typing import Any, NoReturn, cast
 import grpc
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]  # no type info
 
-from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
+from kiln.v2._generated import grpc_service_pb2 as pb
 
 log = logging.getLogger("kiln.grpc.bridge")
 

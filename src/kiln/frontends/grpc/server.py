@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[import-untyped]  # no type info
 
-from kiln.frontends.grpc._generated import grpc_service_pb2, grpc_service_pb2_grpc
 from kiln.frontends.grpc.servicer import GRPCInferenceService
 from kiln.server.server import Server
+from kiln.v2._generated import grpc_service_pb2, grpc_service_pb2_grpc
 
 SERVICE_NAME: str = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 MAX_MESSAGE_BYTES = 2**31 - 1

@@ -17,11 +17,11 @@ from typing import Any, NoReturn, TypeAlias, TypeVar, cast
 import grpc
 
 from kiln.errors import InvalidArgumentError, UnsupportedError
-from kiln.frontends import status
-from kiln.frontends.grpc import codec
-from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
 from kiln.server.server import Server
 from kiln.server.stats import Duration, ModelStats
+from kiln.v2 import grpc_codec as codec
+from kiln.v2 import status
+from kiln.v2._generated import grpc_service_pb2 as pb
 
 Context: TypeAlias = Any
 """A ``grpc.aio.ServicerContext`` (grpcio ships no type information)."""
@@ -54,7 +54,7 @@ async def _abort(context: Context, exc: Exception) -> NoReturn:
 
 def rpc(method: F) -> F:
     """Wrap one servicer method (a coroutine, or an async generator for streaming responses) so that any
-    exception aborts the call with the status from :mod:`kiln.frontends.status`."""
+    exception aborts the call with the status from :mod:`kiln.v2.status`."""
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)

@@ -12,15 +12,15 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from kiln.frontends.http.capture import CaptureEndpoints, CaptureOptions
-from kiln.frontends.http.endpoints import Endpoints, error_response
+from kiln.frontends.http.endpoints import Endpoints
 from kiln.frontends.http.files import DownloadOptions, FileEndpoints
 from kiln.frontends.http.routing import RoutingEndpoints
 from kiln.server.server import Server
+from kiln.v2.http_body import DEFAULT_MAX_INPUT_SIZE
+from kiln.v2.http_responses import error_response
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
-DEFAULT_MAX_INPUT_SIZE = 64 * 2**20
-"""Triton's ``--http-max-input-size`` default (``HTTP_DEFAULT_MAX_INPUT_SIZE``)."""
 
 _MODEL = "/v2/models/{model}"
 _VERSION = "/v2/models/{model}/versions/{version}"

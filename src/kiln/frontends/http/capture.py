@@ -26,9 +26,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.errors import InvalidArgumentError
-from kiln.frontends.http import codec
 from kiln.server.capture import CaptureStore, Sample
 from kiln.server.server import Server
+from kiln.v2 import http_codec as codec
 
 ID_HEADER = "Kiln-Capture-Id"
 REASON_HEADER = "Kiln-Capture-Reason"

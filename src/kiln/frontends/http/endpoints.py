@@ -1,44 +1,34 @@
 """One short async function per KServe V2 / Triton HTTP route: read the request, call the Server, encode.
 
 Errors are raised, never rendered here: the guard that ``app.py`` puts around every endpoint turns them into
-``{"error": message}`` with the status from ``kiln.frontends.status``.
+``{"error": message}`` with the status from ``kiln.v2.status``.
 """
 
 from __future__ import annotations
 
 import asyncio
 from http import HTTPStatus
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.config.render import config_to_json
 from kiln.errors import ModelNotReadyError
-from kiln.frontends.http import codec
-from kiln.frontends.http.body import read_body
+from kiln.frontends.http import documents
 from kiln.frontends.http.routing import apply_routing_header
-from kiln.frontends.status import as_kiln_error, error_body, http_status
 from kiln.server.server import Server
+from kiln.v2 import http_codec as codec
+from kiln.v2.http_body import read_body
+from kiln.v2.http_responses import json_response
+from kiln.v2.status import error_body
 
 NOT_READY = HTTPStatus.BAD_REQUEST
 """KServe's answer to a health or model-readiness probe that fails. Not an error mapping: the protocol fixes it
 (Triton's ``EVHTP_RES_BADREQ`` in ``HandleServerHealth`` / ``HandleModelReady``)."""
 
 
-def error_response(exc: Exception) -> Response:
-    """The response for any exception: typed errors keep their code, anything else is INTERNAL (logged once)."""
-    error = as_kiln_error(exc)
-    return Response(codec.encode_json(error_body(error)), status_code=http_status(error), media_type=codec.JSON_TYPE)
-
-
-def _json(doc: Any) -> Response:
-    return Response(codec.encode_json(doc), media_type=codec.JSON_TYPE)
-
-
 def _not_ready(message: str) -> Response:
-    return Response(codec.encode_json(error_body(ModelNotReadyError(message))), NOT_READY,
-                    media_type=codec.JSON_TYPE)
+    return json_response(error_body(ModelNotReadyError(message)), NOT_READY)
 
 
 class Endpoints:
@@ -57,11 +47,11 @@ class Endpoints:
         return Response() if self.server.ready() else _not_ready("server is not ready")
 
     async def server_metadata(self, request: Request) -> Response:
-        return _json(self.server.metadata())
+        return json_response(self.server.metadata())
 
     async def model_metadata(self, request: Request) -> Response:
         name, version = _model(request)
-        return _json(codec.model_metadata_doc(self.server.model_metadata(name, version)))
+        return json_response(codec.model_metadata_doc(self.server.model_metadata(name, version)))
 
     async def model_ready(self, request: Request) -> Response:
         name, version = _model(request)
@@ -72,11 +62,11 @@ class Endpoints:
 
     async def model_config(self, request: Request) -> Response:
         name, version = _model(request)
-        return _json(config_to_json(self.server.model_config(name, version)))
+        return json_response(config_to_json(self.server.model_config(name, version)))
 
     async def model_statistics(self, request: Request) -> Response:
         name, version = _model(request)
-        return _json(codec.statistics_doc(self.server.model_statistics(name, version)))
+        return json_response(documents.statistics_doc(self.server.model_statistics(name, version)))
 
     # -- inference -------------------------------------------------------------------------------------------
 
@@ -99,18 +89,18 @@ class Endpoints:
     # -- repository ------------------------------------------------------------------------------------------
 
     async def repository_index(self, request: Request) -> Response:
-        ready_only = codec.index_ready_only(await read_body(request, self.max_input_size))
-        return _json(codec.index_doc(self.server.repository_index(ready_only)))
+        ready_only = documents.index_ready_only(await read_body(request, self.max_input_size))
+        return json_response(documents.index_doc(self.server.repository_index(ready_only)))
 
     async def load_model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        control = codec.control_request(await read_body(request, self.max_input_size), "load", name)
+        control = documents.control_request(await read_body(request, self.max_input_size), "load", name)
         await asyncio.to_thread(self.server.load_model, name, control.config, control.files)
         return Response()
 
     async def unload_model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        control = codec.control_request(await read_body(request, self.max_input_size), "unload", name)
+        control = documents.control_request(await read_body(request, self.max_input_size), "unload", name)
         await asyncio.to_thread(self.server.unload_model, name, control.unload_dependents)
         return Response()
 
@@ -118,12 +108,12 @@ class Endpoints:
 
     async def system_shared_memory_status(self, request: Request) -> Response:
         regions = self.server.system_shared_memory_status(request.path_params.get("region", ""))
-        return _json(codec.shm_status_doc(regions))
+        return json_response(documents.shm_status_doc(regions))
 
     async def system_shared_memory_register(self, request: Request) -> Response:
         name = request.path_params["region"]
         self.server.check_client_shm()  # a disabled server refuses before looking at the body
-        key, offset, byte_size = codec.shm_register_request(await read_body(request, self.max_input_size), name)
+        key, offset, byte_size = documents.shm_register_request(await read_body(request, self.max_input_size), name)
         self.server.register_system_shared_memory(name, key, offset, byte_size)
         return Response()
 
@@ -133,12 +123,12 @@ class Endpoints:
 
     async def cuda_shared_memory_status(self, request: Request) -> Response:
         regions = self.server.cuda_shared_memory_status(request.path_params.get("region", ""))
-        return _json(codec.cuda_shm_status_doc(regions))
+        return json_response(documents.cuda_shm_status_doc(regions))
 
     async def cuda_shared_memory_register(self, request: Request) -> Response:
         name = request.path_params["region"]
         self.server.check_cuda_shm()  # a server that cannot serve it refuses before looking at the body
-        raw_handle, device_id, byte_size = codec.cuda_shm_register_request(
+        raw_handle, device_id, byte_size = documents.cuda_shm_register_request(
             await read_body(request, self.max_input_size), name)
         await asyncio.to_thread(self.server.register_cuda_shared_memory, name, raw_handle, device_id, byte_size)
         return Response()

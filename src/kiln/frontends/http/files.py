@@ -26,10 +26,10 @@ from starlette.responses import Response, StreamingResponse
 
 from kiln.config.parse import CONFIG_FILENAME
 from kiln.errors import InvalidArgumentError, ModelNotFoundError
-from kiln.frontends.http import codec
 from kiln.server.repository import scan_repositories
 from kiln.server.server import Server
 from kiln.server.staging import check_model_name
+from kiln.v2 import http_codec as codec
 
 CHUNK_BYTES = 1 << 20
 DISABLED = ("model download is disabled on this server: start it with 'kiln serve --allow-model-download' to let "

@@ -19,10 +19,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.errors import InvalidArgumentError
-from kiln.frontends.http import codec
-from kiln.frontends.http.body import parse_json, read_body
-from kiln.server.request import InferRequest
 from kiln.server.server import Server
+from kiln.v2 import http_codec as codec
+from kiln.v2.http_body import parse_json, read_body
+from kiln.v2.types import InferRequest
 
 ROUTING_KEY_HEADER = "kiln-routing-key"  # lower case, as ASGI has it
 

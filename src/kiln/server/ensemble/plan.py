@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.spec import ModelSpec
 from kiln.errors import ConfigError
+from kiln.v2._generated import model_config_pb2 as pb
 
 LATEST = -1  # model_version -1 (or 0, the proto default) asks for the newest ready version
 

@@ -14,9 +14,9 @@ from kiln.errors import InternalError, KilnError, VersionUnloadingError
 from kiln.server.classification import classify
 from kiln.server.ensemble.plan import EnsemblePlan, Step
 from kiln.server.model import LoadedModel
-from kiln.server.request import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput
 from kiln.server.stats import Duration, ExecutionTimes
 from kiln.tensor import DataType
+from kiln.v2.types import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput
 
 # Sends one step's request to its model (resolve, validate, that model's scheduler); raises KilnError.
 StepDispatch = Callable[[InferRequest], Awaitable[InferResponse]]

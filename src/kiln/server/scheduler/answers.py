@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Iterable
 from concurrent.futures import Future, InvalidStateError
 
-from kiln.server.request import InferResponse
+from kiln.v2.types import InferResponse
 
 Answer = asyncio.Future[InferResponse] | Future[InferResponse]
 Outcome = InferResponse | BaseException

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kiln.server.request import InferRequest, InferResponse
+from kiln.v2.types import InferRequest, InferResponse
 
 
 class Scheduler(Protocol):

@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from kiln.engines.base import Engine
 from kiln.errors import InternalError, KilnError, VersionUnloadingError
 from kiln.server.model import LoadedModel
-from kiln.server.request import InferRequest, InferResponse
 from kiln.server.scheduler.inline import InlineRunner
 from kiln.server.scheduler.launched import LaunchRunner
 from kiln.server.scheduler.policy import BatchingPolicy
+from kiln.v2.types import InferRequest, InferResponse
 
 
 class DirectScheduler:

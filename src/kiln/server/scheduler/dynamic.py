@@ -29,12 +29,12 @@ from kiln.errors import (
     VersionUnloadingError,
 )
 from kiln.server.model import LoadedModel
-from kiln.server.request import InferRequest, InferResponse
 from kiln.server.scheduler.answers import Answer, deliver
 from kiln.server.scheduler.inline import InlineRunner
 from kiln.server.scheduler.launched import LaunchRunner
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.server.scheduler.queue import Batch, BatchQueue, Pending, batch_signature
+from kiln.v2.types import InferRequest, InferResponse
 
 Clock = Callable[[], int]
 

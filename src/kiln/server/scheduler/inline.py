@@ -16,9 +16,9 @@ from collections.abc import Callable, Hashable
 
 from kiln.errors import InternalError, InvalidArgumentError, KilnError
 from kiln.server.model import LoadedModel
-from kiln.server.request import InferRequest, InferResponse
 from kiln.server.scheduler.admission import Admission
 from kiln.server.stats import ExecutionTimes
+from kiln.v2.types import InferRequest, InferResponse
 
 PARAMETER = "inline_execution"
 FAST_NS = 300_000  # an execution (batch) this fast runs inline in auto mode

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from kiln.engines.base import LaunchedBatch
 from kiln.errors import InternalError, InvalidArgumentError, KilnError, VersionUnloadingError
 from kiln.server.model import LoadedModel
-from kiln.server.request import InferRequest, InferResponse
 from kiln.server.scheduler.admission import Admission
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.server.stats import ExecutionTimes
+from kiln.v2.types import InferRequest, InferResponse
 
 PARAMETER = "launch_execution"
 RETRY_S = 0.0005  # how soon requests retry when another caller (a blocking one, a draining scheduler) holds every lane

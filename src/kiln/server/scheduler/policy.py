@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.errors import InvalidArgumentError
-from kiln.server.request import InferRequest
+from kiln.v2._generated import model_config_pb2 as pb
+from kiln.v2.types import InferRequest
 
 
 @dataclass(frozen=True)

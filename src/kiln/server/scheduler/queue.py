@@ -15,9 +15,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kiln.errors import QueueFullError
-from kiln.server.request import InferRequest
 from kiln.server.scheduler.answers import Answer
 from kiln.server.scheduler.policy import BatchingPolicy
+from kiln.v2.types import InferRequest
 
 
 def batch_signature(request: InferRequest) -> Hashable:

@@ -33,12 +33,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.config.autocomplete import SEQUENCE_IDLE_DEFAULT_US
 from kiln.engines.base import Engine
 from kiln.errors import InternalError, InvalidArgumentError, KilnError, UnsupportedError, VersionUnloadingError
 from kiln.server.model import LoadedModel
-from kiln.server.request import InferRequest, InferResponse, InputTensor, RequestedOutput
 from kiln.server.scheduler.answers import Answer, deliver
 from kiln.server.scheduler.queue import batch_signature
 from kiln.server.scheduler.sequence_controls import (
@@ -57,6 +55,8 @@ from kiln.server.scheduler.sequence_state import (
     split_states,
     stack_states,
 )
+from kiln.v2._generated import model_config_pb2 as pb
+from kiln.v2.types import InferRequest, InferResponse, InputTensor, RequestedOutput
 
 log = logging.getLogger("kiln.server")
 

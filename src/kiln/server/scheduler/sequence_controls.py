@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.errors import InvalidArgumentError
-from kiln.server.request import InferRequest
 from kiln.tensor import DataType
+from kiln.v2._generated import model_config_pb2 as pb
+from kiln.v2.types import InferRequest
 
 Array = npt.NDArray[Any]
 SequenceId = int | str

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.config._generated import model_config_pb2 as pb
 from kiln.errors import ConfigError, UnsupportedError
 from kiln.tensor import DataType, element_count
+from kiln.v2._generated import model_config_pb2 as pb
 
 Array = npt.NDArray[Any]
 StateRow = dict[str, Array]

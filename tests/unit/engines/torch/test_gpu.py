@@ -16,9 +16,9 @@ import torch
 import kiln
 from kiln.engines.torch import TorchEngine
 from kiln.errors import ConfigError
-from kiln.server.request import InferRequest, InputTensor
 from kiln.server.server import Server
 from kiln.tensor import DataType
+from kiln.v2.types import InferRequest, InputTensor
 
 from ._models import ConvNet, config, require_loadable_aoti, write_model_folder
 

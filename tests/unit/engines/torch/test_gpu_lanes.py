@@ -12,9 +12,9 @@ import torch
 
 from kiln.engines.torch import TorchEngine
 from kiln.errors import InternalError
-from kiln.server.request import InferRequest, InputTensor
 from kiln.server.server import Server, ServerOptions
 from kiln.tensor import DataType
+from kiln.v2.types import InferRequest, InputTensor
 
 from ._models import config, write_model_folder
 from .test_gpu import GPU_PARAMETERS, IMAGE_IO, calls_from_threads, fp32_reference, images, load_gpu, served_logits

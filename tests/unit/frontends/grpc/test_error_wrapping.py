@@ -1,5 +1,5 @@
 """Every RPC of GRPCInferenceService goes through the one error wrapper (MLServer once shipped a method without its
-decorator; this test makes that impossible here), and the wrapper maps errors through kiln.frontends.status."""
+decorator; this test makes that impossible here), and the wrapper maps errors through kiln.v2.status."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from google.protobuf.descriptor import MethodDescriptor
 
 from kiln.errors import InvalidArgumentError, ModelNotFoundError, UnavailableError
-from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
 from kiln.frontends.grpc.servicer import GRPCInferenceService, answer_in_order, is_wrapped, rpc
+from kiln.v2._generated import grpc_service_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 METHODS: list[MethodDescriptor] = list(SERVICE.methods)

@@ -7,8 +7,8 @@ import asyncio
 import threading
 from concurrent.futures import Future
 
-from kiln.server.request import InferResponse
 from kiln.server.scheduler.answers import deliver
+from kiln.v2.types import InferResponse
 
 
 def response(tag: str) -> InferResponse:

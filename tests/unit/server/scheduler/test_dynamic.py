@@ -16,10 +16,10 @@ from kiln.config.validate import validate_config
 from kiln.engines.base import Array, Engine
 from kiln.errors import InternalError, QueueFullError, RequestTimeoutError
 from kiln.server.model import LoadedModel
-from kiln.server.request import InferRequest, InferResponse, InputTensor
 from kiln.server.scheduler.dynamic import DynamicBatcher
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.tensor import DataType
+from kiln.v2.types import InferRequest, InferResponse, InputTensor
 
 CONFIG = """
 name: "double" backend: "identity" max_batch_size: 8

@@ -15,11 +15,11 @@ from kiln.config.validate import validate_config
 from kiln.engines.base import Array, Engine
 from kiln.errors import InvalidArgumentError
 from kiln.server.model import LoadedModel
-from kiln.server.request import InferRequest, InputTensor
 from kiln.server.scheduler import DirectScheduler, DynamicBatcher, inline
 from kiln.server.scheduler.inline import MIN_SAMPLES, InlineRunner, inline_mode
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.tensor import DataType
+from kiln.v2.types import InferRequest, InputTensor
 
 CONFIG = """
 name: "m" backend: "identity" max_batch_size: 8

@@ -16,12 +16,12 @@ from kiln.config.validate import validate_config
 from kiln.engines.base import Array, Engine
 from kiln.errors import InternalError, InvalidArgumentError, VersionUnloadingError
 from kiln.server.model import LoadedModel
-from kiln.server.request import InferRequest, InputTensor
 from kiln.server.scheduler import DynamicBatcher
 from kiln.server.scheduler.direct import DirectScheduler
 from kiln.server.scheduler.launched import launch_mode
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.tensor import DataType
+from kiln.v2.types import InferRequest, InputTensor
 
 CONFIG = """
 name: "m" backend: "identity" max_batch_size: 8

@@ -7,9 +7,9 @@ import pytest
 
 from kiln.config import parse_config_text
 from kiln.errors import InvalidArgumentError
-from kiln.server.request import InferRequest, InputTensor
 from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.tensor import DataType
+from kiln.v2.types import InferRequest, InputTensor
 
 CONFIG = """
 max_batch_size: 8

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from kiln.errors import QueueFullError
-from kiln.server.request import InferRequest, InputTensor
 from kiln.server.scheduler.policy import BatchingPolicy, QueuePolicy
 from kiln.server.scheduler.queue import BatchQueue, Pending
 from kiln.tensor import DataType
+from kiln.v2.types import InferRequest, InputTensor
 
 MS = 1_000_000
 

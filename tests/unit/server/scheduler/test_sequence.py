@@ -18,7 +18,6 @@ from kiln.config.validate import validate_config
 from kiln.engines.base import Array, Engine
 from kiln.errors import InternalError, InvalidArgumentError, UnavailableError, UnsupportedError
 from kiln.server.model import LoadedModel
-from kiln.server.request import InferRequest, InputTensor
 from kiln.server.scheduler import make_scheduler
 from kiln.server.scheduler.sequence import Pending, Round, SequenceBatcher, SequencePolicy, SequenceTable
 from kiln.server.scheduler.sequence_controls import (
@@ -30,6 +29,7 @@ from kiln.server.scheduler.sequence_controls import (
 )
 from kiln.server.scheduler.sequence_state import StateSpec, split_states, stack_states
 from kiln.tensor import DataType
+from kiln.v2.types import InferRequest, InputTensor
 
 IDLE_NS = 1_000
 

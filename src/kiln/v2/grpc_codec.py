@@ -1,4 +1,6 @@
-"""ModelInferRequest -> :class:`~kiln.server.request.InferRequest` and InferResponse -> ModelInferResponse.
+"""ModelInferRequest <-> :class:`~kiln.v2.types.InferRequest` and ModelInferResponse <-> InferResponse: the
+server side decodes requests and encodes responses, the client side (:func:`encode_request`,
+:func:`decode_response`) the opposite.
 
 Request data arrives either in ``raw_input_contents`` (one little-endian, row-major buffer per input, in ``inputs``
 order; required for FP16/BF16) or in each input's typed ``contents`` field, never both. Raw buffers become
@@ -11,15 +13,17 @@ Every problem with a request is an :class:`~kiln.errors.InvalidArgumentError` na
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kiln.errors import InternalError, InvalidArgumentError
-from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
-from kiln.server.request import (
+from kiln.tensor import DataType, decode_bytes, element_count
+from kiln.v2._generated import grpc_service_pb2 as pb
+from kiln.v2.layout import from_raw, to_raw
+from kiln.v2.types import (
     InferRequest,
     InferResponse,
     InputTensor,
@@ -28,7 +32,6 @@ from kiln.server.request import (
     SharedMemoryRef,
     shared_memory_ref,
 )
-from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
 
 ParameterValue = bool | int | float | str
 
@@ -252,12 +255,47 @@ def encode_response(response: InferResponse, message: pb.ModelInferResponse | No
         tensor = outputs.add(name=output.name, datatype=output.datatype.wire_name, shape=output.shape)
         if output.parameters:
             encode_parameters(tensor.parameters, output.parameters)
-    message.raw_output_contents.extend([raw_bytes(output) for output in ordered if output.shared_memory is None])
+    message.raw_output_contents.extend([to_raw(output.data, output.datatype) for output in ordered
+                                        if output.shared_memory is None])
     return message
 
 
-def raw_bytes(output: OutputTensor) -> bytes:
-    """An output's data as Triton's raw format: little-endian, row-major; BYTES length-prefixed."""
-    if output.datatype is DataType.BYTES:
-        return encode_bytes(output.data)
-    return np.asarray(output.data, dtype=output.datatype.numpy_dtype).tobytes()
+# -- the client side ---------------------------------------------------------------------------------------------
+
+
+def encode_request(model: str, inputs: Mapping[str, npt.NDArray[Any]], *, version: str = "",
+                   datatypes: Mapping[str, DataType] | None = None, outputs: Sequence[str] = (),
+                   parameters: Mapping[str, object] | None = None, request_id: str = "") -> pb.ModelInferRequest:
+    """A ModelInferRequest carrying every input in ``raw_input_contents``."""
+    message = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
+    for name, array in inputs.items():
+        datatype = (datatypes or {}).get(name) or DataType.from_numpy(array.dtype)
+        message.inputs.add(name=name, datatype=datatype.wire_name, shape=array.shape)
+        message.raw_input_contents.append(to_raw(array, datatype))
+    for name in outputs:
+        message.outputs.add(name=name)
+    if parameters:
+        encode_parameters(message.parameters, parameters)
+    return message
+
+
+def decode_response(message: pb.ModelInferResponse) -> InferResponse:
+    """The protocol-free response; outputs in ``raw_output_contents`` become views over the message's bytes, those
+    in typed ``contents`` arrays (outputs left in shared memory come back with no data)."""
+    raw = message.raw_output_contents[:]
+    outputs: list[OutputTensor] = []
+    for index, tensor in enumerate(message.outputs[:]):
+        datatype = DataType.from_wire(tensor.datatype)
+        shape = tuple(tensor.shape[:])
+        parameters = decode_parameters(tensor.parameters, f"output '{tensor.name}'") if tensor.parameters else {}
+        if index < len(raw):
+            data = from_raw(datatype, shape, raw[index])
+        else:
+            field = _CONTENTS_FIELD.get(datatype)
+            values = getattr(tensor.contents, field)[:] if field else []
+            data = np.asarray(values, dtype=datatype.numpy_dtype if datatype is not DataType.BYTES else object)
+            data = data.reshape(shape) if data.size else np.empty(0, datatype.numpy_dtype)
+        outputs.append(OutputTensor(tensor.name, datatype, shape, data, parameters))
+    return InferResponse(model_name=message.model_name, model_version=message.model_version, outputs=outputs,
+                         id=message.id, parameters=decode_parameters(message.parameters, "response"))
+

@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import json
 import zlib
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any, Protocol
 
 import orjson
-from starlette.requests import Request
 
 from kiln.errors import CancelledError, InvalidArgumentError, UnsupportedError
 
+DEFAULT_MAX_INPUT_SIZE = 64 * 2**20
+"""Triton's ``--http-max-input-size`` default (``HTTP_DEFAULT_MAX_INPUT_SIZE``)."""
+
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+class AsgiRequest(Protocol):
+    """What body reading needs of a request (a ``starlette.requests.Request`` is one)."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def receive(self) -> Callable[[], Awaitable[MutableMapping[str, Any]]]: ...
 
 
 def _too_large(size: int, limit: int, *, at_least: bool = False, what: str = "request body") -> InvalidArgumentError:
@@ -26,7 +39,7 @@ def _too_large(size: int, limit: int, *, at_least: bool = False, what: str = "re
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: AsgiRequest, limit: int) -> bytes:
     """The request body, decompressed per ``Content-Encoding``, never more than ``limit`` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdecimal() and int(declared) > limit:

@@ -17,13 +17,13 @@ from hypothesis.extra import numpy as hnp
 
 from kiln.config.spec import TensorSpec
 from kiln.errors import InvalidArgumentError, UnsupportedError
-from kiln.frontends.http import codec
-from kiln.frontends.http.body import decompress, parse_json
+from kiln.frontends.http import documents
 from kiln.server.registry import IndexEntry
-from kiln.server.request import InferRequest, InferResponse, OutputTensor, RequestedOutput
-from kiln.server.server import ModelMetadata
 from kiln.server.stats import BatchStats, Duration, ModelStats
 from kiln.tensor import DataType, encode_bytes
+from kiln.v2 import http_codec as codec
+from kiln.v2.http_body import decompress, parse_json
+from kiln.v2.types import InferRequest, InferResponse, ModelMetadata, OutputTensor, RequestedOutput
 
 
 def _input(name: str = "INPUT0", datatype: str | None = "INT32", shape: list[Any] | None = None,
@@ -332,7 +332,7 @@ def test_statistics_document_has_tritons_shape() -> None:
     stats = ModelStats("m", "1", last_inference_ms=5, inference_count=3, execution_count=2,
                        success=Duration(2, 100), compute_infer=Duration(2, 40))
     stats.batch_stats[2] = BatchStats(2, compute_infer=Duration(1, 30))
-    (doc,) = codec.statistics_doc([stats])["model_stats"]
+    (doc,) = documents.statistics_doc([stats])["model_stats"]
     assert doc["name"] == "m" and doc["version"] == "1" and doc["last_inference"] == 5
     assert (doc["inference_count"], doc["execution_count"]) == (3, 2)
     assert set(doc["inference_stats"]) == {"success", "fail", "queue", "compute_input", "compute_infer",
@@ -344,26 +344,26 @@ def test_statistics_document_has_tritons_shape() -> None:
 
 
 def test_repository_index_documents() -> None:
-    assert codec.index_doc([IndexEntry("a", "1", "READY", "")]) == [
+    assert documents.index_doc([IndexEntry("a", "1", "READY", "")]) == [
         {"name": "a", "version": "1", "state": "READY", "reason": ""}]
-    assert codec.index_ready_only(b"") is False
-    assert codec.index_ready_only(b'{"ready": true}') is True
+    assert documents.index_ready_only(b"") is False
+    assert documents.index_ready_only(b'{"ready": true}') is True
     with pytest.raises(InvalidArgumentError, match="optional boolean 'ready', got"):
-        codec.index_ready_only(b'{"ready": "yes"}')
-    assert codec.control_request(b'{"parameters": {}}', "load", "m") == codec.ControlRequest()
+        documents.index_ready_only(b'{"ready": "yes"}')
+    assert documents.control_request(b'{"parameters": {}}', "load", "m") == documents.ControlRequest()
     with pytest.raises(InvalidArgumentError, match="load of model 'm': the body must be a JSON object"):
-        codec.control_request(b"[]", "load", "m")
+        documents.control_request(b"[]", "load", "m")
 
 
 def test_control_request_parameters() -> None:
     body = b'{"parameters": {"config": "{}", "file:1/model.onnx": "AAEC", "unload_dependents": true}}'
-    control = codec.control_request(body, "load", "m")
-    assert control == codec.ControlRequest(config="{}", files={"file:1/model.onnx": b"\x00\x01\x02"},
+    control = documents.control_request(body, "load", "m")
+    assert control == documents.ControlRequest(config="{}", files={"file:1/model.onnx": b"\x00\x01\x02"},
                                            unload_dependents=True)
     with pytest.raises(InvalidArgumentError, match="'file:1/x' is not valid base64"):
-        codec.control_request(b'{"parameters": {"file:1/x": "%%%"}}', "load", "m")
+        documents.control_request(b'{"parameters": {"file:1/x": "%%%"}}', "load", "m")
     with pytest.raises(InvalidArgumentError, match="parameter 'config' must be a string"):
-        codec.control_request(b'{"parameters": {"config": {}}}', "load", "m")
+        documents.control_request(b'{"parameters": {"config": {}}}', "load", "m")
 
 
 # -- content encoding ----------------------------------------------------------------------------------------

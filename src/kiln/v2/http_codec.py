@@ -1,4 +1,7 @@
-"""KServe V2 / Triton HTTP wire format <-> kiln's protocol-free types. The only place that knows wire names.
+"""KServe V2 / Triton HTTP infer bodies <-> kiln's protocol-free types, in both directions.
+
+The server side decodes requests and encodes responses; the client side (:func:`encode_request`,
+:func:`decode_response`) does the opposite for kiln's own client. This is the one place that knows the JSON names.
 
 Requests arrive as JSON (``data`` as flat or nested lists) or with the binary tensor data extension: a JSON
 header of ``Inference-Header-Content-Length`` bytes followed by each binary input's bytes in order, which become
@@ -8,34 +11,28 @@ model's single input. Responses are JSON, or a JSON header plus raw bytes when a
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import orjson
 
-from kiln.config.spec import TensorSpec
 from kiln.errors import InvalidArgumentError
-from kiln.frontends.http.body import parse_json
-from kiln.server.cuda_shm import CudaRegionStatus
-from kiln.server.registry import IndexEntry
-from kiln.server.request import (
+from kiln.tensor import DataType, decode_bytes, element_count
+from kiln.v2.http_body import parse_json
+from kiln.v2.layout import from_raw, raw_view
+from kiln.v2.types import (
     InferRequest,
     InferResponse,
     InputTensor,
+    ModelMetadata,
     OutputTensor,
     RequestedOutput,
+    TensorMeta,
     shared_memory_ref,
 )
-from kiln.server.server import ModelMetadata
-from kiln.server.shm import RegionStatus
-from kiln.server.stats import BatchStats, Duration, ModelStats
-from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
 
 HEADER_LENGTH = "inference-header-content-length"
 """The binary extension's header: the byte length of the JSON part of the body (lower case, as ASGI has it)."""
@@ -98,7 +95,7 @@ def decode_request(model: str, version: str, body: bytes, json_size: int | None)
 def _input(model: str, item: object, body: bytes, offset: int) -> tuple[InputTensor, int]:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise _bad(model, "inference request", f"each entry of 'inputs' must be an object with a string 'name', "
-                                               f"got {_short(item)}")
+                                               f"got {short_json(item)}")
     name: str = item["name"]
     where = f"input '{name}'"
     wire_type = item.get("datatype")
@@ -134,14 +131,14 @@ def _input(model: str, item: object, body: bytes, offset: int) -> tuple[InputTen
 def _shape(model: str, where: str, value: object) -> tuple[int, ...]:
     if isinstance(value, list) and all(type(d) is int and d >= 0 for d in value):
         return tuple(value)
-    raise _bad(model, where, f"field 'shape' must be a list of non-negative integers, got {_short(value)}")
+    raise _bad(model, where, f"field 'shape' must be a list of non-negative integers, got {short_json(value)}")
 
 
 def _parameters(model: str, where: str, value: object) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise _bad(model, where, f"field 'parameters' must be a JSON object, got {_short(value)}")
+        raise _bad(model, where, f"field 'parameters' must be a JSON object, got {short_json(value)}")
     return value
 
 
@@ -154,12 +151,12 @@ def _outputs(model: str, value: object) -> list[RequestedOutput]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise _bad(model, "inference request", f"field 'outputs' must be a list, got {_short(value)}")
+        raise _bad(model, "inference request", f"field 'outputs' must be a list, got {short_json(value)}")
     outputs: list[RequestedOutput] = []
     for item in value:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise _bad(model, "inference request", f"each entry of 'outputs' must be an object with a string "
-                                                   f"'name', got {_short(item)}")
+                                                   f"'name', got {short_json(item)}")
         where = f"output '{item['name']}'"
         parameters = _parameters(model, where, item.get("parameters"))
         _check_flag(model, where, parameters, "binary_data")
@@ -205,7 +202,7 @@ def _bytes_from_json(model: str, where: str, data: object) -> npt.NDArray[np.obj
         values = [element.encode("utf-8") for element in flat.tolist()]
     except (AttributeError, UnicodeEncodeError):
         bad = next((e for e in flat.tolist() if not isinstance(e, str)), "a string with an unpaired surrogate")
-        raise _bad(model, where, f"field 'data' holds {_short(bad)}; BYTES expects JSON strings") from None
+        raise _bad(model, where, f"field 'data' holds {short_json(bad)}; BYTES expects JSON strings") from None
     array = np.empty(len(values), dtype=object)
     array[:] = values
     return array
@@ -295,7 +292,7 @@ def encode_response(response: InferResponse, request: InferRequest) -> tuple[byt
         if output.shared_memory is not None:  # the data is in the region; only its parameters go back
             entry["parameters"] = dict(output.parameters)
         elif binary:
-            blob = _to_binary(output)
+            blob = raw_view(output.data, output.datatype)
             entry["parameters"] = {**output.parameters, "binary_data_size": len(blob)}
             blobs.append(blob)
         else:
@@ -319,13 +316,6 @@ def encode_json(doc: Any) -> bytes:
     return orjson.dumps(doc)
 
 
-def _to_binary(output: OutputTensor) -> bytes | memoryview:
-    if output.datatype is DataType.BYTES:
-        return encode_bytes(output.data)
-    array = np.ascontiguousarray(output.data, dtype=output.datatype.numpy_dtype).reshape(-1)
-    return array.view(np.uint8).data
-
-
 def _to_json(output: OutputTensor) -> list[Any]:
     flat = output.data.reshape(-1)
     if output.datatype is DataType.BYTES:
@@ -336,161 +326,93 @@ def _to_json(output: OutputTensor) -> list[Any]:
     return result
 
 
-def _short(value: object) -> str:
+def short_json(value: object) -> str:
+    """A value as it would read in JSON, cut to 60 characters for error messages."""
     text = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool, type(None))) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-# -- other documents -----------------------------------------------------------------------------------------
+
+# -- metadata --------------------------------------------------------------------------------------------
 
 
 def model_metadata_doc(metadata: ModelMetadata) -> dict[str, Any]:
     """Shapes carry the batch dimension as -1 when the model batches, as Triton reports them."""
     batch = [-1] if metadata.batching else []
 
-    def tensors(specs: list[TensorSpec]) -> list[dict[str, Any]]:
+    def tensors(specs: Sequence[TensorMeta]) -> list[dict[str, Any]]:
         return [{"name": t.name, "datatype": t.datatype.wire_name, "shape": [*batch, *t.dims]} for t in specs]
 
     return {"name": metadata.name, "versions": list(metadata.versions), "platform": metadata.platform,
             "inputs": tensors(metadata.inputs), "outputs": tensors(metadata.outputs)}
 
 
-def statistics_doc(stats: list[ModelStats]) -> dict[str, Any]:
-    """The statistics extension's ``{"model_stats": [...]}`` document."""
-    return {"model_stats": [_model_stats(s) for s in stats]}
+
+# -- the client side ---------------------------------------------------------------------------------------------
 
 
-def _model_stats(stats: ModelStats) -> dict[str, Any]:
-    inference = {"success": stats.success, "fail": stats.fail, "queue": stats.queue,
-                 "compute_input": stats.compute_input, "compute_infer": stats.compute_infer,
-                 "compute_output": stats.compute_output, "cache_hit": Duration(), "cache_miss": Duration()}
-    return {
-        "name": stats.name,
-        "version": stats.version,
-        "last_inference": stats.last_inference_ms,
-        "inference_count": stats.inference_count,
-        "execution_count": stats.execution_count,
-        "inference_stats": {key: _duration(value) for key, value in inference.items()},
-        "response_stats": {},
-        "batch_stats": [_batch_stats(stats.batch_stats[size]) for size in sorted(stats.batch_stats)],
-        "memory_usage": [],
-    }
+def encode_request(inputs: Mapping[str, npt.NDArray[Any]], *, datatypes: Mapping[str, DataType] | None = None,
+                   binary_input: bool = True, binary_output: bool = True, outputs: Sequence[str] = (),
+                   parameters: Mapping[str, Any] | None = None, request_id: str = "") -> tuple[bytes, dict[str, str]]:
+    """An infer request body and its headers. ``datatypes`` names each input's wire type where the array's dtype
+    does not say it (e.g. BYTES from an object array is found anyway); ``outputs`` asks for those outputs only."""
+    entries: list[dict[str, Any]] = []
+    blobs: list[bytes | memoryview] = []
+    for name, array in inputs.items():
+        datatype = (datatypes or {}).get(name) or DataType.from_numpy(array.dtype)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype.wire_name, "shape": list(array.shape)}
+        if binary_input:
+            blob = raw_view(array, datatype)
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = _json_values(array, datatype)
+        entries.append(entry)
+    doc: dict[str, Any] = {"inputs": entries, "parameters": {**(parameters or {}), "binary_data_output": binary_output}}
+    if request_id:
+        doc["id"] = request_id
+    if outputs:
+        doc["outputs"] = [{"name": name, "parameters": {"binary_data": binary_output}} for name in outputs]
+    header = encode_json(doc)
+    if not blobs:
+        return header, {"Content-Type": JSON_TYPE}
+    return b"".join([header, *blobs]), {"Content-Type": BINARY_TYPE, HEADER_LENGTH: str(len(header))}
 
 
-def _batch_stats(batch: BatchStats) -> dict[str, Any]:
-    return {"batch_size": batch.batch_size, "compute_input": _duration(batch.compute_input),
-            "compute_infer": _duration(batch.compute_infer), "compute_output": _duration(batch.compute_output)}
+def _json_values(array: npt.NDArray[Any], datatype: DataType) -> list[Any]:
+    flat = array.reshape(-1)
+    if datatype is DataType.BYTES:
+        return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in flat.tolist()]
+    if datatype in (DataType.FP16, DataType.BF16):
+        flat = flat.astype(np.float32)
+    values: list[Any] = flat.tolist()
+    return values
 
 
-def _duration(duration: Duration) -> dict[str, int]:
-    return {"count": duration.count, "ns": duration.ns}
-
-
-def index_doc(entries: list[IndexEntry]) -> list[dict[str, str]]:
-    return [{"name": e.name, "version": e.version, "state": e.state, "reason": e.reason} for e in entries]
-
-
-def index_ready_only(body: bytes) -> bool:
-    """The optional ``{"ready": bool}`` body of a repository index request."""
-    if not body.strip():
-        return False
-    doc = parse_json(body, "repository index request")
-    ready = doc.get("ready", False) if isinstance(doc, dict) else None
-    if not isinstance(ready, bool):
-        raise InvalidArgumentError(f"repository index: the body must be a JSON object with an optional boolean "
-                                   f"'ready', got {_short(doc)}")
-    return ready
-
-
-@dataclass(frozen=True)
-class ControlRequest:
-    """A load / unload request's parameters: ``config`` (ModelConfig JSON), ``file:<version>/<name>`` contents
-    (base64 on the wire), ``unload_dependents``."""
-
-    config: str | None = None
-    files: dict[str, bytes] = field(default_factory=dict)
-    unload_dependents: bool = False
-
-
-def control_request(body: bytes, action: str, model: str) -> ControlRequest:
-    """Load / unload bodies are optional JSON objects (``{"parameters": {...}}``); reject anything else."""
-    if not body.strip():
-        return ControlRequest()
-    doc = parse_json(body, f"{action} request")
-    if not isinstance(doc, dict):
-        raise InvalidArgumentError(f"{action} of model '{model}': the body must be a JSON object")
-    parameters = doc.get("parameters", {})
-    if not isinstance(parameters, dict):
-        raise InvalidArgumentError(f"{action} of model '{model}': 'parameters' must be a JSON object")
-    config = parameters.get("config")
-    if config is not None and not isinstance(config, str):
-        raise InvalidArgumentError(f"{action} of model '{model}': parameter 'config' must be a string holding "
-                                   f"the model configuration as JSON")
-    files: dict[str, bytes] = {}
-    for key, value in parameters.items():
-        if key.startswith("file:"):
-            files[key] = _base64(action, model, key, value)
-    dependents = parameters.get("unload_dependents", False)
-    if not isinstance(dependents, bool):
-        raise InvalidArgumentError(f"{action} of model '{model}': parameter 'unload_dependents' must be a boolean")
-    return ControlRequest(config=config, files=files, unload_dependents=dependents)
-
-
-def _base64(action: str, model: str, key: str, value: object) -> bytes:
-    if not isinstance(value, str):
-        raise InvalidArgumentError(f"{action} of model '{model}': parameter '{key}' must be base64 text")
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidArgumentError(f"{action} of model '{model}': parameter '{key}' is not valid base64") from None
-
-
-def shm_status_doc(regions: list[RegionStatus]) -> list[dict[str, Any]]:
-    return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in regions]
-
-
-def shm_register_request(body: bytes, region: str) -> tuple[str, int, int]:
-    """``{"key": str, "offset": int (default 0), "byte_size": int}`` of a system shared-memory registration."""
-    where = f"register of shared memory region '{region}'"
-    doc = parse_json(body, where) if body.strip() else None
-    if not isinstance(doc, dict):
-        raise InvalidArgumentError(f"{where}: the body must be a JSON object with 'key', 'offset' and 'byte_size'")
-    key, offset, size = doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
-    if not isinstance(key, str):
-        raise InvalidArgumentError(f"{where}: field 'key' must be the shared memory key (a string), got {key!r}")
-    for field_name, value in (("offset", offset), ("byte_size", size)):
-        if type(value) is not int or value < 0:
-            raise InvalidArgumentError(f"{where}: field '{field_name}' must be a non-negative integer, "
-                                       f"got {value!r}")
-    assert isinstance(offset, int) and isinstance(size, int)
-    return key, offset, size
-
-
-def cuda_shm_status_doc(regions: list[CudaRegionStatus]) -> list[dict[str, Any]]:
-    return [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in regions]
-
-
-def cuda_shm_register_request(body: bytes, region: str) -> tuple[bytes, int, int]:
-    """``{"raw_handle": {"b64": str}, "device_id": int, "byte_size": int}`` of a CUDA shared-memory registration:
-    the CUDA IPC handle's bytes, the device and the size."""
-    where = f"register of CUDA shared memory region '{region}'"
-    doc = parse_json(body, where) if body.strip() else None
-    if not isinstance(doc, dict):
-        raise InvalidArgumentError(f"{where}: the body must be a JSON object with 'raw_handle', 'device_id' and "
-                                   f"'byte_size'")
-    handle = doc.get("raw_handle")
-    encoded = handle.get("b64") if isinstance(handle, dict) else None
-    if not isinstance(encoded, str):
-        raise InvalidArgumentError(f"{where}: field 'raw_handle' must be {{\"b64\": <base64 of the CUDA IPC "
-                                   f"handle>}}, got {handle!r}")
-    try:
-        raw = base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidArgumentError(f"{where}: raw_handle.b64 is not valid base64") from None
-    device_id, size = doc.get("device_id"), doc.get("byte_size")
-    for field_name, value in (("device_id", device_id), ("byte_size", size)):
-        if type(value) is not int or value < 0:
-            raise InvalidArgumentError(f"{where}: field '{field_name}' must be a non-negative integer, "
-                                       f"got {value!r}")
-    assert isinstance(device_id, int) and isinstance(size, int)
-    return raw, device_id, size
+def decode_response(body: bytes, header_length: int | None) -> InferResponse:
+    """An infer response: JSON, or a JSON header of ``header_length`` bytes followed by the binary outputs, which
+    become views over ``body``."""
+    header = body if header_length is None else body[:header_length]
+    doc = parse_json(header, "infer response")
+    if not isinstance(doc, dict) or not isinstance(doc.get("outputs", []), list):
+        raise InvalidArgumentError(f"the infer response is not a V2 response document: {short_json(doc)}")
+    view = memoryview(body)
+    offset = len(header)
+    outputs: list[OutputTensor] = []
+    for item in doc.get("outputs", []):
+        datatype = DataType.from_wire(item["datatype"])
+        shape = tuple(int(d) for d in item["shape"])
+        parameters = dict(item.get("parameters") or {})
+        size = parameters.get("binary_data_size")
+        if size is not None:
+            data = from_raw(datatype, shape, view[offset:offset + int(size)])
+            offset += int(size)
+        elif datatype is DataType.BYTES:
+            data = np.empty(len(item.get("data", [])), dtype=object)
+            data[:] = [v.encode() if isinstance(v, str) else bytes(v) for v in item.get("data", [])]
+            data = data.reshape(shape)
+        else:
+            data = np.asarray(item.get("data", []), dtype=datatype.numpy_dtype).reshape(shape)
+        outputs.append(OutputTensor(item["name"], datatype, shape, data, parameters))
+    return InferResponse(model_name=str(doc.get("model_name", "")), model_version=str(doc.get("model_version", "")),
+                         outputs=outputs, id=str(doc.get("id", "")), parameters=dict(doc.get("parameters") or {}))

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kiln.bench.targets.http11 import _read_body, parse_head
+from kiln.v2.client.aio import _read_body, parse_head
 
 
 def test_head_gives_status_and_lower_case_headers() -> None:

@@ -1,10 +1,11 @@
-"""Protocol-free inference requests and responses, as frontends hand them to the Server."""
+"""The KServe V2 request, response and metadata types, free of any transport: what codecs decode into and
+encode from, what the Server takes and returns, and what clients hand back."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -104,7 +105,40 @@ class InferResponse:
     id: str = ""
     parameters: Parameters = field(default_factory=dict)
 
+    def arrays(self) -> dict[str, npt.NDArray[Any]]:
+        """The outputs by name (what a client usually wants of a response)."""
+        return {output.name: output.data for output in self.outputs}
+
 
 def as_array(datatype: DataType, shape: tuple[int, ...], data: npt.ArrayLike) -> npt.NDArray[Any]:
     """Build a correctly typed array from decoded data (helper for codecs that start from Python values)."""
     return np.asarray(data, dtype=datatype.numpy_dtype).reshape(shape)
+
+
+class TensorMeta(Protocol):
+    """What metadata says of one input or output (``kiln.config.spec.TensorSpec`` is one): ``dims`` exclude the
+    batch dimension; -1 means any size; an optional input may be left out."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def datatype(self) -> DataType: ...
+
+    @property
+    def dims(self) -> tuple[int, ...]: ...
+
+    @property
+    def optional(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    """A model's metadata document: its served versions and tensors; ``batching`` adds the batch dimension."""
+
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: Sequence[TensorMeta]
+    outputs: Sequence[TensorMeta]
+    batching: bool

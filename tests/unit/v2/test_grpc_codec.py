@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from kiln.errors import InternalError, InvalidArgumentError
-from kiln.frontends.grpc import codec
-from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
-from kiln.server.request import InferResponse, OutputTensor
 from kiln.tensor import DataType, encode_bytes
+from kiln.v2 import grpc_codec as codec
+from kiln.v2._generated import grpc_service_pb2 as pb
+from kiln.v2.types import InferResponse, OutputTensor
 
 
 def _raw_request(*tensors: tuple[str, str, list[int], bytes], model: str = "m") -> pb.ModelInferRequest:
