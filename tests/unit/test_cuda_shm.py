@@ -1,7 +1,7 @@
 """CUDA shared memory without a GPU: the registry and the Server facade over host memory standing in for the
 device (the registry only ever sees torch tensors, so the checks, the views and the busy logic are the same), and
-a server on a host without CUDA answering UNSUPPORTED. The real device path runs in
-tests/integration/test_cuda_shm_gpu.py."""
+a server on a host without CUDA answering status and unregister calls and refusing only registration. The real
+device path runs in tests/integration/test_cuda_shm_gpu.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,9 @@ class HostRegionMemory:
     def __init__(self) -> None:
         self.allocations: dict[bytes, Any] = {}
         self.closed: list[Any] = []
+
+    def unavailable_reason(self) -> str | None:
+        return None
 
     def allocate(self, size: int) -> tuple[bytes, Any]:
         handle = len(self.allocations).to_bytes(2, "little") * (IPC_HANDLE_BYTES // 2)
@@ -111,7 +115,7 @@ class _Double(torch.nn.Module):
 def server(repo: Path, memory: HostRegionMemory) -> Iterator[Server]:
     server = Server(ServerOptions(repositories=[repo], allow_client_shm=True))
     server.start()
-    server._cuda_registry = CudaSharedMemoryRegistry(memory, busy_timeout_s=0.2)  # host memory for the device
+    server._regions.cuda = CudaSharedMemoryRegistry(memory, busy_timeout_s=0.2)  # host memory for the device
     yield server
     server.close()
 
@@ -190,14 +194,14 @@ def test_torch_engine_reads_inputs_in_place(server: Server, memory: HostRegionMe
     request = InferRequest("double", [_input("INPUT__0", SharedMemoryRef("t", 32), DataType.FP32, (2, 4))],
                            outputs=[RequestedOutput("OUTPUT__0", shared_memory=SharedMemoryRef("t", 32, 32))])
     seen: list[Any] = []
-    original = server._cuda_registry.attach  # type: ignore[union-attr]
+    original = server._regions.cuda.attach
 
     def spy(*args: Any) -> Any:
         lease = original(*args)
         seen.append(args[0].inputs[0].data)
         return lease
 
-    server._cuda_registry.attach = spy  # type: ignore[method-assign,union-attr]
+    server._regions.cuda.attach = spy  # type: ignore[method-assign]
     server.infer_sync(request)
     assert isinstance(seen[0], torch.Tensor) and seen[0].data_ptr() == allocation.data_ptr()  # a view, no copy
     np.testing.assert_array_equal(floats[8:16], np.arange(8, dtype=np.float32) * 2)
@@ -262,7 +266,7 @@ def test_many_requests_share_one_region(server: Server, memory: HostRegionMemory
         list(pool.map(run, range(count)))
     for i in range(count):
         np.testing.assert_array_equal(ints[i * 48 + 32:i * 48 + 48], np.arange(16) + 2 * i)
-    assert server._cuda_registry is not None and server._cuda_registry._table.listed("shared")[0].inflight == 0
+    assert server._regions.cuda._table.listed("shared")[0].inflight == 0
 
 
 def test_unregister_waits_for_a_busy_region_then_fails(registry: CudaSharedMemoryRegistry,
@@ -284,7 +288,7 @@ def test_unregister_waits_for_a_busy_region_then_fails(registry: CudaSharedMemor
 
 
 def _unregister_patiently(registry: CudaSharedMemoryRegistry) -> None:
-    registry._busy_timeout_s = 5.0  # this unregister waits for the lease the test holds
+    registry._table.busy_timeout_s = 5.0  # this unregister waits for the lease the test holds
     registry.unregister("busy")
 
 
@@ -300,8 +304,69 @@ def test_host_array_keeps_the_bits() -> None:
 # -- a host without CUDA ---------------------------------------------------------------------------------------
 
 
+class NoDeviceMemory(HostRegionMemory):
+    """A host whose CUDA regions cannot be opened, whatever this test host has."""
+
+    def unavailable_reason(self) -> str | None:
+        return "PyTorch sees no CUDA device on this host"
+
+
+@pytest.fixture
+def server_without_cuda(repo: Path) -> Iterator[Server]:
+    server = Server(ServerOptions(repositories=[repo], allow_client_shm=True))
+    server.start()
+    server._regions.cuda = CudaSharedMemoryRegistry(NoDeviceMemory())
+    yield server
+    server.close()
+
+
+def test_server_without_cuda_answers_status_and_unregister(server_without_cuda: Server) -> None:
+    """What the official client examples do first (unregister every region), and status, answer as in Triton;
+    only registering says why it cannot be done."""
+    server = server_without_cuda
+    server.unregister_cuda_shared_memory()
+    server.unregister_cuda_shared_memory("never_registered")
+    assert server.cuda_shared_memory_status() == []
+    with pytest.raises(NotFoundError, match="Unable to find cuda shared memory region: 'never_registered'"):
+        server.cuda_shared_memory_status("never_registered")
+    message = "CUDA shared memory is not supported on this server: PyTorch sees no CUDA device on this host"
+    for call in (lambda: server.register_cuda_shared_memory("r", bytes(IPC_HANDLE_BYTES), 0, 8),
+                 server.check_cuda_shm):
+        with pytest.raises(UnsupportedError, match=message):
+            call()
+    assert server.cuda_shared_memory_status() == []
+    extensions = server.metadata()["extensions"]
+    assert "system_shared_memory" in extensions and "cuda_shared_memory" not in extensions  # type: ignore[operator]
+
+
+def test_status_and_unregister_of_the_other_kind(server: Server, memory: HostRegionMemory) -> None:
+    """One namespace: a status call of one kind for a region of the other says which kind holds it (Triton's
+    answer), and an unregister call of the wrong kind leaves the region alone."""
+    handle, _ = memory.allocate(64)
+    server.register_cuda_shared_memory("gpu", handle, 0, 64)
+    block = shared_memory.SharedMemory(create=True, size=64)
+    try:
+        server.register_system_shared_memory("host", f"/{block.name}", 0, 64)
+        with pytest.raises(NotFoundError, match="'host' is registered as system shared memory, not CUDA shared"):
+            server.cuda_shared_memory_status("host")
+        with pytest.raises(NotFoundError, match="'gpu' is registered as CUDA shared memory, not system shared"):
+            server.system_shared_memory_status("gpu")
+        server.unregister_cuda_shared_memory("host")
+        server.unregister_system_shared_memory("gpu")
+        assert [r.name for r in server.system_shared_memory_status()] == ["host"]
+        assert [r.name for r in server.cuda_shared_memory_status()] == ["gpu"]
+        server.unregister_cuda_shared_memory()
+        assert server.cuda_shared_memory_status() == [] and len(memory.closed) == 1
+        assert [r.name for r in server.system_shared_memory_status()] == ["host"]
+    finally:
+        server.unregister_system_shared_memory()
+        block.close()
+        block.unlink()
+
+
 @pytest.mark.skipif(unavailable_reason() is None, reason="this host can serve CUDA shared memory")
-def test_server_without_cuda_says_why(repo: Path) -> None:
+def test_this_host_without_cuda_says_why(repo: Path) -> None:
+    """The real CUDA IPC opener on a host that cannot use it."""
     server = Server(ServerOptions(repositories=[repo], allow_client_shm=True))
     server.start()
     try:
@@ -309,8 +374,8 @@ def test_server_without_cuda_says_why(repo: Path) -> None:
         assert "system_shared_memory" in extensions and "cuda_shared_memory" not in extensions  # type: ignore[operator]
         with pytest.raises(UnsupportedError, match="CUDA shared memory is not supported on this server: "):
             server.register_cuda_shared_memory("r", bytes(IPC_HANDLE_BYTES), 0, 8)
-        with pytest.raises(UnsupportedError, match="not supported on this server"):
-            server.cuda_shared_memory_status()
+        server.unregister_cuda_shared_memory()
+        assert server.cuda_shared_memory_status() == []
     finally:
         server.close()
 

@@ -17,7 +17,7 @@ import importlib
 import importlib.util
 from typing import Any, Protocol
 
-from kiln.errors import InvalidArgumentError, UnsupportedError
+from kiln.errors import InvalidArgumentError
 
 IPC_HANDLE_BYTES = 64
 """``CUDA_IPC_HANDLE_SIZE``: the size of a ``cudaIpcMemHandle_t``."""
@@ -25,6 +25,9 @@ IPC_HANDLE_BYTES = 64
 
 class RegionMemory(Protocol):
     """Opens and closes the memory of CUDA regions; the registry only ever sees torch tensors."""
+
+    def unavailable_reason(self) -> str | None:
+        """Why no region can be opened on this host, or None when regions can be opened."""
 
     def open(self, handle: bytes, device_id: int, byte_size: int, where: str) -> Any:
         """A 1-D ``torch.uint8`` tensor of ``byte_size`` bytes over the memory ``handle`` names."""
@@ -41,6 +44,7 @@ class _DeviceBuffer:
                                          "strides": None, "version": 3}
 
 
+@functools.cache
 def _opener_module() -> str | None:
     for module in ("cuda.bindings.runtime", "cupy"):
         try:
@@ -67,14 +71,15 @@ def unavailable_reason() -> str | None:
 
 
 class CudaIpcMemory:
-    """The real :class:`RegionMemory`: CUDA IPC through cuda-python, else cupy."""
+    """The real :class:`RegionMemory`: CUDA IPC through cuda-python, else cupy. It can be made on any host, so that
+    a server without CUDA still answers status and unregister calls; :meth:`open` needs a host that can serve CUDA
+    shared memory (the registry checks :meth:`unavailable_reason` first)."""
 
     def __init__(self) -> None:
-        reason = unavailable_reason()
-        if reason is not None:
-            raise UnsupportedError(f"CUDA shared memory is not supported on this server: {reason}")
-        self._module = _opener_module()
         self._pointers: dict[int, tuple[int, int]] = {}  # id(tensor) -> (device pointer, device id)
+
+    def unavailable_reason(self) -> str | None:
+        return unavailable_reason()
 
     def open(self, handle: bytes, device_id: int, byte_size: int, where: str) -> Any:
         import torch
@@ -87,7 +92,7 @@ class CudaIpcMemory:
                                        f"(it has {torch.cuda.device_count()})")
         torch.zeros(1, device=f"cuda:{device_id}")  # torch's (primary) context exists: the handle opens in it
         with torch.cuda.device(device_id):
-            opened = _open_cuda_python if self._module == "cuda.bindings.runtime" else _open_cupy
+            opened = _open_cuda_python if _opener_module() == "cuda.bindings.runtime" else _open_cupy
             pointer, allocation = opened(handle, device_id, where)
             try:
                 if allocation is not None and byte_size > allocation:
@@ -110,7 +115,7 @@ class CudaIpcMemory:
 
         with torch.cuda.device(device_id):
             torch.cuda.synchronize()  # no kernel may still read or write the memory
-            if self._module == "cuda.bindings.runtime":
+            if _opener_module() == "cuda.bindings.runtime":
                 _module("cuda.bindings.runtime").cudaIpcCloseMemHandle(pointer)
             else:
                 _module("cupy").cuda.runtime.ipcCloseMemHandle(pointer)

@@ -8,6 +8,10 @@ host anyway. Outputs asked for in a region are copied into it on the device (dev
 returned device tensors, host-to-device otherwise) and the device is synchronized before the response goes out,
 so the client reads complete data.
 
+On a host that cannot open CUDA IPC handles (no GPU, no cuda-python or cupy, no torch) the registry still exists
+and answers status (no regions) and unregister (nothing to do), as Triton does: the official client examples
+unregister every CUDA region before they start. Only registering a region fails there, saying why.
+
 Safety: every offset and size is checked against the region. A region counts the requests using it, so
 unregistering a busy region waits (bounded) and then fails, instead of closing memory a request still reads;
 device tensors are turned into host arrays before a request lets go of its regions. Unlike system shared memory
@@ -23,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kiln.errors import InvalidArgumentError
+from kiln.errors import InvalidArgumentError, UnsupportedError
 from kiln.server.cuda_ipc import RegionMemory
 from kiln.server.region_table import RegionTable
 from kiln.server.shm import BUSY_TIMEOUT_S, RegionLease, check_window
@@ -68,8 +72,19 @@ class CudaSharedMemoryRegistry:
     def names(self) -> set[str]:
         return self._table.names()
 
+    def available(self) -> bool:
+        """Whether regions can be registered on this host."""
+        return self._memory.unavailable_reason() is None
+
+    def check_available(self) -> None:
+        """Raise :class:`UnsupportedError`, saying why, unless regions can be registered on this host."""
+        reason = self._memory.unavailable_reason()
+        if reason is not None:
+            raise UnsupportedError(f"CUDA shared memory is not supported on this server: {reason}")
+
     def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         """Open the client's IPC handle (``raw_handle``) on ``device_id`` as region ``name`` of ``byte_size``."""
+        self.check_available()
         what = f"CUDA shared memory region '{name}'"
         if not name:
             raise InvalidArgumentError("a CUDA shared memory region needs a non-empty name")
@@ -85,12 +100,12 @@ class CudaSharedMemoryRegistry:
         self._table.add(name, open_region)
 
     def status(self, name: str = "") -> list[CudaRegionStatus]:
-        """Every region (sorted by name), or the one named."""
+        """Every region (sorted by name), or the one named. Also on a host without CUDA, which has none."""
         return [region.status for region in self._table.listed(name)]
 
     def unregister(self, name: str = "") -> None:
-        """Close the region ``name`` (every region when empty); an unknown name is not an error, as in Triton.
-        Waits (bounded) for the requests using it, as system shared memory does."""
+        """Close the region ``name`` (every region when empty); an unknown name is not an error, as in Triton, also
+        on a host without CUDA. Waits (bounded) for the requests using it, as system shared memory does."""
         self._table.unregister(name)
 
     def close(self) -> None:
