@@ -201,6 +201,14 @@ class ModelCatalog:
             raise ModelNotReadyError(f"model '{name}' version {version} is not ready: {found.reason or found.state}")
         return found
 
+    def folder(self, name: str, version: str) -> Path:
+        """The model folder a ready version was loaded from: the repository's, or where an explicit load with
+        files staged it."""
+        loaded = self.resolve(name, version).loaded
+        if loaded is None:  # a READY version always has its loaded model; this guards the type only
+            raise ModelNotReadyError(f"model '{name}' version {version} is not loaded")
+        return loaded.path
+
     def takes_device_tensors(self, request: InferRequest) -> bool:
         """Whether the engine that will run ``request`` computes on torch tensors where they lie; others get host
         copies of CUDA-region inputs."""

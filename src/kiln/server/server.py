@@ -159,6 +159,11 @@ class Server:
     def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
         return self._catalog.metadata(name, version)
 
+    def model_folder(self, name: str, version: str = "") -> Path:
+        """The folder the served ``version`` (default: the newest ready one) was loaded from, which differs from
+        the repository's when an explicit load staged files: what an edge must download to run what is served."""
+        return self._catalog.folder(name, version)
+
     def model_config(self, name: str, version: str = "") -> pb.ModelConfig:
         return self._catalog.config(name, version)
 

@@ -26,7 +26,6 @@ from starlette.responses import Response, StreamingResponse
 
 from kiln.config.parse import CONFIG_FILENAME
 from kiln.errors import InvalidArgumentError, ModelNotFoundError
-from kiln.server.repository import scan_repositories
 from kiln.server.server import Server
 from kiln.server.staging import check_model_name
 from kiln.v2 import http_codec as codec
@@ -92,10 +91,9 @@ class FileEndpoints:
         check_model_name(name)
         if not version.isdigit():
             raise InvalidArgumentError(f"model '{name}': version '{version}' is not a number")
-        self.server.model_metadata(name, version)  # NotFound / NotReady unless this version serves
-        folder = scan_repositories(list(self.server.options.repositories)).models.get(name)
-        if folder is None or not (folder / version).is_dir():
-            raise ModelNotFoundError(f"model '{name}' version {version}: no version folder in the repository")
+        folder = self.server.model_folder(name, version)  # NotFound / NotReady unless this version serves
+        if not (folder / version).is_dir():
+            raise ModelNotFoundError(f"model '{name}' version {version}: its version folder is gone from {folder}")
         return folder, version
 
 

@@ -123,3 +123,22 @@ async def test_api_key_is_required_when_set(server: Server) -> None:
         assert good.status_code == 200
         # The V2 protocol routes stay open: the key guards the download extension only.
         assert (await http.get("/v2/health/ready")).status_code == 200
+
+
+async def test_the_files_listed_are_those_the_server_loaded_not_those_on_disk(tmp_path: Path) -> None:
+    # An explicit load with files serves a version staged outside the model's folder: an edge syncing it must get
+    # the staged model, not the one still on disk under the same version number.
+    write_model(tmp_path / "repo", "ident", onnx_identity_model(), _CONFIG, versions=(1,))
+    staged_model = onnx_identity_model(name="staged").SerializeToString()
+    server = Server(ServerOptions(repositories=[tmp_path / "repo"], control_mode="explicit"))
+    server.start()
+    try:
+        server.load_model("ident", config='{"backend": "onnxruntime"}', files={"file:1/model.onnx": staged_model})
+        async with _client(server, DownloadOptions(enabled=True)) as http:
+            listing = (await http.get(_FILES)).json()
+            model = next(entry for entry in listing if entry["path"] == "1/model.onnx")
+            assert model["sha256"] == hashlib.sha256(staged_model).hexdigest()
+            download = await http.get(_FILES + "/1/model.onnx")
+            assert download.content == staged_model
+    finally:
+        server.close()
