@@ -10,6 +10,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src" / "kiln"
 
 TRANSPORTS = ("starlette", "uvicorn", "grpc", "prometheus_client", "httpx", "kiln.frontends", "kiln.service")
+# The command line is the top: no library module imports it (kiln/cli/ is wiring over them).
+CLI = "kiln.cli"
 
 RULES = {
     "server": TRANSPORTS,
@@ -19,12 +21,15 @@ RULES = {
     "tensor.py": (*TRANSPORTS, "kiln.server", "kiln.engines", "kiln.config"),
     "direct.py": (*TRANSPORTS, "kiln.server"),
     # The builder works on model files and engines; it never needs a server or a transport.
-    "build": (*TRANSPORTS, "kiln.server", "kiln.bench", "kiln.advise"),
+    "build": (*TRANSPORTS, "kiln.server", "kiln.bench", "kiln.advise", CLI),
     # advise reads result files; bench is a client and drives servers only through their protocols or Server.
-    "advise": (*TRANSPORTS, "kiln.server", "kiln.engines", "kiln.build", "kiln.bench"),
-    "bench": ("kiln.frontends.http", "kiln.service", "starlette", "uvicorn", "kiln.build", "kiln.advise"),
+    "advise": (*TRANSPORTS, "kiln.server", "kiln.engines", "kiln.build", "kiln.bench", CLI),
+    "bench": ("kiln.frontends.http", "kiln.service", "starlette", "uvicorn", "kiln.build", "kiln.advise", CLI),
     # The edge runs an engine and an HTTP endpoint of its own; it never runs the server's service or builds.
-    "edge": ("kiln.service", "kiln.build", "kiln.advise"),
+    "edge": ("kiln.service", "kiln.build", "kiln.advise", CLI),
+    # The A/B report and the capture export read a server's answers and its capture store; they run no server.
+    "ab": (*TRANSPORTS, "kiln.build", "kiln.bench", "kiln.advise", "kiln.edge", CLI),
+    "capture": (*TRANSPORTS, "kiln.build", "kiln.bench", "kiln.advise", "kiln.edge", CLI),
 }
 
 
