@@ -49,6 +49,11 @@ class Flag:
     required: bool = False
     default: Any = FIELD_DEFAULT  # the command's default where it differs from the field's (the API's)
 
+    @property
+    def spelling(self) -> str:
+        """The name written out: the first long one (``--measurement-interval`` rather than ``-p``)."""
+        return next((name for name in self.names if name.startswith("--")), self.names[0])
+
 
 def flag(*names: str, help: str | None = None, metavar: str | None = None, choices: tuple[str, ...] | None = None,
          parse: Callable[[str], Any] | None = None, form: Form = "value", env: str | None = None,
@@ -110,12 +115,12 @@ def command_words(options: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
             positionals.append(_text(value))
         elif declared.form in ("switch", "negated_switch"):
             if value == (declared.form == "switch"):
-                flags.append(declared.names[-1])
+                flags.append(declared.spelling)
         elif isinstance(value, (list, tuple)) and declared.parse is None:  # a repeated flag
             for item in value:
-                flags += [declared.names[-1], _text(item)]
+                flags += [declared.spelling, _text(item)]
         else:
-            flags += [declared.names[-1], _text(value)]
+            flags += [declared.spelling, _text(value)]
     return positionals + flags
 
 

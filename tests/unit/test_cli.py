@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from kiln._flags import Flag
+from kiln._flags import Flag, command_words
 from kiln.bench.compare import CompareOptions
+from kiln.bench.compare_run import command_line
 from kiln.cli import bench as cli_bench
 from kiln.cli import main, make_parser
 from kiln.cli._arguments import declared_fields
@@ -98,6 +99,17 @@ def test_compare_flags_are_the_compare_parsers(capsys: pytest.CaptureFixture[str
     assert "usage: kiln bench compare" in capsys.readouterr().err
 
 
+def test_a_comparison_written_out_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
+    """The report's command line (every setting spelled out) repeats the same comparison."""
+    (tmp_path / "simple").mkdir()
+    options = CompareOptions(model="simple", model_repository=tmp_path, concurrency=(3, 5), models=2,
+                             protocol="grpc", batching="on", measurement_interval_ms=700, max_trials=4,
+                             stability_percentage=12.5, device="gpu", client_processes=2, seed=7)
+    line = command_line(options)
+    assert line[:4] == ["kiln", "bench", "compare", "simple"] and "--measurement-interval" in line
+    assert cli_bench.compare_options(make_parser().parse_args(line[1:])) == options
+
+
 def test_bench_compare_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nowhere"
     assert main(["bench", "compare", "simple", "--model-repository", str(missing)]) == 1
@@ -176,6 +188,21 @@ def test_every_serve_flag_reaches_the_options_the_service_runs_with(tmp_path: Pa
     service = Service(options)
     assert service.server.options is options.server
     assert service.server._manager.options is options.server
+
+
+def test_serve_options_written_out_as_flags_parse_back_to_themselves(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "cert.pem").write_text("")
+    options = ServiceOptions(ServerOptions(repositories=[tmp_path / "a", tmp_path / "b"], control_mode="explicit",
+                                           load_models=("x", "y"), cpu_threads=2, allow_client_shm=True),
+                             http_port=9000, allow_grpc=False, exit_timeout_s=2.5,
+                             metrics_config=("counter_latencies=false", "summary_latencies=true"),
+                             allow_model_download=True, api_key="key", https_certfile=tmp_path / "cert.pem",
+                             log_format="ISO8601")
+    received: list[ServiceOptions] = []
+    monkeypatch.setattr("kiln.service.run_service", lambda options: received.append(options) or 0)
+    assert main(["serve", *command_words(options)]) == 0
+    assert received == [options]
 
 
 def test_every_serve_argument_is_declared_on_the_options() -> None:

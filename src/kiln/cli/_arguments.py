@@ -108,10 +108,10 @@ def _build(options_class: type[Any], args: argparse.Namespace, given: dict[str, 
             values[field.name] = _build(hint, args, given)
         elif flag_of(field) is not None:
             value = getattr(args, field.name)
-            if isinstance(value, list):  # a repeated flag: the field's own sequence type
-                value = value if typing.get_origin(_strip_none(hint)) is list else tuple(value)
-            if value is not None or not _repeated(field, hint):  # a repeated flag not given: the field's default
+            if not _repeated(field, hint):
                 values[field.name] = value
+            elif value is not None:  # the values given, as the field's own sequence type (none: its default)
+                values[field.name] = value if typing.get_origin(_strip_none(hint)) is list else tuple(value)
     return options_class(**values)
 
 
