@@ -16,8 +16,6 @@ import socket
 import ssl
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -34,42 +32,10 @@ from kiln.frontends.http.capture import CaptureOptions
 from kiln.frontends.http.files import DownloadOptions
 from kiln.frontends.metrics import METRICS_CONTENT_TYPE, MetricsOptions, metrics_registry, render_metrics
 from kiln.server.capture import CaptureStore
-from kiln.server.server import Server, ServerOptions
+from kiln.server.server import Server
+from kiln.service_options import ServiceOptions
 
 log = logging.getLogger("kiln.service")
-
-
-@dataclass(frozen=True)
-class ServiceOptions:
-    repositories: list[Path] = field(default_factory=list)
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    allow_http: bool = True
-    allow_grpc: bool = True
-    allow_metrics: bool = True
-    http_max_input_size: int = 64 * 2**20
-    grpc_max_message_bytes: int = 2**31 - 1
-    grpc_workers: int = 0  # gRPC in this many worker processes (0: in this process)
-    exit_timeout_s: float = 30.0
-    strict_readiness: bool = True
-    cpu_threads: int | None = None
-    control_mode: str = "none"
-    load_models: tuple[str, ...] = ()
-    repository_poll_secs: float = 15.0
-    exit_on_error: bool = True
-    model_load_thread_count: int = 4
-    allow_client_shm: bool = False
-    allow_model_download: bool = False
-    api_key: str | None = None  # required by the model-download and capture endpoints when set
-    capture_dir: Path | None = None  # where captured samples go; None turns the capture endpoint off
-    capture_max_bytes: int = 1024 * 2**20
-    # TLS on the HTTP frontend (gRPC and metrics stay plain); with a client CA, client certificates are required.
-    https_certfile: Path | None = None
-    https_keyfile: Path | None = None
-    https_client_ca: Path | None = None
-    metrics: MetricsOptions = field(default_factory=MetricsOptions)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -99,10 +65,7 @@ class _Uvicorn(uvicorn.Server):
 class Service:
     def __init__(self, options: ServiceOptions) -> None:
         self.options = options
-        self.server = Server(ServerOptions(
-            repositories=options.repositories, strict_readiness=options.strict_readiness,
-            cpu_threads=options.cpu_threads, control_mode=options.control_mode, load_models=options.load_models,
-            model_load_thread_count=options.model_load_thread_count, allow_client_shm=options.allow_client_shm))
+        self.server = Server(options.server)
         self._stop = asyncio.Event()
         self._signals = 0
         self.bound: dict[str, int] = {}
@@ -145,7 +108,7 @@ class Service:
         await _wait_started([u for u in (http, metrics) if u is not None], tasks)
         self._record_ports(http, metrics)
         self._log_startup(time.monotonic() - started)
-        watcher = asyncio.create_task(self._poll()) if self.options.control_mode == "poll" else None
+        watcher = asyncio.create_task(self._poll()) if self.options.server.control_mode == "poll" else None
         await self._stop.wait()
         if watcher is not None:
             watcher.cancel()
@@ -224,7 +187,7 @@ class Service:
             return CaptureOptions(api_key=self.options.api_key)
         store = CaptureStore(self.options.capture_dir, self.options.capture_max_bytes)
         log.info("capturing edge samples into %s (at most %d MiB)", self.options.capture_dir,
-                 self.options.capture_max_bytes >> 20)
+                 self.options.capture_max_mb)
         return CaptureOptions(store, self.options.api_key)
 
     def _log_models(self) -> None:

@@ -4,7 +4,6 @@ the assertions are about what was measured, never about how fast this machine is
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 from collections.abc import Iterator
@@ -13,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kiln.bench import BenchOptions, BenchResult, LevelResult, run
-from kiln.bench.cli import add_bench_arguments, run_bench
 from kiln.bench.targets import RequestFailedError
 from kiln.bench.targets.remote import listening_pid, split_url
+from kiln.cli import main
 from kiln.demo import build_demo_repository
 from kiln.errors import InvalidArgumentError, NotFoundError
 from kiln.testing.serve import KilnProcess, kiln_serve
@@ -236,13 +235,10 @@ def test_direct_bench_of_a_python_model_with_string_tensors(repo: Path) -> None:
 
 def test_bench_starts_kiln_serve_itself_and_the_cli_writes_json_and_csv(
         repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    parser = argparse.ArgumentParser(prog="kiln bench")
-    add_bench_arguments(parser)
     out_json, out_csv = tmp_path / "bench.json", tmp_path / "bench.csv"
-    args = parser.parse_args(["-m", "simple", "--target", "http", "--model-repository", str(repo),
-                              "--concurrency", "2", "-p", "200", "-r", "3", "-s", "100",
-                              "--json", str(out_json), "--csv", str(out_csv), "--quiet"])
-    assert run_bench(args) == 0
+    assert main(["bench", "-m", "simple", "--target", "http", "--model-repository", str(repo), "--concurrency", "2",
+                 "-p", "200", "-r", "3", "-s", "100", "--json", str(out_json), "--csv", str(out_csv),
+                 "--quiet"]) == 0
     stdout, stderr = capsys.readouterr()
     assert "Request concurrency: 2" in stdout and "Summary" in stdout
     assert "kiln bench: concurrency" not in stderr  # --quiet

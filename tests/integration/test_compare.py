@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 
 from kiln.bench.compare import CompareOptions, Comparison, write_repository
-from kiln.bench.compare_cli import add_compare_arguments, command_line, options_from_args
+from kiln.bench.compare_run import command_line
 from kiln.bench.report import PLOTS, write_report
+from kiln.cli import make_parser
+from kiln.cli.bench import compare_options
 from kiln.config.parse import read_config
 from kiln.demo import build_demo_repository
 from kiln.errors import InvalidArgumentError, UnavailableError
@@ -45,9 +47,8 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def parse(repo: Path, *extra: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_compare_arguments(parser)
-    return parser.parse_args([*ARGS, "--model-repository", str(repo), *extra])
+    """`kiln bench compare ARGS --model-repository REPO EXTRA` as parsed."""
+    return make_parser().parse_args(["bench", "compare", *ARGS, "--model-repository", str(repo), *extra])
 
 
 PROGRESS: list[dict[str, Any]] = []
@@ -55,11 +56,11 @@ PROGRESS: list[dict[str, Any]] = []
 
 @pytest.fixture(scope="module")
 def compared(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[int], Path]:
-    args = parse(repo)
-    comparison = Comparison(options_from_args(args))
+    options = compare_options(parse(repo))
+    comparison = Comparison(options)
     doc = comparison.run(on_progress=PROGRESS.append)
     out = tmp_path_factory.mktemp("report")
-    write_report(doc, out, command_line(args))
+    write_report(doc, out, command_line(options))
     return doc, comparison.pids, out
 
 
@@ -154,11 +155,9 @@ def _cmdline(process: psutil.Process) -> list[str]:
 
 def test_stopping_compare_midway_stops_its_servers(repo: Path, tmp_path: Path) -> None:
     """SIGTERM while a `kiln serve` runs: compare unwinds and leaves no process behind."""
-    code = ("import argparse, sys; from kiln.bench.compare_cli import run_compare, add_compare_arguments; "
-            "p = argparse.ArgumentParser(); add_compare_arguments(p); "
-            "sys.exit(run_compare(p.parse_args(sys.argv[1:])))")
-    command = [sys.executable, "-c", code, "simple", "--model-repository", str(repo), "--models", "1",
-               "--concurrency", "1", "--batching", "off", "-p", "250", "-r", "3", "--output", str(tmp_path / "out")]
+    command = [sys.executable, "-m", "kiln.cli", "bench", "compare", "simple", "--model-repository", str(repo),
+               "--models", "1", "--concurrency", "1", "--batching", "off", "-p", "250", "-r", "3", "--output",
+               str(tmp_path / "out")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     with open(tmp_path / "compare.log", "wb") as log:
         compare = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -195,7 +194,7 @@ def _wait_for_server(pid: int, timeout_s: float = 60.0) -> set[int]:
 def test_peers_send_from_as_many_processes_as_the_measured_model(repo: Path, tmp_path: Path) -> None:
     args = parse(repo, "--concurrency", "2", "--batching", "on", "--client-processes", "2",
                  "--output", str(tmp_path / "out"))
-    comparison = Comparison(options_from_args(args))
+    comparison = Comparison(compare_options(args))
     senders: list[int] = []
     done = threading.Event()
 
@@ -242,17 +241,17 @@ def test_batching_variants_rewrite_only_the_config(repo: Path, tmp_path: Path) -
 
 def test_bad_arguments_fail_before_any_process_starts(repo: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="--models must be >= 1"):
-        options_from_args(parse(repo, "--models", "0"))
+        compare_options(parse(repo, "--models", "0"))
     with pytest.raises(InvalidArgumentError, match="has no folder"):
         CompareOptions(model="nope", model_repository=repo)
     with pytest.raises(InvalidArgumentError, match="--measurement-interval"):
-        options_from_args(parse(repo, "-p", "0"))
-    assert command_line(parse(repo))[:4] == ["kiln", "bench", "compare", "simple"]
+        compare_options(parse(repo, "-p", "0"))
+    assert command_line(compare_options(parse(repo)))[:4] == ["kiln", "bench", "compare", "simple"]
     with pytest.raises(InvalidArgumentError, match="--client-processes must be >= 1"):
-        options_from_args(parse(repo, "--client-processes", "0"))
-    line = command_line(parse(repo, "--client-processes", "3"))
+        compare_options(parse(repo, "--client-processes", "0"))
+    line = command_line(compare_options(parse(repo, "--client-processes", "3")))
     assert line[line.index("--client-processes") + 1] == "3"
-    assert options_from_args(parse(repo, "--client-processes", "3")).client_processes == 3
+    assert compare_options(parse(repo, "--client-processes", "3")).client_processes == 3
 
 
 def test_report_renders_in_headless_chromium(compared: tuple[dict[str, Any], list[int], Path]) -> None:

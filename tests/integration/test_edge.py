@@ -204,7 +204,7 @@ def test_kiln_edge_process_serves_v2_infer_to_tritonclient(repo: Path, cloud: Ki
                                                            rows: tuple[float, Array, Array]) -> None:
     threshold, confident, uncertain = rows
     port = free_port()
-    command = [sys.executable, "-m", "kiln.edge", str(repo / "mlp"), "--cloud-url", cloud.http_url,
+    command = [sys.executable, "-m", "kiln.cli", "edge", str(repo / "mlp"), "--cloud-url", cloud.http_url,
                "--max-prob-below", str(threshold), "--port", str(port)]
     with open(tmp_path / "edge.log", "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

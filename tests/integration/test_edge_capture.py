@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kiln
-from kiln.capture_cli import export_samples
+from kiln.capture import export_samples
 from kiln.demo.models import build_mlp
 from kiln.demo.repository import render_config
 from kiln.edge import EdgeRunner, Policy

@@ -6,7 +6,6 @@ another CA) are made with the openssl command line for each test module."""
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import ssl
 import subprocess
@@ -18,12 +17,15 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from kiln.cli import edge as cli_edge
+from kiln.cli import make_parser
 from kiln.demo.models import build_mlp
 from kiln.demo.repository import render_config
 from kiln.edge import EdgeRunner, Policy
 from kiln.edge.capture import ACKED, CaptureQueue, CaptureUploader
-from kiln.edge.cli import add_edge_arguments, tls_from_args
+from kiln.edge.options import EdgeOptions
 from kiln.edge.runner import CLOUD, LOCAL_CLOUD_ERROR, LOCAL_CLOUD_UNREACHABLE
+from kiln.edge.serve import tls_context
 from kiln.edge.sync import HttpSyncSource
 from kiln.edge.tls import client_context, cloud_endpoint, split_url
 from kiln.engines.base import Array
@@ -146,8 +148,8 @@ def test_an_edge_that_does_not_trust_the_server_answers_locally(pki: Path, repo:
 
 def test_kiln_edge_process_forwards_over_mtls(pki: Path, repo: Path, cloud: str, tmp_path: Path) -> None:
     port = free_port()
-    command = [sys.executable, "-m", "kiln.edge", str(repo / "mlp"), "--cloud-url", cloud, "--max-prob-below", "1.1",
-               "--cloud-ca", str(pki / "ca.pem"), "--cloud-cert", str(pki / "client.pem"),
+    command = [sys.executable, "-m", "kiln.cli", "edge", str(repo / "mlp"), "--cloud-url", cloud, "--max-prob-below",
+               "1.1", "--cloud-ca", str(pki / "ca.pem"), "--cloud-cert", str(pki / "client.pem"),
                "--cloud-key", str(pki / "client.key"), "--port", str(port)]
     with open(tmp_path / "edge.log", "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
@@ -171,25 +173,24 @@ def test_tritonclient_speaks_mtls_to_kiln_serve(pki: Path, cloud: str) -> None:
     client.close()
 
 
-def _edge_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_edge_arguments(parser)
-    return parser.parse_args(["model.onnx", *argv])
+def _edge_args(*argv: str) -> EdgeOptions:
+    """The options `kiln edge model.onnx ARGV` runs with."""
+    return cli_edge.edge_options(make_parser().parse_args(["edge", "model.onnx", *argv]))
 
 
 def test_tls_flags_need_an_https_url(pki: Path) -> None:
     with pytest.raises(ConfigError, match="need an https:// --cloud-url"):
-        tls_from_args(_edge_args("--cloud-url", "http://127.0.0.1:1", "--cloud-ca", str(pki / "ca.pem")))
+        tls_context(_edge_args("--cloud-url", "http://127.0.0.1:1", "--cloud-ca", str(pki / "ca.pem")))
     with pytest.raises(ConfigError, match="plain http, but TLS settings"):
         HttpSyncSource("127.0.0.1:1", tls=client_context(pki / "ca.pem"))
     with pytest.raises(ConfigError, match="needs its client certificate"):
         client_context(key=pki / "client.key")
-    assert tls_from_args(_edge_args("--cloud-url", "https://127.0.0.1:1")) is None
+    assert tls_context(_edge_args("--cloud-url", "https://127.0.0.1:1")) is None
     assert split_url("https://cloud.example") == ("https", "cloud.example", 443)
     assert cloud_endpoint("https://cloud.example:9443").context is not None  # the system's CAs
     with pytest.raises(ConfigError, match="cloud url 'ftp://cloud:21'"):
         split_url("ftp://cloud:21")
-    assert tls_from_args(_edge_args("--cloud-url", "https://127.0.0.1:1", "--cloud-ca", str(pki / "ca.pem"))) \
+    assert tls_context(_edge_args("--cloud-url", "https://127.0.0.1:1", "--cloud-ca", str(pki / "ca.pem"))) \
         is not None
 
 

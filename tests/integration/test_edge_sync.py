@@ -8,7 +8,6 @@ READY and listed); the edge downloads bytes that do not load, rejects the versio
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import threading
 import time
@@ -19,10 +18,13 @@ import numpy as np
 import pytest
 
 import kiln
+from kiln.cli import edge as cli_edge
+from kiln.cli import make_parser
 from kiln.demo.models import build_mlp
 from kiln.demo.repository import render_config
 from kiln.edge import EdgeRunner, Policy
-from kiln.edge.cli import add_edge_arguments, start_sync
+from kiln.edge.options import EdgeOptions
+from kiln.edge.serve import start_sync
 from kiln.edge.sync import HttpSyncSource, ModelSync, SyncOptions
 from kiln.errors import KilnError
 from kiln.testing.repo import write_model
@@ -89,11 +91,9 @@ def test_published_version_reaches_the_edge_and_a_corrupt_one_is_rejected(tmp_pa
         with pytest.raises(KilnError, match="401"):  # the download endpoints want the key
             HttpSyncSource(cloud.http_url).list_files("mlp", 1)
         source = HttpSyncSource(cloud.http_url, api_key=KEY)
-        parser = argparse.ArgumentParser()
-        add_edge_arguments(parser)
-        args = parser.parse_args([str(edge_dir), "--cloud-url", cloud.http_url, "--sync-interval-s", str(INTERVAL_S),
-                                  "--cloud-api-key", KEY, "--probation-requests", "1"])
-        sync = start_sync(args, edge)  # what `kiln edge` runs
+        options = edge_options(str(edge_dir), "--cloud-url", cloud.http_url, "--sync-interval-s", str(INTERVAL_S),
+                               "--cloud-api-key", KEY, "--probation-requests", "1")
+        sync = start_sync(options, edge)  # what `kiln edge` runs
         assert sync is not None
         load = Traffic(edge, x)
         try:
@@ -126,3 +126,8 @@ def test_published_version_reaches_the_edge_and_a_corrupt_one_is_rejected(tmp_pa
         assert edge.version == "2"
         assert not (edge_dir / "3").exists()
         np.testing.assert_allclose(edge.infer(x).outputs["OUTPUT0"], v2, rtol=1e-6)
+
+
+def edge_options(*argv: str) -> EdgeOptions:
+    """The options `kiln edge ARGV` runs with."""
+    return cli_edge.edge_options(make_parser().parse_args(["edge", *argv]))

@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "kiln"
 
 BASE = {"errors", "tensor"}
 PROTOCOL = BASE | {"v2", "_proto_pool"}
-MODELS = PROTOCOL | {"config", "engines", "direct", "_files"}
+MODELS = PROTOCOL | {"config", "engines", "direct", "_files", "_flags"}
 # Product areas beside the server use the protocol, the engines, the direct API and the public API (``kiln``:
 # ``kiln.load``, ``kiln.Server``); a server only as a child process (serve_process) or through the client.
 PRODUCT = MODELS | {"kiln", "serve_process"}
@@ -30,6 +30,7 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "errors": (set(), set()),
     "tensor": ({"errors"}, {"numpy", "ml_dtypes"}),
     "_files": (set(), set()),
+    "_flags": ({"errors"}, set()),
     "_proto_pool": (set(), {"google"}),
     "v2": (BASE | {"_proto_pool"}, {"numpy", "orjson", "google", "grpc", "starlette"}),
     "config": (PROTOCOL | {"_files"}, {"numpy", "onnx", "google"}),
@@ -38,7 +39,9 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "server": (MODELS | {"kiln"}, {"numpy", "google", "torch"}),
     "frontends": (PROTOCOL | {"config", "server", "kiln"}, {"numpy", "starlette", "grpc", "grpc_health",
                                                              "prometheus_client", "psutil", "uvloop", "pynvml"}),
-    "service": (PROTOCOL | {"config", "server", "frontends", "kiln"}, {"starlette", "uvicorn", "uvloop"}),
+    "service": (PROTOCOL | {"config", "server", "frontends", "service_options", "kiln"},
+                {"starlette", "uvicorn", "uvloop"}),
+    "service_options": (PROTOCOL | {"_flags", "server", "frontends"}, set()),
     "serve_process": (PROTOCOL, set()),
     "build": (MODELS, {"numpy", "onnx", "onnxruntime", "torch", "tensorrt"}),
     "bench": (PRODUCT, {"numpy", "grpc", "matplotlib", "psutil", "uvloop", "pynvml"}),
@@ -46,11 +49,13 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "edge": (PRODUCT, {"numpy", "starlette", "uvicorn"}),
     "demo": ({"_files", "errors", "tensor"}, {"numpy", "onnx", "triton_python_backend_utils"}),
     "testing": (PRODUCT | {"demo"}, {"numpy", "onnx"}),
+    # The A/B report and the capture export read what a server wrote (its capture store, with the server's own
+    # reader) and compare outputs as its shadow traffic does; they run no server and talk to one by the client.
+    "ab": (PRODUCT | {"server"}, {"numpy"}),
+    "capture": (PRODUCT | {"server"}, {"numpy"}),
     # The commands wire everything together; nothing imports them.
-    "cli": (PRODUCT | {"server", "frontends", "service", "build", "bench", "advise", "edge", "demo", "ab_cli",
-                       "capture_cli"}, {"numpy"}),
-    "ab_cli": (PRODUCT | {"server"}, {"numpy"}),
-    "capture_cli": (PRODUCT | {"server"}, {"numpy"}),
+    "cli": (PRODUCT | {"server", "frontends", "service", "service_options", "build", "bench", "advise", "edge",
+                       "demo", "ab", "capture"}, {"numpy"}),
     "__init__": ({"errors", "tensor", "direct", "engines", "server", "build"}, set()),
 }
 

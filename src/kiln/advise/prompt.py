@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from kiln._flags import checked, flag
 from kiln.advise.inputs import UPDATE_FREQUENCIES, Inputs, parse_budget, parse_count, parse_frequency
 from kiln.errors import InvalidArgumentError
 
@@ -14,12 +15,21 @@ ATTEMPTS = 3
 
 @dataclass(frozen=True)
 class Given:
-    """The inputs as typed on the command line (None: flag not given); parsed like prompt answers."""
+    """The inputs as typed on the command line (None: flag not given); parsed like prompt answers. Their flags
+    check the text with the same parsers and keep it."""
 
-    latency_budget_ms: str | None = None
-    models: str | None = None
-    update_frequency: str | None = None
-    concurrency: str | None = None
+    latency_budget_ms: str | None = field(default=None, metadata=flag(
+        "--latency-budget-ms", parse=checked(parse_budget), metavar="MS|none",
+        help="the p99 latency the caller can afford, in ms ('none': no budget)"))
+    models: str | None = field(default=None, metadata=flag(
+        "--models", parse=checked(lambda text: parse_count(text, "models")), metavar="N",
+        help="how many models the service hosts"))
+    update_frequency: str | None = field(default=None, metadata=flag(
+        "--update-frequency", parse=checked(parse_frequency), metavar="|".join(UPDATE_FREQUENCIES),
+        help="how often a new model version ships"))
+    concurrency: str | None = field(default=None, metadata=flag(
+        "--concurrency", parse=checked(lambda text: parse_count(text, "concurrency")), metavar="N",
+        help="requests in flight at once; picks the measured row the evidence rules read (default 1)"))
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln._flags import flag
 from kiln.bench.data import build_requests
 from kiln.bench.machine import machine_info
-from kiln.bench.options import BenchOptions
+from kiln.bench.options import BenchOptions, parse_list
 from kiln.bench.records import Level, Recorder
 from kiln.bench.resources import MIB, ByteReader, gpu_reader, rss_reader
 from kiln.bench.result import BenchResult, LevelResult
@@ -46,6 +47,8 @@ from kiln.serve_process import free_port, wait_ready
 from kiln.v2._generated import model_config_pb2 as pb
 
 PROTOCOLS = ("http", "grpc")
+BATCHING = {"both": (False, True), "on": (True,), "off": (False,)}  # --batching: the variants measured
+MEASUREMENT = "measurement (short by default; raise them for publishable figures)"  # the --help section
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 120.0
 SCENARIOS = ("direct", "served", "served_with_others")
@@ -57,18 +60,39 @@ Note = Callable[[str], None]
 class CompareOptions:
     """One comparison. ``models`` counts the other models loaded beside the measured one."""
 
-    model: str
-    model_repository: Path
-    concurrency: tuple[int, ...] = (1, 8, 16)
-    models: int = 3
-    protocol: str = "http"
-    batching: tuple[bool, ...] = (False, True)
-    measurement_interval_ms: int = 1000
-    max_trials: int = 5
-    stability_percentage: float = 10.0
-    device: str = "cpu"
-    client_processes: int = 1  # served scenarios: processes sending the measured model's requests, and each peer's
-    seed: int = 0
+    model: str = field(metadata=flag(metavar="MODEL", help="the model to measure: a folder name in "
+                                                             "--model-repository"))
+    model_repository: Path = field(metadata=flag(
+        "--model-repository", required=True, metavar="REPO",
+        help="the repository holding MODEL (left untouched: served scenarios use temporary repositories that link "
+             "its files)"))
+    concurrency: tuple[int, ...] = field(default=(1, 8, 16), metadata=flag(
+        "--concurrency", parse=lambda text: parse_list(text, "--concurrency"), metavar="N,N,...",
+        help="concurrency levels, for every scenario (default 1,8,16)"))
+    models: int = field(default=3, metadata=flag(
+        "--models", metavar="N", help="other models served beside MODEL, copies of it all receiving traffic "
+                                      "(default 3)"))
+    protocol: str = field(default="http", metadata=flag(
+        "--protocol", choices=PROTOCOLS, help="how served scenarios are reached (default http, binary tensors: the "
+                                              "faster of the two through kiln's Python clients)"))
+    batching: str = field(default="both", metadata=flag(  # see BATCHING
+        "--batching", choices=tuple(sorted(BATCHING)),
+        help="served scenarios with dynamic_batching on, off, or both (default both)"))
+    measurement_interval_ms: int = field(default=1000, metadata=flag(
+        "-p", "--measurement-interval", metavar="MS", group=MEASUREMENT, help="window length (default 1000)"))
+    max_trials: int = field(default=5, metadata=flag(
+        "-r", "--max-trials", group=MEASUREMENT, help="most windows per level (default 5)"))
+    stability_percentage: float = field(default=10.0, metadata=flag(
+        "-s", "--stability-percentage", group=MEASUREMENT, help="last 3 windows within this %% = stable (default 10)"))
+    device: str = field(default="cpu", metadata=flag(
+        "--device", choices=("config", "cpu", "gpu"), default="config", group=MEASUREMENT,
+        help="direct: where the engine runs (config: where its instance group puts it)"))
+    # Served scenarios: processes sending the measured model's requests, and each peer's.
+    client_processes: int = field(default=1, metadata=flag(
+        "--client-processes", metavar="N", group=MEASUREMENT,
+        help="served scenarios: send the measured model's requests, and each peer's, from N processes (large "
+             "tensors: one Python client process is slower than the server)"))
+    seed: int = field(default=0, metadata=flag("--seed", group=MEASUREMENT, help="seed of the random input data"))
     work_dir: Path | None = None  # where temporary repositories and logs go (default: a fresh temporary folder)
 
     def __post_init__(self) -> None:
@@ -79,8 +103,8 @@ class CompareOptions:
         if self.models < 1:
             raise InvalidArgumentError(f"--models must be >= 1 (the other models beside '{self.model}'), "
                                        f"got {self.models}")
-        if not self.batching:
-            raise InvalidArgumentError("at least one batching variant (with or without) must be measured")
+        if self.batching not in BATCHING:
+            raise InvalidArgumentError(f"--batching is '{self.batching}'; expected one of: {', '.join(BATCHING)}")
         if self.client_processes < 1:
             raise InvalidArgumentError(f"--client-processes must be >= 1, got {self.client_processes}")
         self.bench_options()  # the measurement settings, checked before any process starts
@@ -222,7 +246,7 @@ class Comparison:
         partial), so a run stopped midway still leaves what it measured."""
         opts = self.options
         config = base_config(opts.model_repository / opts.model)
-        batching = list(opts.batching)
+        batching = list(BATCHING[opts.batching])
         if config.max_batch_size == 0 and True in batching:
             batching.remove(True)
             self.notes.append(f"model '{opts.model}' has max_batch_size 0: dynamic batching cannot apply, so only "

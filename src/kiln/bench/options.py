@@ -6,11 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln._flags import flag
 from kiln.errors import InvalidArgumentError
 
 TARGETS = ("direct", "inprocess", "http", "grpc")
 DISTRIBUTIONS = ("constant", "poisson")
 TENSOR_FORMATS = ("binary", "json")
+DEFAULT_URLS = {"http": "localhost:8000", "grpc": "localhost:8001"}
 
 DEFAULT_MEASUREMENT_INTERVAL_MS = 2000
 """perf_analyzer measures 5000 ms windows. A level needs at least 3 windows to be called stable, so 2000 ms keeps a
@@ -29,29 +31,65 @@ class BenchOptions:
     over ``model_repository`` when no URL is given.
     """
 
-    model: str
-    target: str = "direct"
-    url: str | None = None
-    model_repository: Path | None = None
-    model_version: str = ""
+    model: str = field(metadata=flag("-m", "--model", help="model name (direct: also a model file or folder)"))
+    target: str = field(default="direct", metadata=flag(
+        "--target", choices=TARGETS, default="http",
+        help="direct: kiln.load in this process, N threads; inprocess: kiln.Server in this process, no network; "
+             "http / grpc: a KServe V2 server (default http)"))
+    url: str | None = field(default=None, metadata=flag(
+        "-u", "--url", help="http/grpc server host:port (default localhost:8000 / localhost:8001; with "
+                            "--model-repository and no URL, kiln bench starts `kiln serve`)"))
+    model_repository: Path | None = field(default=None, metadata=flag(
+        "--model-repository", help="repository holding the model (inprocess; direct: <repo>/<model>; http/grpc "
+                                   "without -u: the repository of the `kiln serve` kiln bench starts)"))
+    model_version: str = field(default="", metadata=flag(
+        "-x", "--model-version", help="model version (default: the newest served)"))
     concurrency: tuple[int, ...] = ()  # neither this nor request_rates: concurrency 1
     request_rates: tuple[float, ...] = ()
-    request_distribution: str = "constant"
-    latency_threshold_ms: float | None = None  # stop the sweep after the first level whose avg latency exceeds it
-    measurement_interval_ms: int = DEFAULT_MEASUREMENT_INTERVAL_MS
-    stability_percentage: float = 10.0
-    max_trials: int = 10
-    batch_size: int = 1
-    input_data: str = "random"  # random | zero | path to .npz or perf_analyzer JSON
+    request_distribution: str = field(default="constant", metadata=flag(
+        "--request-distribution", choices=DISTRIBUTIONS, group="load",
+        help="gaps between request-rate sends (default constant)"))
+    # Stop the sweep after the first level whose avg latency exceeds it.
+    latency_threshold_ms: float | None = field(default=None, metadata=flag(
+        "-l", "--latency-threshold", metavar="MS", group="load",
+        help="stop the sweep after a level whose average latency exceeds this"))
+    measurement_interval_ms: int = field(default=DEFAULT_MEASUREMENT_INTERVAL_MS, metadata=flag(
+        "-p", "--measurement-interval", metavar="MS", group="measurement",
+        help=f"window length (default {DEFAULT_MEASUREMENT_INTERVAL_MS})"))
+    stability_percentage: float = field(default=10.0, metadata=flag(
+        "-s", "--stability-percentage", group="measurement",
+        help="last 3 windows within this %% on throughput and latency = stable (default 10)"))
+    max_trials: int = field(default=10, metadata=flag(
+        "-r", "--max-trials", group="measurement", help="most windows per level (default 10)"))
+    batch_size: int = field(default=1, metadata=flag(
+        "-b", "--batch-size", group="input data", help="batch size of each request (default 1)"))
+    input_data: str = field(default="random", metadata=flag(  # random | zero | path to .npz or perf_analyzer JSON
+        "--input-data", metavar="random|zero|FILE", group="input data",
+        help="random (default), zero, a .npz (one array per input, samples first) or perf_analyzer's .json format"))
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    input_tensor_format: str = "binary"  # http only
-    output_tensor_format: str = "binary"  # http only
-    max_outstanding: int = 64  # request-rate mode: sends beyond this many in flight are dropped
-    server_pid: int | None = None
-    device: str = "config"  # direct: EngineOptions.kind, or "config" for the instance group's
-    intra_op_threads: int | None = None  # direct: EngineOptions.intra_op_threads
-    client_processes: int = 1  # http, grpc: processes that share each level's concurrency (targets/processes.py)
-    seed: int = 0
+    input_tensor_format: str = field(default="binary", metadata=flag(
+        "--input-tensor-format", choices=TENSOR_FORMATS, group="input data", help="http only"))
+    output_tensor_format: str = field(default="binary", metadata=flag(
+        "--output-tensor-format", choices=TENSOR_FORMATS, group="input data", help="http only"))
+    # Request-rate mode: sends beyond this many in flight are dropped.
+    max_outstanding: int = field(default=64, metadata=flag(
+        "--max-outstanding", group="load",
+        help="request-rate mode: sends due while this many are in flight are dropped (default 64)"))
+    server_pid: int | None = field(default=None, metadata=flag(
+        "--server-pid", group="output",
+        help="http/grpc: the server process whose memory to sample (default: found on localhost)"))
+    device: str = field(default="config", metadata=flag(  # direct: EngineOptions.kind, or the instance group's
+        "--device", choices=("config", "cpu", "gpu"), group="direct target",
+        help="where the engine runs (config: where the model's instance group puts it)"))
+    intra_op_threads: int | None = field(default=None, metadata=flag(  # direct: EngineOptions.intra_op_threads
+        "--intra-op-threads", group="direct target", help="engine threads per request"))
+    # http, grpc: processes that share each level's concurrency (targets/processes.py)
+    client_processes: int = field(default=1, metadata=flag(
+        "--client-processes", metavar="N", group="load",
+        help="http/grpc: send from N processes sharing each concurrency level (one Python process cannot send "
+             "large tensors as fast as a server can take them)"))
+    seed: int = field(default=0, metadata=flag(
+        "--seed", group="input data", help="seed of random data and poisson gaps"))
 
     def __post_init__(self) -> None:
         _check_choice("--target", self.target, TARGETS)
@@ -114,6 +152,39 @@ class BenchOptions:
             "latency_threshold_ms": self.latency_threshold_ms,
             "client_processes": self.client_processes if self.target in ("http", "grpc") else None,
         }
+
+
+def load_levels(concurrency_range: str | None, concurrency: str | None, request_rate_range: str | None,
+                latency_threshold_ms: float | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """(concurrency levels, request rates) from the three ways of giving the load; at most one may be given."""
+    given = [name for name, value in (("--concurrency-range", concurrency_range), ("--concurrency", concurrency),
+                                      ("--request-rate-range", request_rate_range)) if value]
+    if len(given) > 1:
+        raise InvalidArgumentError(f"{' and '.join(given)} both set the load; give one of them")
+    if concurrency_range:
+        sweep = parse_range(concurrency_range, "--concurrency-range", integer=True)
+        _check_open_ended(sweep.open_ended, latency_threshold_ms, "--concurrency-range")
+        return tuple(int(v) for v in sweep.values()), ()
+    if concurrency:
+        return parse_list(concurrency, "--concurrency"), ()
+    if request_rate_range:
+        sweep = parse_range(request_rate_range, "--request-rate-range", integer=False)
+        _check_open_ended(sweep.open_ended, latency_threshold_ms, "--request-rate-range")
+        return (), tuple(sweep.values())
+    return (), ()
+
+
+def default_url(target: str, url: str | None, model_repository: Path | None) -> str | None:
+    """The server a remote target measures: the given URL, else kiln serve's default port on localhost, unless a
+    repository is given (kiln bench then starts `kiln serve` itself)."""
+    if url is None and target in DEFAULT_URLS and model_repository is None:
+        return DEFAULT_URLS[target]
+    return url
+
+
+def _check_open_ended(open_ended: bool, threshold: float | None, flag: str) -> None:
+    if open_ended and threshold is None:
+        raise InvalidArgumentError(f"{flag} ends in 0, which sweeps until --latency-threshold; set it (ms)")
 
 
 def _check_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln._flags import flag
 from kiln.config.model_dir import ModelDir, open_model_dir
 from kiln.config.spec import ModelSpec
 from kiln.errors import InvalidArgumentError, KilnError, ModelNotFoundError, ModelNotReadyError, UnsupportedError
@@ -39,13 +40,23 @@ _RELOAD_FAILED = "serving; the last reload failed: "
 
 @dataclass(frozen=True)
 class ManagerOptions:
-    repositories: list[Path] = field(default_factory=list)
-    control_mode: str = "none"
-    load_models: tuple[str, ...] = ()  # explicit mode start-up; ("*",) = all
-    model_load_thread_count: int = 4
+    """The repository manager's options; the flagged ones are ``kiln serve`` flags (kiln/_flags.py)."""
+
+    repositories: list[Path] = field(default_factory=list, metadata=flag(
+        "--model-repository", "--model-store", help="a model repository root (repeatable; default: the demo "
+                                                    "repository)"))
+    control_mode: str = field(default="none", metadata=flag(
+        "--model-control-mode", choices=CONTROL_MODES,
+        help="none: load all at start; poll: also apply repository changes; explicit: only --load-model at start, "
+             "then the load/unload API"))
+    load_models: tuple[str, ...] = field(default=(), metadata=flag(  # explicit mode start-up; ("*",) = all
+        "--load-model", metavar="NAME", help="explicit mode: load this model at start (repeatable; '*' = all)"))
+    model_load_thread_count: int = field(default=4, metadata=flag("--model-load-thread-count"))
     autocomplete: bool = True
     default_max_batch_size: int = 4
-    cpu_threads: int | None = None
+    cpu_threads: int | None = field(default=None, metadata=flag(
+        "--cpu-threads", metavar="N", help="cores shared by all CPU model instances that set no thread count "
+                                           "(default: all)"))
 
 
 class RepositoryManager:

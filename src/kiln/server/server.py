@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln import __version__
+from kiln._flags import flag
 from kiln.errors import InvalidArgumentError
 from kiln.server.catalog import ModelCatalog
 from kiln.server.cuda_shm import CudaRegionStatus
@@ -48,24 +49,26 @@ EXTENSIONS = (
 
 
 @dataclass(frozen=True)
-class ServerOptions:
-    repositories: list[Path] = field(default_factory=list)
-    strict_readiness: bool = True
-    control_mode: str = "none"  # none | poll | explicit (see manager.py)
-    load_models: tuple[str, ...] = ()  # explicit mode: loaded at start ("*" = all)
-    model_load_thread_count: int = 4
-    autocomplete: bool = True
-    default_max_batch_size: int = 4
-    # Cores shared by every CPU instance that sets no thread count of its own (None: all cores).
-    cpu_threads: int | None = None
+class ServerOptions(ManagerOptions):
+    """The repository manager's options plus the server's own; the flagged ones are ``kiln serve`` flags."""
+
+    strict_readiness: bool = field(default=True, metadata=flag(
+        "--strict-readiness", help="ready only when every model is ready (default true)"))
     # Clients may register system shared-memory regions (off by default: see docs/shared-memory.md).
-    allow_client_shm: bool = False
+    allow_client_shm: bool = field(default=False, metadata=flag(
+        "--allow-client-shm", form="optional_value",
+        help="let clients register system shared-memory regions and pass tensors in them (default false: a client "
+             "could make the server read and write any shared-memory object the server's user can open)"))
+
+    def __post_init__(self) -> None:
+        if self.control_mode not in CONTROL_MODES:
+            raise InvalidArgumentError(f"model control mode '{self.control_mode}' is not one of "
+                                       f"{', '.join(CONTROL_MODES)}")
+        if self.load_models and self.control_mode != "explicit":
+            raise InvalidArgumentError("--load-model needs --model-control-mode=explicit")
 
     def manager_options(self) -> ManagerOptions:
-        return ManagerOptions(repositories=list(self.repositories), control_mode=self.control_mode,
-                              load_models=self.load_models, model_load_thread_count=self.model_load_thread_count,
-                              autocomplete=self.autocomplete, default_max_batch_size=self.default_max_batch_size,
-                              cpu_threads=self.cpu_threads)
+        return self  # the manager's fields are inherited, not copied
 
 
 class Server:

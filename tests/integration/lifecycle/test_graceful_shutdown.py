@@ -16,6 +16,7 @@ import pytest
 from kiln.config.spec import ModelSpec
 from kiln.engines import Engine, EngineOptions, register_backend
 from kiln.engines.base import Array
+from kiln.server import ServerOptions
 from kiln.service import Service, ServiceOptions
 
 GATE = threading.Event()
@@ -43,8 +44,8 @@ async def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
     register_backend("slow_for_shutdown_test", SlowEngine)
     (tmp_path / "slow" / "1").mkdir(parents=True)
     (tmp_path / "slow" / "config.pbtxt").write_text(CONFIG)
-    service = Service(ServiceOptions(repositories=[tmp_path], http_port=0, grpc_port=0, metrics_port=0,
-                                     exit_timeout_s=20))
+    service = Service(ServiceOptions(ServerOptions(repositories=[tmp_path]), http_port=0, grpc_port=0,
+                                     metrics_port=0, exit_timeout_s=20))
     GATE.clear()
     ENTERED.clear()
     run = asyncio.create_task(service.run())
@@ -70,7 +71,7 @@ async def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
 def test_a_second_signal_exits_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     exits: list[int] = []
     monkeypatch.setattr(os, "_exit", exits.append)
-    service = Service(ServiceOptions(repositories=[tmp_path]))
+    service = Service(ServiceOptions(ServerOptions(repositories=[tmp_path])))
     service._on_signal(signal.SIGTERM)
     assert service._stop.is_set() and exits == []
     service._on_signal(signal.SIGINT)

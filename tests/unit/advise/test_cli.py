@@ -1,4 +1,4 @@
-"""`kiln advise` flags and output, text and JSON, through add_advise_arguments + run_advise."""
+"""`kiln advise` flags and output, text and JSON, through the command's parser + run_advise."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from kiln.advise.cli import add_advise_arguments, run_advise
 from kiln.advise.rules import RULES
+from kiln.advise.run import run_advise
+from kiln.cli import make_parser
+from kiln.cli.advise import advise_options
 from kiln.errors import InvalidArgumentError
 
 
@@ -23,15 +25,13 @@ class Terminal(io.StringIO):
         return True
 
 
-def parser() -> argparse.ArgumentParser:
-    result = argparse.ArgumentParser(prog="kiln advise")
-    add_advise_arguments(result)
-    return result
+def parse(argv: list[str]) -> argparse.Namespace:
+    return make_parser().parse_args(["advise", *argv])
 
 
 def run(argv: list[str], stdin: io.StringIO | None = None) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    code = run_advise(parser().parse_args(argv), stdin=stdin or io.StringIO(), stdout=out, stderr=err)
+    code = run_advise(advise_options(parse(argv)), stdin=stdin or io.StringIO(), stdout=out, stderr=err)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -90,7 +90,7 @@ def test_rules_prints_the_table() -> None:
 ])
 def test_bad_flag_values_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        parser().parse_args(argv)
+        parse(argv)
     assert exc.value.code == 2
     assert argv[0] in capsys.readouterr().err
 

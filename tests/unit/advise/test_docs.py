@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -13,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from kiln.advise.cli import add_advise_arguments, run_advise
+from kiln.advise.run import run_advise
+from kiln.cli import make_parser
+from kiln.cli.advise import advise_options
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "advise.md"
 
@@ -39,10 +40,9 @@ def test_the_docs_have_examples() -> None:
 
 @pytest.mark.parametrize(("argv", "expected"), examples())
 def test_docs_example_output_is_current(docs_compare: Path, argv: list[str], expected: str) -> None:
-    parser = argparse.ArgumentParser(prog="kiln advise")
-    add_advise_arguments(parser)
+    options = advise_options(make_parser().parse_args(["advise", *argv]))
     out = io.StringIO()
-    assert run_advise(parser.parse_args(argv), stdin=io.StringIO(), stdout=out, stderr=io.StringIO()) == 0
+    assert run_advise(options, stdin=io.StringIO(), stdout=out, stderr=io.StringIO()) == 0
     assert out.getvalue() == expected
 
 

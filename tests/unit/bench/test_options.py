@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 
-from kiln.bench.cli import add_bench_arguments, options_from_args
 from kiln.bench.options import MAX_SWEEP_LEVELS, BenchOptions, parse_list, parse_range, parse_shape
+from kiln.cli import make_parser
+from kiln.cli.bench import bench_options
 from kiln.errors import InvalidArgumentError
 
 
@@ -70,9 +70,8 @@ def test_options_refuse_what_cannot_run(kwargs: dict[str, object], message: str)
 
 
 def parse(*argv: str) -> BenchOptions:
-    parser = argparse.ArgumentParser(prog="kiln bench")
-    add_bench_arguments(parser)
-    return options_from_args(parser.parse_args(list(argv)))
+    """The options `kiln bench ARGV` measures with."""
+    return bench_options(make_parser().parse_args(["bench", *argv]))
 
 
 def test_command_line_defaults_mirror_perf_analyzer() -> None:

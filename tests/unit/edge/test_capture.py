@@ -4,7 +4,6 @@ capture store; tests/integration/test_edge_capture.py runs the whole path agains
 
 from __future__ import annotations
 
-import argparse
 import http.server
 import io
 import threading
@@ -16,10 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kiln.cli import edge as cli_edge
+from kiln.cli import make_parser
 from kiln.demo.models import build_mlp
 from kiln.edge import EdgeRunner, Policy
 from kiln.edge.capture import ACKED, QUEUE_FOLDER, REJECTED, RETRY, CaptureQueue, CaptureUploader, EdgeCapture
-from kiln.edge.cli import add_edge_arguments, start_capture
+from kiln.edge.options import EdgeOptions
+from kiln.edge.serve import start_capture
 from kiln.errors import ConfigError, InvalidArgumentError
 from kiln.server.capture import CaptureStore, Sample, live_samples, read_index
 from kiln.testing.serve import free_port
@@ -180,16 +182,18 @@ def test_shadow_copies_the_cloud_did_not_take_are_captured_without_cloud_outputs
 
 
 def test_edge_capture_flag_needs_a_cloud(mlp_file: Path, tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    add_edge_arguments(parser)
     with EdgeRunner(mlp_file, None, Policy(mode="local-only")) as runner:
-        assert start_capture(parser.parse_args([str(mlp_file)]), runner) is None
+        assert start_capture(edge_options(str(mlp_file)), runner) is None
         with pytest.raises(ConfigError, match="--capture needs --cloud-url"):
-            start_capture(parser.parse_args([str(mlp_file), "--capture"]), runner)
+            start_capture(edge_options(str(mlp_file), "--capture"), runner)
     with EdgeRunner(mlp_file, f"127.0.0.1:{free_port()}", Policy()) as runner:
-        capture = start_capture(parser.parse_args([str(mlp_file), "--capture", "--model-dir", str(tmp_path)]),
-                                runner)
+        capture = start_capture(edge_options(str(mlp_file), "--capture", "--model-dir", str(tmp_path)), runner)
         assert capture is not None and capture.queue.folder == tmp_path / QUEUE_FOLDER
         assert runner.on_forwarded is not None
         capture.close()
         assert runner.on_forwarded is None
+
+
+def edge_options(*argv: str) -> EdgeOptions:
+    """The options `kiln edge ARGV` runs with."""
+    return cli_edge.edge_options(make_parser().parse_args(["edge", *argv]))

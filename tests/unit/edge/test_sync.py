@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import threading
 from collections.abc import Mapping, Sequence
@@ -14,10 +13,13 @@ import numpy.typing as npt
 import pytest
 
 import kiln
+from kiln.cli import edge as cli_edge
+from kiln.cli import make_parser
 from kiln.demo.models import build_mlp
 from kiln.demo.repository import render_config
 from kiln.edge import EdgeRunner, Policy
-from kiln.edge.cli import add_edge_arguments, start_sync
+from kiln.edge.options import EdgeOptions
+from kiln.edge.serve import start_sync
 from kiln.edge.sync import REJECTED_FILE, ModelSync, RemoteFile, SyncOptions, smoke_test, zero_inputs
 from kiln.engines.base import Engine
 from kiln.errors import ConfigError
@@ -253,13 +255,16 @@ def test_a_version_of_another_model_is_rejected_and_not_installed(edge: Path, cl
 
 
 def test_cli_flags_start_the_watcher_only_when_asked(edge: Path, tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    add_edge_arguments(parser)
     with EdgeRunner(edge, policy=LOCAL) as runner:
-        assert start_sync(parser.parse_args([str(edge)]), runner) is None
+        assert start_sync(edge_options(str(edge)), runner) is None
         with pytest.raises(ConfigError, match="needs --cloud-url"):
-            start_sync(parser.parse_args([str(edge), "--sync-interval-s", "1"]), runner)
-        args = parser.parse_args([str(edge / "1" / "model.onnx"), "--sync-interval-s", "1", "--cloud-url", "h:1"])
+            start_sync(edge_options(str(edge), "--sync-interval-s", "1"), runner)
+        options = edge_options(str(edge / "1" / "model.onnx"), "--sync-interval-s", "1", "--cloud-url", "h:1")
         with pytest.raises(ConfigError, match="give --model-dir"):
-            start_sync(args, runner)
+            start_sync(options, runner)
         # A started watcher (it needs a cloud) is covered by tests/integration/test_edge_sync.py.
+
+
+def edge_options(*argv: str) -> EdgeOptions:
+    """The options `kiln edge ARGV` runs with."""
+    return cli_edge.edge_options(make_parser().parse_args(["edge", *argv]))

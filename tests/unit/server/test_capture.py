@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 from pathlib import Path
@@ -10,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.capture_cli import add_capture_arguments, export_samples, run_capture
+from kiln.capture import export_samples
+from kiln.cli import main
 from kiln.errors import InvalidArgumentError, NotFoundError
 from kiln.server.capture import INDEX, CaptureStore, Sample, live_samples, read_index
 
@@ -103,12 +103,9 @@ def test_export_concatenates_the_samples_and_writes_the_index(tmp_path: Path) ->
     store.add("mlp", "1", Sample("a", "r0", "cloud", "e"), npz(2, 0.0))
     store.add("mlp", "1", Sample("b", "r1", "local (cloud unreachable)", "e"), npz(1, 10.0, cloud=False))
     store.add("mlp", "2", Sample("c", "r2", "cloud", "e"), npz(3, 20.0))
-    parser = argparse.ArgumentParser()
-    add_capture_arguments(parser)
     output = tmp_path / "out" / "mlp.npz"
-    args = parser.parse_args(["export", "--capture-dir", str(tmp_path / "captures"), "--model", "mlp",
-                              "--output", str(output)])
-    assert run_capture(args) == 0
+    assert main(["capture", "export", "--capture-dir", str(tmp_path / "captures"), "--model", "mlp", "--output",
+                 str(output)]) == 0
     with np.load(output) as exported:
         assert sorted(exported.files) == ["cloud/OUTPUT0", "input/INPUT0", "local/OUTPUT0"]
         assert exported["input/INPUT0"][:, 0].tolist() == [0, 0, 10, 20, 20, 20]

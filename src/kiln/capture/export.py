@@ -1,4 +1,4 @@
-"""``kiln capture export``: the samples a ``kiln serve --capture-dir`` stored, as one npz for retraining.
+"""The samples a ``kiln serve --capture-dir`` stored, as one npz for retraining.
 
 The npz holds every array name of the samples (``input/<name>``, ``local/<name>``, ``cloud/<name>``) with the
 samples' rows concatenated along the first axis. ``<output>.json`` lists the samples in the same order: id,
@@ -8,7 +8,6 @@ array (e.g. ``cloud/...`` when the cloud gave no answer) when that array name is
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -20,22 +19,6 @@ from kiln.errors import InvalidArgumentError, NotFoundError
 from kiln.server.capture import live_samples
 
 Array = npt.NDArray[Any]
-
-
-def add_capture_arguments(parser: argparse.ArgumentParser) -> None:
-    commands = parser.add_subparsers(dest="capture_command", required=True)
-    export = commands.add_parser("export", help="write a model's captured samples as one npz plus a JSON index")
-    export.add_argument("--capture-dir", type=Path, required=True, metavar="DIR", help="kiln serve's --capture-dir")
-    export.add_argument("--model", required=True, help="the model whose samples to export")
-    export.add_argument("--version", default=None, help="one version only (default: every version, oldest first)")
-    export.add_argument("--output", "-o", type=Path, required=True, metavar="FILE.npz", help="where to write")
-
-
-def run_capture(args: argparse.Namespace) -> int:
-    index = export_samples(args.capture_dir, args.model, args.version, args.output)
-    print(f"exported {len(index)} samples of model '{args.model}' to {args.output} (index "
-          f"{index_path(args.output)})")
-    return 0
 
 
 def index_path(output: Path) -> Path:

@@ -1,0 +1,110 @@
+"""Everything ``kiln serve`` takes, declared once: each field is an option with its flag (kiln/_flags.py).
+
+``ServiceOptions`` holds the frontends' and the process's options and one :class:`ServerOptions` (which is the
+repository manager's options plus the server's own); ``kiln serve`` derives its flags from these declarations and
+hands the one object to :func:`kiln.service.run_service`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kiln._flags import flag, non_negative
+from kiln.errors import InvalidArgumentError
+from kiln.server.server import ServerOptions
+
+if TYPE_CHECKING:
+    from kiln.frontends.metrics import MetricsOptions
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    server: ServerOptions = field(default_factory=ServerOptions)
+    host: str = field(default="127.0.0.1", metadata=flag("--host", help="address to listen on (default 127.0.0.1)"))
+    http_port: int = field(default=8000, metadata=flag("--http-port"))
+    grpc_port: int = field(default=8001, metadata=flag("--grpc-port"))
+    metrics_port: int = field(default=8002, metadata=flag("--metrics-port"))
+    allow_http: bool = field(default=True, metadata=flag("--allow-http"))
+    allow_grpc: bool = field(default=True, metadata=flag("--allow-grpc"))
+    allow_metrics: bool = field(default=True, metadata=flag("--allow-metrics"))
+    http_max_input_size: int = field(default=64 * 2**20, metadata=flag(
+        "--http-max-input-size", metavar="BYTES", help="largest accepted HTTP request body (default 64 MiB)"))
+    grpc_max_message_bytes: int = field(default=2**31 - 1, metadata=flag("--grpc-max-message-size", metavar="BYTES"))
+    grpc_workers: int = field(default=0, metadata=flag(  # 0: gRPC in this process
+        "--grpc-workers", parse=non_negative, metavar="N",
+        help="serve gRPC from N worker processes sharing the port, which forward each call to this process (0, the "
+             "default: gRPC runs in this process)"))
+    exit_timeout_s: float = field(default=30.0, metadata=flag(
+        "--exit-timeout-secs", help="how long shutdown waits for in-flight requests (default 30)"))
+    metrics_config: tuple[str, ...] = field(default=(), metadata=flag(
+        "--metrics-config", metavar="KEY=VALUE",
+        help="counter_latencies, summary_latencies, histogram_latencies (true/false), "
+             "summary_quantiles=0.5:0.05,0.9:0.01 (repeatable)"))
+    allow_cpu_metrics: bool = field(default=True, metadata=flag("--allow-cpu-metrics"))
+    allow_gpu_metrics: bool = field(default=True, metadata=flag("--allow-gpu-metrics"))
+    repository_poll_secs: float = field(default=15.0, metadata=flag(
+        "--repository-poll-secs", help="poll interval (poll mode)"))
+    exit_on_error: bool = field(default=True, metadata=flag(
+        "--exit-on-error", help="exit when a model fails to load at start (default true)"))
+    gil_switch_interval_us: int | None = field(default=None, metadata=flag(
+        "--gil-switch-interval-us", metavar="US",
+        help="how long a thread may hold Python's GIL while another waits (default: Python's 5000); a shorter one "
+             "lets a worker that has waited for the GPU take it back sooner (docs/pytorch-backend.md)"))
+    allow_model_download: bool = field(default=False, metadata=flag(
+        "--allow-model-download", form="switch",
+        help="serve model version files with checksums to edges that sync (a kiln extension; off by default)"))
+    # Required by the model-download and capture endpoints when set; an empty one is none.
+    api_key: str | None = field(default=None, metadata=flag(
+        "--api-key", env="KILN_API_KEY", metavar="KEY",
+        help="bearer token the model-download and capture endpoints require (default: env KILN_API_KEY)"))
+    capture_dir: Path | None = field(default=None, metadata=flag(  # None turns the capture endpoint off
+        "--capture-dir", metavar="DIR",
+        help="store samples edges capture for retraining in DIR (a kiln extension; off by default)"))
+    capture_max_mb: int = field(default=1024, metadata=flag(
+        "--capture-max-mb", metavar="MB",
+        help="size bound of --capture-dir; the oldest samples are deleted past it (default 1024)"))
+    # TLS on the HTTP frontend (gRPC and metrics stay plain); with a client CA, client certificates are required.
+    https_certfile: Path | None = field(default=None, metadata=flag(
+        "--https-certfile", metavar="CERT",
+        help="serve the HTTP frontend over TLS with this PEM certificate (chain); gRPC and metrics stay plain"))
+    https_keyfile: Path | None = field(default=None, metadata=flag(
+        "--https-keyfile", metavar="KEY", help="the PEM private key of --https-certfile"))
+    https_client_ca: Path | None = field(default=None, metadata=flag(
+        "--https-client-ca", metavar="CA",
+        help="require HTTP clients to present a certificate signed by this CA (mTLS)"))
+    log_verbose: int = field(default=0, metadata=flag("--log-verbose", help="0 = info, 1 or more = debug"))
+    log_format: str = field(default="default", metadata=flag("--log-format", choices=("default", "ISO8601")))
+
+    def __post_init__(self) -> None:
+        if not self.api_key:
+            object.__setattr__(self, "api_key", None)  # frozen: normalised once, here
+        if "*" in self.server.load_models and len(self.server.load_models) > 1:
+            raise InvalidArgumentError("--load-model=* loads every model and must be the only --load-model")
+        self._check_https()
+        self.metrics  # noqa: B018 -- a bad --metrics-config item fails here, before anything starts
+
+    @property
+    def metrics(self) -> MetricsOptions:
+        """The metrics the registry exposes: --metrics-config items, then --allow-cpu/gpu-metrics."""
+        # Imported here: every kiln command builds its parser from these declarations, and prometheus_client comes
+        # only with the server extra (an edge device runs `kiln edge` without it).
+        from kiln.frontends.metrics import parse_metrics_config
+
+        return dataclasses.replace(parse_metrics_config(list(self.metrics_config)),
+                                   cpu_metrics=self.allow_cpu_metrics, gpu_metrics=self.allow_gpu_metrics)
+
+    @property
+    def capture_max_bytes(self) -> int:
+        return self.capture_max_mb * 2**20
+
+    def _check_https(self) -> None:
+        if (self.https_keyfile is not None or self.https_client_ca is not None) and self.https_certfile is None:
+            raise InvalidArgumentError("--https-keyfile and --https-client-ca need --https-certfile (the server's "
+                                       "certificate)")
+        for name, path in (("--https-certfile", self.https_certfile), ("--https-keyfile", self.https_keyfile),
+                           ("--https-client-ca", self.https_client_ca)):
+            if path is not None and not Path(path).is_file():
+                raise InvalidArgumentError(f"{name} '{path}' is not a file")
