@@ -8,17 +8,15 @@ the capture store's folder it also checks agreement on captured samples (kiln/ab
 
 from __future__ import annotations
 
-import json
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
 from kiln.ab.agreement import capture_agreement
-from kiln.errors import NotFoundError, UnavailableError
+from kiln.errors import UnavailableError
 from kiln.server.shadow import DEFAULT_ATOL, DEFAULT_RTOL
+from kiln.v2.client import HttpClient, ServerUnreachableError
 
 
 def build_report(url: str, model: str, capture_dir: Path | None, atol: float = DEFAULT_ATOL,
@@ -41,37 +39,29 @@ def build_report(url: str, model: str, capture_dir: Path | None, atol: float = D
 
 def fetch_routing(url: str, model: str) -> Any:
     """The model's A/B routing status: ``GET /v2/repository/models/{model}/kiln/routing`` (a kiln extension)."""
-    return _get(f"{_base(url)}/v2/repository/models/{urllib.parse.quote(model, safe='')}/kiln/routing")
+    return _get(url, f"/v2/repository/models/{urllib.parse.quote(model, safe='')}/kiln/routing")
 
 
 def fetch_statistics(url: str, model: str) -> Any:
     """The model's statistics, every version: ``GET /v2/models/{model}/stats``."""
-    return _get(f"{_base(url)}/v2/models/{urllib.parse.quote(model, safe='')}/stats")
+    with HttpClient(url, timeout_s=10) as client:
+        try:
+            return client.statistics(model)
+        except ServerUnreachableError as exc:
+            raise _unreachable(client.url, exc) from None
 
 
-def _base(url: str) -> str:
-    return url if "://" in url else f"http://{url}"
+def _get(url: str, path: str) -> Any:
+    with HttpClient(url, timeout_s=10) as client:
+        try:
+            return client.get(path)
+        except ServerUnreachableError as exc:
+            raise _unreachable(client.url, exc) from None
 
 
-def _get(url: str) -> Any:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        message = _error_message(exc)
-        if exc.code == 404:
-            raise NotFoundError(f"ab report: {message}") from None
-        raise UnavailableError(f"ab report: GET {url} answered {exc.code}: {message}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise UnavailableError(f"ab report: cannot reach {url}: {exc}; is `kiln serve` running there "
-                               f"(-u host:port)?") from None
-
-
-def _error_message(exc: urllib.error.HTTPError) -> str:
-    try:
-        return str(json.loads(exc.read()).get("error", exc.reason))
-    except (ValueError, AttributeError):
-        return str(exc.reason)
+def _unreachable(url: str, exc: ServerUnreachableError) -> UnavailableError:
+    return UnavailableError(f"ab report: cannot reach {url}/: {exc.message}; is `kiln serve` running there "
+                            f"(-u host:port)?")
 
 
 # -- printing ----------------------------------------------------------------------------------------------------

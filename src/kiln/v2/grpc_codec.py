@@ -245,18 +245,15 @@ def encode_response(response: InferResponse, message: pb.ModelInferResponse | No
     message.id = response.id
     if response.parameters:
         encode_parameters(message.parameters, response.parameters)
-    # Outputs written to shared memory carry no raw_output_contents entry; they go last so that tritonclient,
-    # which pairs outputs with raw_output_contents by position, finds the others' data.
-    ordered = response.outputs
-    if any(output.shared_memory is not None for output in ordered):
-        ordered = sorted(ordered, key=lambda output: output.shared_memory is not None)
+    # As Triton: one raw_output_contents entry per output, an empty one for an output written to shared memory
+    # (Triton's C++ client indexes raw_output_contents by output position unchecked), and no parameters on it.
     outputs = message.outputs
-    for output in ordered:
+    for output in response.outputs:
         tensor = outputs.add(name=output.name, datatype=output.datatype.wire_name, shape=output.shape)
-        if output.parameters:
+        if output.parameters and output.shared_memory is None:
             encode_parameters(tensor.parameters, output.parameters)
-    message.raw_output_contents.extend([to_raw(output.data, output.datatype) for output in ordered
-                                        if output.shared_memory is None])
+    message.raw_output_contents.extend([b"" if output.shared_memory is not None
+                                        else to_raw(output.data, output.datatype) for output in response.outputs])
     return message
 
 
@@ -281,15 +278,17 @@ def encode_request(model: str, inputs: Mapping[str, npt.NDArray[Any]], *, versio
 
 def decode_response(message: pb.ModelInferResponse) -> InferResponse:
     """The protocol-free response; outputs in ``raw_output_contents`` become views over the message's bytes, those
-    in typed ``contents`` arrays (outputs left in shared memory come back with no data)."""
+    in typed ``contents`` arrays; outputs written to shared memory (an empty raw entry) come back with no data."""
     raw = message.raw_output_contents[:]
     outputs: list[OutputTensor] = []
     for index, tensor in enumerate(message.outputs[:]):
         datatype = DataType.from_wire(tensor.datatype)
         shape = tuple(tensor.shape[:])
         parameters = decode_parameters(tensor.parameters, f"output '{tensor.name}'") if tensor.parameters else {}
-        if index < len(raw):
+        if index < len(raw) and (raw[index] or element_count(shape) == 0):
             data = from_raw(datatype, shape, raw[index])
+        elif index < len(raw):  # an empty entry: the output went to shared memory
+            data = np.empty(0, datatype.numpy_dtype)
         else:
             field = _CONTENTS_FIELD.get(datatype)
             values = getattr(tensor.contents, field)[:] if field else []
