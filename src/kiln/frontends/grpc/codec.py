@@ -242,17 +242,15 @@ def encode_response(response: InferResponse, message: pb.ModelInferResponse | No
     message.id = response.id
     if response.parameters:
         encode_parameters(message.parameters, response.parameters)
-    # Outputs written to shared memory carry no raw_output_contents entry; they go last so that tritonclient,
-    # which pairs outputs with raw_output_contents by position, finds the others' data.
-    ordered = response.outputs
-    if any(output.shared_memory is not None for output in ordered):
-        ordered = sorted(ordered, key=lambda output: output.shared_memory is not None)
+    # As Triton: one raw_output_contents entry per output, an empty one for an output written to shared memory
+    # (Triton's C++ client indexes raw_output_contents by output position unchecked), and no parameters on it.
     outputs = message.outputs
-    for output in ordered:
+    for output in response.outputs:
         tensor = outputs.add(name=output.name, datatype=output.datatype.wire_name, shape=output.shape)
-        if output.parameters:
+        if output.parameters and output.shared_memory is None:
             encode_parameters(tensor.parameters, output.parameters)
-    message.raw_output_contents.extend([raw_bytes(output) for output in ordered if output.shared_memory is None])
+    message.raw_output_contents.extend([b"" if output.shared_memory is not None else raw_bytes(output)
+                                        for output in response.outputs])
     return message
 
 

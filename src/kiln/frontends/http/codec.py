@@ -292,15 +292,13 @@ def encode_response(response: InferResponse, request: InferRequest) -> tuple[byt
         binary = asked.get(output.name, _NO_PARAMETERS).get("binary_data", binary_default)
         entry: dict[str, Any] = {"name": output.name, "datatype": output.datatype.wire_name,
                                  "shape": [int(d) for d in output.shape]}
-        if output.shared_memory is not None:  # the data is in the region; only its parameters go back
-            entry["parameters"] = dict(output.parameters)
-        elif binary:
+        # As Triton: an output in shared memory is name, datatype and shape only, and "parameters" appears only
+        # as {"binary_data_size": n} (Triton's C++ client reads nothing else there, and insists on that key).
+        if output.shared_memory is None and binary:
             blob = _to_binary(output)
-            entry["parameters"] = {**output.parameters, "binary_data_size": len(blob)}
+            entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
-        else:
-            if output.parameters:
-                entry["parameters"] = dict(output.parameters)
+        elif output.shared_memory is None:
             entry["data"] = _to_json(output)
         outputs.append(entry)
     doc: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
