@@ -176,7 +176,9 @@ def test_counters_match_the_statistics(server: Server) -> None:
     stats = server.model_statistics()
     assert {(s.name, s.version) for s in stats} == {("simple", "1"), ("mlp", "1"), ("simple_string", "1"),
                                                     ("gated", "1"), ("bucketed", "1"), ("mlp_pipeline", "1"),
-                                                    ("mlp_preprocess", "1"), ("mlp_postprocess", "1")}
+                                                    ("mlp_preprocess", "1"), ("mlp_postprocess", "1"),
+                                                    ("simple_int8", "1"), ("simple_sequence", "1"),
+                                                    ("simple_dyna_sequence", "1"), ("simple_identity", "1")}
     for s in stats:
         labels = {"model": s.name, "version": s.version}
         assert scrape.value("nv_inference_request_success", **labels) == s.success.count

@@ -45,16 +45,16 @@ def make_demo_model(graph: onnx.GraphProto) -> onnx.ModelProto:
     return model
 
 
-def build_simple() -> onnx.ModelProto:
-    """Triton's classic ``simple`` example: OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1 (INT32 [16])."""
-    int32 = TensorProto.INT32
-    inputs = [batched_tensor("INPUT0", int32, SIMPLE_WIDTH), batched_tensor("INPUT1", int32, SIMPLE_WIDTH)]
-    outputs = [batched_tensor("OUTPUT0", int32, SIMPLE_WIDTH), batched_tensor("OUTPUT1", int32, SIMPLE_WIDTH)]
+def build_simple(elem_type: int = TensorProto.INT32, name: str = "simple") -> onnx.ModelProto:
+    """Triton's classic ``simple`` example: OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1 ([16] of
+    ``elem_type``: INT32 for ``simple``, INT8 for ``simple_int8``, which wraps around on overflow)."""
+    inputs = [batched_tensor("INPUT0", elem_type, SIMPLE_WIDTH), batched_tensor("INPUT1", elem_type, SIMPLE_WIDTH)]
+    outputs = [batched_tensor("OUTPUT0", elem_type, SIMPLE_WIDTH), batched_tensor("OUTPUT1", elem_type, SIMPLE_WIDTH)]
     nodes = [
         helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"], name="add"),
         helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"], name="sub"),
     ]
-    return make_demo_model(helper.make_graph(nodes, "simple", inputs, outputs))
+    return make_demo_model(helper.make_graph(nodes, name, inputs, outputs))
 
 
 def _dense_params(rng: np.random.Generator, fan_in: int, fan_out: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,8 +1,9 @@
 """Write the demo model repository (Triton layout: ``<name>/config.pbtxt`` and ``<name>/1/model.onnx``).
 
-``simple_string`` is a Python-backend model (``<name>/1/model.py``): Triton's string example, written against
-Triton's Python-backend API. ``mlp_pipeline`` is an ensemble: ``mlp_preprocess`` (Python) -> ``mlp`` ->
-``mlp_postprocess`` (Python).
+``simple_string`` and ``simple_identity`` are Python-backend models (``<name>/1/model.py``): Triton's string
+examples, written against Triton's Python-backend API. ``simple_int8``, ``simple_sequence`` and
+``simple_dyna_sequence`` are the other models Triton's example clients use. ``mlp_pipeline`` is an ensemble:
+``mlp_preprocess`` (Python) -> ``mlp`` -> ``mlp_postprocess`` (Python).
 """
 
 from __future__ import annotations
@@ -19,9 +20,18 @@ from onnx import TensorProto
 from kiln._files import write_atomic
 from kiln.demo.models import build_mlp, build_simple
 from kiln.demo.resnet import build_resnet50
+from kiln.demo.sequences import (
+    DYNA_SEQUENCE_CONFIG,
+    DYNA_SEQUENCE_CONTROLS,
+    SEQUENCE_CONFIG,
+    SEQUENCE_CONTROLS,
+    build_simple_dyna_sequence,
+    build_simple_sequence,
+)
 
 _TRITON_TYPES: dict[int, str] = {
     TensorProto.BOOL: "TYPE_BOOL",
+    TensorProto.INT8: "TYPE_INT8",
     TensorProto.INT32: "TYPE_INT32",
     TensorProto.INT64: "TYPE_INT64",
     TensorProto.FLOAT16: "TYPE_FP16",
@@ -36,9 +46,22 @@ class _DemoModel:
     max_batch_size: int
     # Triton config blocks written after the tensors, verbatim.
     extra_config: str = ""
+    # Graph inputs the server fills (sequence control inputs): not listed under `input`.
+    controls: frozenset[str] = frozenset()
 
 
 _SIMPLE = _DemoModel("simple", lambda _seed: build_simple(), max_batch_size=8)
+# The example clients' models are tiny: one intra-op thread each, which also keeps them out of the CPU thread
+# budget that the server shares among the other models' instances (simple and mlp keep theirs).
+_ONE_THREAD = 'parameters { key: "intra_op_thread_count" value: { string_value: "1" } }\n'
+_SIMPLE_INT8 = _DemoModel("simple_int8", lambda _seed: build_simple(TensorProto.INT8, "simple_int8"), max_batch_size=8,
+                          extra_config=_ONE_THREAD)
+_SIMPLE_SEQUENCE = _DemoModel("simple_sequence", lambda _seed: build_simple_sequence(), max_batch_size=8,
+                              extra_config=SEQUENCE_CONFIG + _ONE_THREAD, controls=SEQUENCE_CONTROLS)
+_SIMPLE_DYNA_SEQUENCE = _DemoModel("simple_dyna_sequence", lambda _seed: build_simple_dyna_sequence(),
+                                   max_batch_size=8, extra_config=DYNA_SEQUENCE_CONFIG + _ONE_THREAD,
+                                   controls=DYNA_SEQUENCE_CONTROLS)
+_TRITON_EXAMPLES = (_SIMPLE_INT8, _SIMPLE_SEQUENCE, _SIMPLE_DYNA_SEQUENCE)
 _MLP = _DemoModel(
     "mlp",
     build_mlp,
@@ -62,6 +85,15 @@ output [
 ]
 """
 
+SIMPLE_IDENTITY = "simple_identity"
+# Triton's simple_identity example: BYTES in, the same BYTES out, any shape.
+_SIMPLE_IDENTITY_CONFIG = """name: "simple_identity"
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_STRING dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ -1 ] } ]
+"""
+
 
 def build_demo_repository(path: str | os.PathLike[str], *, include_resnet50: bool = False, seed: int = 0) -> list[str]:
     """Build the demo models under ``path`` and return the names written.
@@ -74,11 +106,13 @@ def build_demo_repository(path: str | os.PathLike[str], *, include_resnet50: boo
         raise ValueError(f"seed must be >= 0, got {seed}")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    for demo in (_SIMPLE, _MLP):
+    for demo in (_SIMPLE, _MLP, *_TRITON_EXAMPLES):
         _write_demo(root / demo.name, demo, seed)
-    _write_simple_string(root / SIMPLE_STRING)
+    _write_python_model(root / SIMPLE_STRING, "simple_string_model.py", _SIMPLE_STRING_CONFIG)
+    _write_python_model(root / SIMPLE_IDENTITY, "simple_identity_model.py", _SIMPLE_IDENTITY_CONFIG)
     _write_pipeline(root)
-    names = [_SIMPLE.name, _MLP.name, SIMPLE_STRING, *_PIPELINE_STEPS, PIPELINE]
+    names = [_SIMPLE.name, _MLP.name, SIMPLE_STRING, *_PIPELINE_STEPS, PIPELINE,
+             *(demo.name for demo in _TRITON_EXAMPLES), SIMPLE_IDENTITY]
     if include_resnet50:
         _write_demo(root / _RESNET50.name, _RESNET50, seed)
         names.append(_RESNET50.name)
@@ -143,7 +177,8 @@ def _write_demo(folder: Path, demo: _DemoModel, seed: int) -> None:
     (folder / "1").mkdir(parents=True, exist_ok=True)
     # The model first: a server that sees the config should find the model it names.
     _write_atomic(folder / "1" / "model.onnx", model.SerializeToString(deterministic=True))
-    _write_atomic(folder / "config.pbtxt", render_config(demo.name, model, demo.max_batch_size, demo.extra_config))
+    config = render_config(demo.name, model, demo.max_batch_size, demo.extra_config, demo.controls)
+    _write_atomic(folder / "config.pbtxt", config)
 
 
 def _write_pipeline(root: Path) -> None:
@@ -155,15 +190,16 @@ def _write_pipeline(root: Path) -> None:
     _write_atomic(root / PIPELINE / "config.pbtxt", _PIPELINE_CONFIG.encode())
 
 
-def _write_simple_string(folder: Path) -> None:
-    source = resources.files("kiln.demo").joinpath("simple_string_model.py").read_bytes()
+def _write_python_model(folder: Path, source: str, config: str) -> None:
     (folder / "1").mkdir(parents=True, exist_ok=True)
-    _write_atomic(folder / "1" / "model.py", source)
-    _write_atomic(folder / "config.pbtxt", _SIMPLE_STRING_CONFIG.encode())
+    _write_atomic(folder / "1" / "model.py", resources.files("kiln.demo").joinpath(source).read_bytes())
+    _write_atomic(folder / "config.pbtxt", config.encode())
 
 
-def render_config(name: str, model: onnx.ModelProto, max_batch_size: int, extra_config: str = "") -> bytes:
-    """Triton ``config.pbtxt`` text whose inputs and outputs are read off the ONNX graph, so they cannot drift."""
+def render_config(name: str, model: onnx.ModelProto, max_batch_size: int, extra_config: str = "",
+                  controls: frozenset[str] = frozenset()) -> bytes:
+    """Triton ``config.pbtxt`` text whose inputs and outputs are read off the ONNX graph, so they cannot drift;
+    ``controls`` names graph inputs the server fills (sequence controls), which are left out of ``input``."""
     lines = [
         f'name: "{name}"',
         'platform: "onnxruntime_onnx"',
@@ -171,7 +207,7 @@ def render_config(name: str, model: onnx.ModelProto, max_batch_size: int, extra_
         f"max_batch_size: {max_batch_size}",
     ]
     batched = max_batch_size > 0
-    lines += _tensor_block("input", model.graph.input, batched)
+    lines += _tensor_block("input", [i for i in model.graph.input if i.name not in controls], batched)
     lines += _tensor_block("output", model.graph.output, batched)
     return ("\n".join(lines) + "\n" + extra_config).encode()
 

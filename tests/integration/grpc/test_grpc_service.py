@@ -141,7 +141,8 @@ async def test_statistics_count_inferences(client: tc_aio.InferenceServerClient)
     everything = await client.get_inference_statistics(as_json=True)
     assert {s["name"] for s in everything["model_stats"]} == {"echo_bytes", "echo_fp16", "mlp", "simple",
                                                                "simple_string", "mlp_pipeline", "mlp_preprocess",
-                                                               "mlp_postprocess"}
+                                                               "mlp_postprocess", "simple_int8", "simple_sequence",
+                                                               "simple_dyna_sequence", "simple_identity"}
 
 
 async def test_repository_index(client: tc_aio.InferenceServerClient) -> None:
@@ -149,7 +150,8 @@ async def test_repository_index(client: tc_aio.InferenceServerClient) -> None:
     assert [(m["name"], m["version"], m["state"]) for m in index] == [
         ("echo_bytes", "1", "READY"), ("echo_fp16", "1", "READY"), ("mlp", "1", "READY"),
         ("mlp_pipeline", "1", "READY"), ("mlp_postprocess", "1", "READY"), ("mlp_preprocess", "1", "READY"),
-        ("simple", "1", "READY"), ("simple_string", "1", "READY"),
+        ("simple", "1", "READY"), ("simple_dyna_sequence", "1", "READY"), ("simple_identity", "1", "READY"),
+        ("simple_int8", "1", "READY"), ("simple_sequence", "1", "READY"), ("simple_string", "1", "READY"),
     ]
 
 

@@ -15,6 +15,7 @@ from kiln.server.server import Server, ServerOptions
 from kiln.v2.types import InferRequest, InferResponse
 
 PIPELINE = ["mlp", "mlp_pipeline", "mlp_postprocess", "mlp_preprocess"]  # demo models, sorted
+SIMPLES = ["simple", "simple_dyna_sequence", "simple_identity", "simple_int8", "simple_sequence", "simple_string"]
 
 _BROKEN = 'name: "broken"\nbackend: "identity"\ninput [ { name: "INPUT0" data_type: TYPE_NOPE dims: [ 1 ] } ]\n'
 
@@ -90,7 +91,7 @@ async def test_a_failed_model_makes_the_server_not_ready(broken_server: Server) 
         broken = next(entry for entry in index if entry["name"] == "broken")
         assert broken["state"] == "UNAVAILABLE" and "TYPE_NOPE" in broken["reason"]
         ready = (await http.post("/v2/repository/index", json={"ready": True})).json()
-        assert [entry["name"] for entry in ready] == [*PIPELINE, "simple", "simple_string"]
+        assert [entry["name"] for entry in ready] == [*PIPELINE, *SIMPLES]
 
 
 async def test_server_metadata(client: httpx.AsyncClient) -> None:
@@ -161,7 +162,7 @@ async def test_statistics_count_inferences(client: httpx.AsyncClient) -> None:
 
 async def test_statistics_for_all_models_and_errors(client: httpx.AsyncClient) -> None:
     doc = (await client.get("/v2/models/stats")).json()
-    assert [s["name"] for s in doc["model_stats"]] == [*PIPELINE, "simple", "simple_string"]
+    assert [s["name"] for s in doc["model_stats"]] == [*PIPELINE, *SIMPLES]
     assert _error(await client.get("/v2/models/nope/stats"), 404).startswith("Request for unknown model")
 
 
@@ -169,9 +170,7 @@ async def test_statistics_for_all_models_and_errors(client: httpx.AsyncClient) -
 
 
 async def test_repository_index(client: httpx.AsyncClient) -> None:
-    expected = [{"name": name, "version": "1", "state": "READY", "reason": ""} for name in PIPELINE]
-    expected += [{"name": "simple", "version": "1", "state": "READY", "reason": ""},
-                {"name": "simple_string", "version": "1", "state": "READY", "reason": ""}]
+    expected = [{"name": name, "version": "1", "state": "READY", "reason": ""} for name in [*PIPELINE, *SIMPLES]]
     assert (await client.post("/v2/repository/index")).json() == expected
     assert (await client.post("/v2/repository/index", json={"ready": True})).json() == expected
     assert (await client.post("/v2/repository/models/index", json={"ready": False})).json() == expected

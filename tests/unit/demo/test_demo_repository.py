@@ -16,7 +16,8 @@ from kiln.demo.resnet import build_resnet50
 
 ONNX_DEMOS = ["simple", "mlp"]
 PIPELINE = ["mlp_preprocess", "mlp_postprocess", "mlp_pipeline"]
-DEMO_NAMES = [*ONNX_DEMOS, "simple_string", *PIPELINE]
+TRITON_EXAMPLES = ["simple_int8", "simple_sequence", "simple_dyna_sequence"]  # ONNX, for Triton's example clients
+DEMO_NAMES = [*ONNX_DEMOS, "simple_string", *PIPELINE, *TRITON_EXAMPLES, "simple_identity"]
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +43,14 @@ def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 def test_layout_and_names(tmp_path: Path) -> None:
     root = tmp_path / "models"  # does not exist yet: the builder creates it
     assert build_demo_repository(root) == DEMO_NAMES
-    expected = {f"{name}/{leaf}" for name in ONNX_DEMOS for leaf in ("config.pbtxt", "1/model.onnx")}
-    expected |= {"simple_string/config.pbtxt", "simple_string/1/model.py"}
+    onnx_files, python_files = ("config.pbtxt", "1/model.onnx"), ("config.pbtxt", "1/model.py")
+    expected = {f"{name}/{leaf}" for name in [*ONNX_DEMOS, *TRITON_EXAMPLES] for leaf in onnx_files}
+    expected |= {f"{name}/{leaf}" for name in ("simple_string", "simple_identity") for leaf in python_files}
     expected |= {f"{name}/{leaf}" for name in PIPELINE[:2] for leaf in ("config.pbtxt", "1/model.py")}
     expected |= {"mlp_pipeline/config.pbtxt"}  # its version folder 1/ holds no file
     assert (root / "mlp_pipeline" / "1").is_dir()
     assert set(_files(root)) == expected  # and no temp files left behind
-    for name in ONNX_DEMOS:
+    for name in [*ONNX_DEMOS, *TRITON_EXAMPLES]:
         model = onnx.load(root / name / "1" / "model.onnx")
         onnx.checker.check_model(model)
         assert (model.producer_name, model.producer_version, model.ir_version) == ("kiln-demo", "1", 8)
