@@ -1,6 +1,7 @@
 """Typed errors raised by every layer of kiln.
 
-Each error carries an :class:`ErrorCode` (Triton's eight codes). Frontends map the code to an HTTP status or a
+Each error carries an :class:`ErrorCode`: Triton's eight codes, and two of access control (a missing or wrong
+key, and an endpoint the server was not started to serve). Frontends map the code to an HTTP status or a
 gRPC code in one place (``kiln.v2.status``); nothing else in kiln knows about transports.
 
 The tree::
@@ -20,6 +21,8 @@ The tree::
     +-- CancelledError                CANCELLED
     +-- InternalError                 INTERNAL        an engine failed; unexpected exceptions become this
     +-- UnknownError                  UNKNOWN
+    +-- UnauthenticatedError          UNAUTHENTICATED    the request lacks the server's API key
+    +-- PermissionDeniedError         PERMISSION_DENIED  an endpoint this server was not started to serve
 
 Messages name the model, version, field and value involved and say what was expected.
 """
@@ -38,6 +41,8 @@ class ErrorCode(enum.Enum):
     CANCELLED = "CANCELLED"
     INTERNAL = "INTERNAL"
     UNKNOWN = "UNKNOWN"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
 
 
 class KilnError(Exception):
@@ -109,11 +114,20 @@ class UnknownError(KilnError):
     code = ErrorCode.UNKNOWN
 
 
+class UnauthenticatedError(KilnError):
+    code = ErrorCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(KilnError):
+    code = ErrorCode.PERMISSION_DENIED
+
+
 _BY_CODE: dict[ErrorCode, type[KilnError]] = {
     ErrorCode.INVALID_ARG: InvalidArgumentError, ErrorCode.NOT_FOUND: NotFoundError,
     ErrorCode.UNAVAILABLE: UnavailableError, ErrorCode.UNSUPPORTED: UnsupportedError,
     ErrorCode.ALREADY_EXISTS: AlreadyExistsError, ErrorCode.CANCELLED: CancelledError,
     ErrorCode.INTERNAL: InternalError, ErrorCode.UNKNOWN: UnknownError,
+    ErrorCode.UNAUTHENTICATED: UnauthenticatedError, ErrorCode.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 
@@ -133,8 +147,10 @@ __all__ = [
     "ModelNotFoundError",
     "ModelNotReadyError",
     "NotFoundError",
+    "PermissionDeniedError",
     "QueueFullError",
     "RequestTimeoutError",
+    "UnauthenticatedError",
     "UnavailableError",
     "UnknownError",
     "UnsupportedError",

@@ -18,8 +18,10 @@ from kiln.errors import (
     ModelNotFoundError,
     ModelNotReadyError,
     NotFoundError,
+    PermissionDeniedError,
     QueueFullError,
     RequestTimeoutError,
+    UnauthenticatedError,
     UnavailableError,
     UnknownError,
     UnsupportedError,
@@ -43,12 +45,15 @@ TREE: list[tuple[type[KilnError], ErrorCode, type[Exception]]] = [
     (CancelledError, ErrorCode.CANCELLED, KilnError),
     (InternalError, ErrorCode.INTERNAL, KilnError),
     (UnknownError, ErrorCode.UNKNOWN, KilnError),
+    (UnauthenticatedError, ErrorCode.UNAUTHENTICATED, KilnError),
+    (PermissionDeniedError, ErrorCode.PERMISSION_DENIED, KilnError),
 ]
 
 
-def test_error_codes_are_tritons_eight() -> None:
+def test_error_codes_are_tritons_eight_and_two_of_access_control() -> None:
     assert {code.value for code in ErrorCode} == {
         "INVALID_ARG", "NOT_FOUND", "UNAVAILABLE", "UNSUPPORTED", "ALREADY_EXISTS", "CANCELLED", "INTERNAL", "UNKNOWN",
+        "UNAUTHENTICATED", "PERMISSION_DENIED",
     }
     assert all(code.name == code.value for code in ErrorCode)
 

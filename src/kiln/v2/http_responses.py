@@ -8,6 +8,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from kiln.errors import ErrorCode
 from kiln.v2.http_codec import JSON_TYPE, encode_json
 from kiln.v2.status import as_kiln_error, error_body, http_status
 
@@ -19,4 +20,6 @@ def json_response(doc: Any, status_code: int = 200, headers: Mapping[str, str] |
 def error_response(exc: Exception) -> Response:
     """The response for any exception: typed errors keep their code, anything else is INTERNAL (logged once)."""
     error = as_kiln_error(exc)
-    return json_response(error_body(error), http_status(error))
+    # RFC 9110: a 401 names the scheme that would be accepted.
+    headers = {"WWW-Authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHENTICATED else None
+    return json_response(error_body(error), http_status(error), headers)

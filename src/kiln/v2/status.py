@@ -27,9 +27,12 @@ _TABLE: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.CANCELLED: (400, "CANCELLED"),
     ErrorCode.INTERNAL: (500, "INTERNAL"),
     ErrorCode.UNKNOWN: (400, "UNKNOWN"),
+    # kiln's access-control errors, which Triton's eight codes lack: the standard HTTP and gRPC pair of each.
+    ErrorCode.UNAUTHENTICATED: (401, "UNAUTHENTICATED"),
+    ErrorCode.PERMISSION_DENIED: (403, "PERMISSION_DENIED"),
 }
 # HTTP answers lose the difference between the 400 codes; a client reads them back as INVALID_ARG.
-_FROM_HTTP: dict[int, ErrorCode] = {401: ErrorCode.INVALID_ARG, 403: ErrorCode.INVALID_ARG,
+_FROM_HTTP: dict[int, ErrorCode] = {401: ErrorCode.UNAUTHENTICATED, 403: ErrorCode.PERMISSION_DENIED,
                                     404: ErrorCode.NOT_FOUND, 501: ErrorCode.UNSUPPORTED,
                                     503: ErrorCode.UNAVAILABLE, 500: ErrorCode.INTERNAL}
 _FROM_GRPC: dict[str, ErrorCode] = {name: code for code, (_, name) in _TABLE.items()}

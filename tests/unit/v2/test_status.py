@@ -24,6 +24,7 @@ def test_http_statuses_map_back_to_an_error_with_the_same_status(code: ErrorCode
 
 @pytest.mark.parametrize(("status", "code"), [(404, ErrorCode.NOT_FOUND), (503, ErrorCode.UNAVAILABLE),
                                               (501, ErrorCode.UNSUPPORTED), (500, ErrorCode.INTERNAL),
-                                              (401, ErrorCode.INVALID_ARG), (502, ErrorCode.INTERNAL)])
+                                              (401, ErrorCode.UNAUTHENTICATED), (403, ErrorCode.PERMISSION_DENIED),
+                                              (409, ErrorCode.INVALID_ARG), (502, ErrorCode.INTERNAL)])
 def test_statuses_outside_the_table_fall_back_by_class(status: int, code: ErrorCode) -> None:
     assert error_from_http(status, "m").code is code

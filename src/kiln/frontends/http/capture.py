@@ -18,14 +18,14 @@ was started with ``--capture-dir`` (403 otherwise); with an API key set it answe
 from __future__ import annotations
 
 import asyncio
-import hmac
 import urllib.parse
 from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kiln.errors import InvalidArgumentError
+from kiln.errors import InvalidArgumentError, PermissionDeniedError
+from kiln.frontends.http.auth import require_key
 from kiln.server.capture import CaptureStore, Sample
 from kiln.server.server import Server
 from kiln.v2 import http_codec as codec
@@ -54,10 +54,8 @@ class CaptureEndpoints:
     async def capture(self, request: Request) -> Response:
         store = self.options.store
         if store is None:
-            return _error(403, DISABLED)
-        if not authorized(request, self.options.api_key):
-            return _error(401, "sample capture needs the server's API key: send 'Authorization: Bearer <key>'",
-                          {"WWW-Authenticate": "Bearer"})
+            raise PermissionDeniedError(DISABLED)
+        require_key(request.headers, self.options.api_key, "sample capture")
         name, version = request.path_params["model"], request.path_params["version"]
         self.server.model_metadata(name)  # NotFound for a model this server does not serve
         sample_id = request.headers.get(ID_HEADER)
@@ -71,15 +69,3 @@ class CaptureEndpoints:
                         request.headers.get(SOURCE_HEADER, ""), request.headers.get(EDGE_HEADER, ""))
         stored = await asyncio.to_thread(store.add, name, version, sample, body)
         return Response(codec.encode_json({"id": sample_id, "stored": stored}), media_type=codec.JSON_TYPE)
-
-
-def authorized(request: Request, key: str | None) -> bool:
-    """True when no key is set or the request carries ``Authorization: Bearer <key>``."""
-    if key is None:
-        return True
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
-
-
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    return Response(codec.encode_json({"error": message}), status, headers=headers, media_type=codec.JSON_TYPE)

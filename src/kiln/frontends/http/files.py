@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +24,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kiln.config.parse import CONFIG_FILENAME
-from kiln.errors import InvalidArgumentError, ModelNotFoundError
+from kiln.errors import InvalidArgumentError, ModelNotFoundError, PermissionDeniedError
+from kiln.frontends.http.auth import require_key
 from kiln.server.server import Server
 from kiln.server.staging import check_model_name
 from kiln.v2 import http_codec as codec
@@ -56,34 +56,23 @@ class FileEndpoints:
         self.options = options
 
     async def list_files(self, request: Request) -> Response:
-        refused = self._refuse(request)
-        if refused is not None:
-            return refused
+        self._check_access(request)
         model, version = self._version(request)
         entries = await asyncio.to_thread(list_version_files, model, version)
         doc = [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]
         return Response(codec.encode_json(doc), media_type=codec.JSON_TYPE)
 
     async def download(self, request: Request) -> Response:
-        refused = self._refuse(request)
-        if refused is not None:
-            return refused
+        self._check_access(request)
         model, version = self._version(request)
         path = resolve_file(model, version, request.path_params["path"])
         return StreamingResponse(_chunks(path), media_type="application/octet-stream",
                                  headers={"Content-Length": str(path.stat().st_size)})
 
-    def _refuse(self, request: Request) -> Response | None:
+    def _check_access(self, request: Request) -> None:
         if not self.options.enabled:
-            return _error(403, DISABLED)
-        key = self.options.api_key
-        if key is None:
-            return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
-            return None
-        return _error(401, "model download needs the server's API key: send 'Authorization: Bearer <key>'",
-                      {"WWW-Authenticate": "Bearer"})
+            raise PermissionDeniedError(DISABLED)
+        require_key(request.headers, self.options.api_key, "model download")
 
     def _version(self, request: Request) -> tuple[Path, str]:
         """The model folder and version of a READY version, from the path parameters."""
@@ -164,7 +153,3 @@ def _chunks(path: Path) -> Iterator[bytes]:
     with path.open("rb") as f:
         while block := f.read(CHUNK_BYTES):
             yield block
-
-
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    return Response(codec.encode_json({"error": message}), status, headers=headers, media_type=codec.JSON_TYPE)
