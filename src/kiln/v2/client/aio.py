@@ -75,7 +75,12 @@ class Connection:
         assert reader is not None and writer is not None
         lines = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}", f"Content-Length: {len(body)}"]
         lines += [f"{name}: {value}" for name, value in headers.items()]
-        writer.writelines([("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"), body])
+        request_head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        # No empty buffer goes to the transport: CPython 3.12's sendmsg writer loops forever on one.
+        if body:
+            writer.writelines([request_head, body])
+        else:
+            writer.write(request_head)
         await writer.drain()
         sent_ns = time.monotonic_ns()
         head = await reader.readuntil(b"\r\n\r\n")

@@ -1,0 +1,136 @@
+"""One change, measured by NVIDIA's perf_analyzer: `kiln serve` from two src/ trees in turn (before, after), each
+driven by the same C++ client over HTTP and gRPC at each concurrency.
+
+Rounds alternate the two servers so that drift of a shared machine falls on both; every cell is perf_analyzer's
+own stable measurement (three windows within --stability percent). The table gives throughput and p50 latency
+per tree and the ratio after / before; the last lines give the median ratio per protocol.
+
+    git worktree add /tmp/before <commit>       # or: git archive <commit> src | tar -x -C /tmp/before
+    python benchmarks/before_after_perf_analyzer.py --before /tmp/before/src --perf-analyzer PATH \\
+        --output benchmarks/results/<what>.json
+
+perf_analyzer comes with the ``perf-analyzer`` wheel on PyPI (it needs glibc 2.38 or newer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+sys.path.insert(0, str(SRC))
+
+from kiln.bench.machine import machine_info  # noqa: E402
+from kiln.demo import build_demo_repository  # noqa: E402
+from kiln.serve_process import KilnProcess, kiln_serve  # noqa: E402
+
+
+@contextmanager
+def server_from(src: Path, repo: Path, models: list[str], log: Path) -> Iterator[KilnProcess]:
+    """`kiln serve` with ``src`` first on the child's path (what it inherits from this process)."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(src.resolve()), *([saved] if saved else [])])
+    try:
+        load = [arg for model in models for arg in ("--load-model", model)]
+        with kiln_serve([repo], "--model-control-mode", "explicit", *load, log_path=log) as server:
+            yield server
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurrency: int, window_ms: int,
+            stability: int, folder: Path) -> dict[str, float]:
+    """Throughput (inferences/s) and p50 latency (us) of one perf_analyzer run."""
+    out = folder / f"{model}-{protocol}-{concurrency}.csv"
+    url = server.http_url if protocol == "http" else server.grpc_url
+    command = [binary, "-m", model, "-u", url, "-i", protocol, "--concurrency-range", f"{concurrency}:{concurrency}",
+               "--measurement-interval", str(window_ms), "--stability-percentage", str(stability),
+               "--max-trials", "8", "-f", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"perf_analyzer failed ({done.returncode}): {' '.join(command)}\n{done.stdout[-2000:]}"
+                           f"{done.stderr[-2000:]}")
+    with out.open() as f:
+        row = next(csv.DictReader(f))
+    return {"throughput": float(row["Inferences/Second"]), "p50_us": float(row["p50 latency"])}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", type=Path, required=True, help="the src/ folder of the code before the change")
+    parser.add_argument("--after", type=Path, default=SRC, help="the src/ folder after it (default: this checkout)")
+    parser.add_argument("--perf-analyzer", default="perf_analyzer", help="the perf_analyzer binary")
+    parser.add_argument("--models", default="simple,mlp")
+    parser.add_argument("--protocols", default="http,grpc")
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--window-ms", type=int, default=1500, help="perf_analyzer's measurement interval")
+    parser.add_argument("--stability", type=int, default=20,
+                        help="perf_analyzer's --stability-percentage: windows agreeing within it count as stable")
+    parser.add_argument("--output", type=Path, default=None, help="JSON results (a .txt table goes beside it)")
+    args = parser.parse_args()
+    models, protocols = args.models.split(","), args.protocols.split(",")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kiln-pa-before-after-") as tmp:
+        repo = Path(tmp) / "repo"
+        build_demo_repository(repo)
+        for round_ in range(1, args.rounds + 1):
+            for label, src in (("before", args.before), ("after", args.after)):
+                with server_from(src, repo, models, Path(tmp) / f"{label}-{round_}.log") as server:
+                    for model in models:
+                        for protocol in protocols:
+                            for concurrency in levels:
+                                cell = measure(args.perf_analyzer, server, model, protocol, concurrency,
+                                               args.window_ms, args.stability, Path(tmp))
+                                rows.append({"round": round_, "tree": label, "model": model, "protocol": protocol,
+                                             "concurrency": concurrency, **cell})
+                                print(f"round {round_} {label} {model} {protocol} c={concurrency}: "
+                                      f"{cell['throughput']:,.0f}/s p50 {cell['p50_us']:,.0f} us", file=sys.stderr)
+    lines = table(rows, args)
+    print("\n".join(lines))
+    if args.output is not None:
+        args.output.write_text(json.dumps({"machine": machine_info(), "command": " ".join(sys.argv),
+                                           "rows": rows}, indent=1) + "\n")
+        args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """One line per (model, protocol, concurrency, round): before and after side by side, and their ratio."""
+    info = machine_info()
+    lines = [f"perf_analyzer before/after, {info['date']}, {info['cpu_model']}, {info['cpu_count']} CPUs, "
+             f"GPUs: {', '.join(info['gpus']) or 'none'}",
+             f"before: {args.before}; after: {args.after}; command: {' '.join(sys.argv)}", "",
+             "| model | protocol | c | round | before /s | after /s | after/before | p50 before us | p50 after us |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ratios: dict[str, list[float]] = {}
+    key = ("model", "protocol", "concurrency", "round")
+    cells = {(tuple(r[k] for k in key), r["tree"]): r for r in rows}
+    for cell_key in sorted({tuple(r[k] for k in key) for r in rows}):
+        before, after = cells[(cell_key, "before")], cells[(cell_key, "after")]
+        ratio = after["throughput"] / before["throughput"]
+        ratios.setdefault(str(cell_key[1]), []).append(ratio)
+        lines.append(f"| {cell_key[0]} | {cell_key[1]} | {cell_key[2]} | {cell_key[3]} | {before['throughput']:,.0f} "
+                     f"| {after['throughput']:,.0f} | {ratio:.2f} | {before['p50_us']:,.0f} | {after['p50_us']:,.0f} |")
+    lines.append("")
+    lines += [f"median after/before, {protocol}: {statistics.median(values):.2f} over {len(values)} cells"
+              for protocol, values in sorted(ratios.items())]
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
