@@ -70,7 +70,10 @@ def header(info: Mapping[str, Any]) -> str:
     lines = [f"# {info['title']}", f"command: {info['command']}", f"date: {info['date']}",
              f"machine: {machine_line(dict(info))}",
              "packages: " + ", ".join(f"{name} {version}" for name, version in info["packages"].items())]
-    lines += [f"{key}: {value}" for key, value in info.items() if key not in _SHOWN]
+    for key, value in info.items():
+        if key not in _SHOWN:
+            shown = ", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, Mapping) else value
+            lines.append(f"{key}: {shown}")
     return "\n".join(lines) + "\n"
 
 
@@ -92,7 +95,7 @@ def cell(value: object) -> str:
         digits = 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2 if abs(value) >= 1 else 3
         return f"{value:,.{digits}f}"
     if isinstance(value, int) and not isinstance(value, bool):
-        return f"{value:,}" if abs(value) >= 10_000 else str(value)
+        return f"{value:,}"
     return str(value)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -22,8 +23,16 @@ _PACKAGES = {"wrk": "wrk", "h2load": "nghttp2-client"}
 
 
 def run_main(script: str, *argv: str) -> int:
-    """``benchmarks/<script>.py``'s ``main(argv)`` in this process; its return code."""
-    rc: int = importlib.import_module(script).main(list(argv))
+    """``benchmarks/<script>.py``'s ``main(argv)`` in this process; its return code. Importing a script puts this
+    checkout's src/ on PYTHONPATH for the servers it starts; that is undone afterwards."""
+    saved = os.environ.get("PYTHONPATH")
+    try:
+        rc: int = importlib.import_module(script).main(list(argv))
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
     return rc
 
 
