@@ -16,38 +16,30 @@ response, driven by the same load generators and concurrency as the other benchm
                        ``session.run`` (1 intra-op thread) on the event loop and encoding the real answer.
 
 The gap between a ceiling and kiln's figure is kiln's own per-request cost; the ceiling itself is the price of
-the framework. Usage: ``.venv/bin/python benchmarks/ceilings.py [--duration 5] [--concurrency 16]``.
+the framework.
+
+    python benchmarks/ceilings.py [--duration 5] [--concurrency 16] [--variants a,b,...] [--output results.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import socket
+import subprocess
 import sys
 import tempfile
 import textwrap
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from _common import (
-    PROJECT_PYTHON,
-    ServerProcess,
-    build_demo_repo,
-    command_line,
-    ensure_tools,
-    format_table,
-    free_port,
-    grpc_request,
-    header_lines,
-    json_body,
-    machine_info,
-    mlp_case,
-    project_env,
-    run_h2load,
-    run_wrk,
-    running,
-    wait_quiet,
-    write_json,
-)
+from _common import describe, header, log_tail, mlp_case, spawned, str_list, table, write_outputs
+from _loadgen import LoadResult, require_tools, run_h2load, run_wrk, tool_versions, wait_quiet
+
+from kiln.demo import build_demo_repository
+from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
+from kiln.serve_process import free_port
 
 _SERVER = textwrap.dedent('''
     import asyncio, json, sys
@@ -158,96 +150,90 @@ GRPC_VARIANTS = ("grpc-aio-bytes", "grpc-aio-bytes-x2", "grpc-aio-pb", "grpc-aio
                  "grpc-sync-pb")
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--variants", default=",".join(HTTP_VARIANTS + GRPC_VARIANTS))
-    parser.add_argument("--max-wait-quiet", type=float, default=120.0)
-    parser.add_argument("--output", type=Path, default=None)
-    args = parser.parse_args()
-    ensure_tools()
-    info = machine_info()
-    info["command"] = command_line()
-    for line in header_lines("framework ceilings, mlp-sized request and response", info):
-        print(line, flush=True)
-
-    rows = []
-    results = {}
+    parser.add_argument("--max-wait-quiet", type=float, default=120.0, help="0: don't wait for a quiet machine")
+    parser.add_argument("--output", type=Path, default=None, help="JSON results (a .txt beside it gets the text)")
+    args = parser.parse_args(argv)
+    variants = str_list(args.variants)
+    if unknown := set(variants) - set(HTTP_VARIANTS + GRPC_VARIANTS):
+        parser.error(f"unknown variants {sorted(unknown)}")
+    require_tools(*(["wrk"] if set(variants) & set(HTTP_VARIANTS) else []),
+                  *(["h2load"] if set(variants) & set(GRPC_VARIANTS) else []))
+    info = describe("framework ceilings, mlp-sized request and response", tools=tool_versions())
+    print(header(info), flush=True)
+    results: dict[str, LoadResult] = {}
     with tempfile.TemporaryDirectory(prefix="kiln-ceilings-") as tmp_name:
         tmp = Path(tmp_name)
-        build_demo_repo(tmp / "repo")
-        inputs, expected = mlp_case(tmp / "repo" / "mlp" / "1" / "model.onnx")
+        build_demo_repository(tmp / "repo")
+        model = tmp / "repo" / "mlp" / "1" / "model.onnx"
+        case = mlp_case(model)
         script = tmp / "server.py"
         script.write_text(_SERVER)
-        json_response = (b'{"model_name":"mlp","model_version":"1","outputs":[{"name":"OUTPUT0","datatype":"FP32",'
-                         b'"shape":[1,10],"data":' + str(expected["OUTPUT0"].reshape(-1).tolist()).encode() + b"}]}")
-        grpc_response = _grpc_response(expected["OUTPUT0"].tobytes())
-        body = json_body(inputs)
-        message = grpc_request("mlp", inputs)
-        for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
-            port = free_port()
-            is_grpc = variant.startswith("grpc")
-            response_file = tmp / f"{variant}.bin"
-            response_file.write_bytes(grpc_response if is_grpc else json_response)
-            cmd = [str(PROJECT_PYTHON), str(script), variant, str(port), str(response_file),
-                   str(tmp / "repo" / "mlp" / "1" / "model.onnx")]
-            copies = 2 if variant.endswith("-x2") else 1
-            servers = [ServerProcess(variant, cmd, tmp / f"{variant}-{i}.log", env=project_env())
-                       for i in range(copies)]
-            server = servers[0]
-            with contextlib.ExitStack() as stack:
-                for each in servers:
-                    stack.enter_context(running(each))
-                    _wait_ready(each, port, announced=copies > 1)
-                wait_quiet(server.proc.pid, args.max_wait_quiet)
-                if is_grpc:
-                    r = run_h2load(f"http://127.0.0.1:{port}", message, args.concurrency, args.duration, args.warmup,
-                                   expected_response_bytes=len(grpc_response),
-                                   server_pgid=[each.proc.pid for each in servers])
-                else:
-                    url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
-                    headers = {"Content-Type": "application/json"}
-                    run_wrk(url, body, headers, args.concurrency, args.warmup)
-                    r = run_wrk(url, body, headers, args.concurrency, args.duration, server_pgid=server.proc.pid)
-            print(f"{variant:16s} {r.rps:9,.0f} req/s  p50 {r.p50_ms:.2f} ms  errors {r.errors}  "
-                  f"cpu server/loadgen/other {r.cpu_server or 0:.2f}/{r.cpu_loadgen or 0:.2f}/{r.cpu_other or 0:.2f}"
-                  + (f"  [{r.notes}]" if r.notes else ""), flush=True)
-            rows.append([variant, "wrk" if not is_grpc else "h2load", r.rps, r.p50_ms, r.p99_ms, r.errors,
-                         f"{r.cpu_server or 0:.2f}", f"{r.cpu_loadgen or 0:.2f}", f"{r.cpu_other or 0:.2f}"])
-            results[variant] = r
-    print()
-    for line in format_table(["variant", "load", "req/s", "p50 ms", "p99 ms", "errors", "cpu server", "cpu loadgen",
-                              "cpu other"], rows):
-        print(line)
-    if args.output:
-        write_json(args.output, {"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
-                                 "results": results})
+        output = case.expected["OUTPUT0"]
+        responses = {"http": (b'{"model_name":"mlp","model_version":"1","outputs":[{"name":"OUTPUT0","datatype":"FP32",'
+                              b'"shape":[1,10],"data":' + str(output.reshape(-1).tolist()).encode() + b"}]}"),
+                     "grpc": _grpc_response(output.tobytes())}
+        for variant in variants:
+            results[variant] = _measure(variant, tmp, script, model, case.json_body(), case.grpc_message(),
+                                        responses, args)
+    rows = [[variant, r.tool, r.rps, r.p50_ms, r.p99_ms, r.errors, f"{r.cpu_server or 0:.2f}",
+             f"{r.cpu_loadgen or 0:.2f}", f"{r.cpu_other or 0:.2f}"] for variant, r in results.items()]
+    text = header(info) + "\n" + table(["variant", "load", "req/s", "p50 ms", "p99 ms", "errors", "cpu server",
+                                         "cpu loadgen", "cpu other"], rows, numeric_from=2)
+    print(text[len(header(info)):])
+    write_outputs(args.output, {"machine": info, "args": vars(args), "results": results}, text)
     return 0
 
 
+def _measure(variant: str, tmp: Path, script: Path, model: Path, http_request: tuple[bytes, dict[str, str]],
+             grpc_request: bytes, responses: dict[str, bytes], args: argparse.Namespace) -> LoadResult:
+    """Start the variant's server (two processes sharing the port for ``-x2``) and drive it for one window."""
+    port = free_port()
+    is_grpc = variant.startswith("grpc")
+    response_file = tmp / f"{variant}.bin"
+    response_file.write_bytes(responses["grpc" if is_grpc else "http"])
+    cmd = [sys.executable, str(script), variant, str(port), str(response_file), str(model)]
+    copies = 2 if variant.endswith("-x2") else 1
+    with contextlib.ExitStack() as stack:
+        pids = []
+        for i in range(copies):
+            log = tmp / f"{variant}-{i}.log"
+            process = stack.enter_context(spawned(cmd, log))
+            _wait_ready(process, log, port, announced=copies > 1)
+            pids.append(process.pid)
+        wait_quiet(pids, args.max_wait_quiet)
+        if is_grpc:
+            result = run_h2load(f"http://127.0.0.1:{port}", grpc_request, args.concurrency, args.duration,
+                                args.warmup, expected_response_bytes=len(responses["grpc"]), server_pids=pids)
+        else:
+            url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
+            body, headers = http_request
+            result = run_wrk(url, body, headers, args.concurrency, args.duration, args.warmup, server_pids=pids)
+    print(f"{variant:24s} {result.line()}", flush=True)
+    return result
+
+
 def _grpc_response(raw: bytes) -> bytes:
-    from tritonclient.grpc import service_pb2 as pb
-
-    resp = pb.ModelInferResponse(model_name="mlp", model_version="1")
-    resp.outputs.add(name="OUTPUT0", datatype="FP32", shape=[1, 10])
-    resp.raw_output_contents.append(raw)
-    data: bytes = resp.SerializeToString()
-    return data
+    response = pb.ModelInferResponse(model_name="mlp", model_version="1")
+    response.outputs.add(name="OUTPUT0", datatype="FP32", shape=[1, 10])
+    response.raw_output_contents.append(raw)
+    return response.SerializeToString()
 
 
-def _wait_ready(server: ServerProcess, port: int, timeout: float = 60.0, announced: bool = False) -> None:
+def _wait_ready(process: subprocess.Popen[bytes], log: Path, port: int, timeout: float = 60.0,
+                announced: bool = False) -> None:
     """Until the port accepts a TCP connection and, with ``announced`` (several processes share the port), this
     process has printed READY."""
-    import socket
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"{server.name} exited: {server.log_tail()}")
-        if announced and "READY" not in server.log_tail():
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args!r} exited: {log_tail(log)}")
+        if announced and "READY" not in log_tail(log):
             time.sleep(0.05)
             continue
         try:
@@ -255,7 +241,7 @@ def _wait_ready(server: ServerProcess, port: int, timeout: float = 60.0, announc
             return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"{server.name} not ready: {server.log_tail()}")
+    raise RuntimeError(f"{process.args!r} not ready: {log_tail(log)}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ models at c=256 on the H200).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -23,16 +24,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, format_table, header_lines, machine_info, write_json
+from _common import SRC, describe, header, pythonpath, table, write_outputs
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+from kiln.bench.served_counts import served_counts
+from kiln.demo import build_demo_repository
+from kiln.serve_process import kiln_serve
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=256, help="connections per model")
@@ -40,10 +43,7 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=3.0, help="seconds after the clients start, before it")
     parser.add_argument("--server-src", type=Path, default=SRC, help="the src/ folder the server runs from")
     parser.add_argument("--output", type=Path, default=None, help="JSON results (a .txt table goes beside it)")
-    args = parser.parse_args()
-    sys.path.insert(0, str(SRC))
-    from kiln.demo import build_demo_repository
-    from kiln.testing.serve import kiln_serve
+    args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="kiln-burst-") as tmp:
         demo, repo = Path(tmp) / "demo", Path(tmp) / "repo"
@@ -53,37 +53,24 @@ def main() -> int:
             shutil.copytree(demo / "simple" / "1", repo / name / "1")
             config = (demo / "simple" / "config.pbtxt").read_text().replace('name: "simple"', f'name: "{name}"')
             (repo / name / "config.pbtxt").write_text(config + "\ndynamic_batching { }\n")
-        server_env = {**os.environ, "PYTHONPATH": str(args.server_src.resolve())}
-        saved = os.environ.copy()
-        os.environ.update(server_env)  # kiln_serve's child inherits it
-        try:
-            with kiln_serve([repo], log_path=Path(tmp) / "serve.log") as server:
-                os.environ.clear()
-                os.environ.update(saved)
-                rows = _burst(server.http_url, names, args, Path(tmp))
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-    info = {**machine_info(), "command": command_line()}
-    lines = header_lines(f"A burst of connections: {args.models} models x {args.concurrency} connections", info)
-    lines.append(f"server src: {args.server_src}")
+        with contextlib.ExitStack() as stack:
+            with pythonpath(args.server_src):
+                server = stack.enter_context(kiln_serve([repo], log_path=Path(tmp) / "serve.log"))
+            rows = _burst(server.http_url, names, args, Path(tmp))
+    info = describe(f"A burst of connections: {args.models} models x {args.concurrency} connections",
+                    server_src=str(args.server_src))
     rates = [row["requests_per_s"] for row in rows]
-    lines += ["", *format_table(["model", "requests/s", "p99 ms"],
-                                [[r["model"], f"{r['requests_per_s']:,.0f}", f"{r['p99_ms']:,.1f}"] for r in rows])]
-    lines += ["", f"total {sum(rates):,.0f} requests/s; slowest model / fastest: {min(rates) / max(rates):.2f}"]
-    print("\n".join(lines))
-    if args.output is not None:
-        write_json(args.output, {"info": info, "server_src": str(args.server_src),
-                                 "rows": rows})
-        args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    text = (header(info) + "\n" + table(["model", "requests/s", "p99 ms"],
+                                        [[r["model"], r["requests_per_s"], r["p99_ms"]] for r in rows])
+            + f"\ntotal {sum(rates):,.0f} requests/s; slowest model / fastest: {min(rates) / max(rates):.2f}\n")
+    print(text)
+    write_outputs(args.output, {"info": info, "server_src": str(args.server_src), "rows": rows}, text)
     return 0
 
 
 def _burst(url: str, names: list[str], args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     """One `kiln bench` per model, all started together; each model's requests/s from the server's counts over one
     window common to all, and each client's p99."""
-    from kiln.bench.served_counts import served_counts
-
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     clients = []
     client_ms = int((args.settle + args.seconds + 3) * 1000)  # clients measure past the common window

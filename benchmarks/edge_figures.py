@@ -12,7 +12,7 @@ A real ``kiln serve`` (the cloud) runs the demo repository on free ports; an :cl
    thresholds in ``--check``, a runner with that policy answers every sample and its counters (flagged requests,
    cloud answers) must equal the computed count; a mismatch fails the script.
 
-    .venv/bin/python benchmarks/edge_figures.py [--requests 2000] [--samples 2000] [--output results.json]
+    python benchmarks/edge_figures.py [--requests 2000] [--samples 2000] [--output results.json]
 """
 
 from __future__ import annotations
@@ -22,29 +22,21 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import (
-    HOST,
-    ServerProcess,
-    build_demo_repo,
-    command_line,
-    free_port,
-    header_lines,
-    kiln_serve_cmd,
-    machine_info,
-    project_env,
-    running,
-    write_json,
-)
+from _common import Array, describe, header, table, write_outputs
+
+from kiln.demo import build_demo_repository
+from kiln.serve_process import kiln_serve
 
 MODEL = "mlp"
 FEATURES = 64
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000, help="timed requests per path (default 2000)")
     parser.add_argument("--warmup", type=int, default=200, help="untimed requests per path first (default 200)")
@@ -55,36 +47,30 @@ def main() -> int:
                         help="thresholds whose fraction is also measured through a runner's counters")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="write all results as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    info = machine_info()
-    info["command"] = command_line()
-    for line in header_lines("kiln edge figures (demo mlp, edge in-process, cloud = kiln serve on loopback)", info):
-        print(line, flush=True)
+    info = describe("kiln edge figures (demo mlp, edge in-process, cloud = kiln serve on loopback)")
+    print(header(info), flush=True)
     with tempfile.TemporaryDirectory(prefix="kiln-edge-fig-") as tmp_name:
         tmp = Path(tmp_name)
         repo = tmp / "repo"
-        build_demo_repo(repo)
-        http_port = free_port()
-        server = ServerProcess("kiln serve", kiln_serve_cmd(repo, http_port, free_port(), free_port()),
-                               tmp / "serve.log", env=project_env())
-        with running(server):
-            server.wait_http_ready(http_port)
-            cloud = f"{HOST}:{http_port}"
-            latency = _latency(repo / MODEL, cloud, args)
-            sweep = _sweep(repo / MODEL, cloud, args)
-    _print(latency, sweep)
-    if args.output is not None:
-        write_json(args.output, {"machine": info, "args": vars(args), "latency": latency, "sweep": sweep})
+        build_demo_repository(repo)
+        with kiln_serve([repo], log_path=tmp / "serve.log") as cloud:
+            latency = _latency(repo / MODEL, cloud.http_url, args)
+            sweep = _sweep(repo / MODEL, cloud.http_url, args)
+    text = header(info) + _report(latency, sweep)
+    print(text[len(header(info)):])
+    write_outputs(args.output, {"machine": info, "args": vars(args), "latency": latency, "sweep": sweep}, text)
     return 0 if all(row["checked"] in (None, True) for row in sweep["rows"]) else 1
 
 
-def _inputs(rng: np.random.Generator, n: int) -> list[dict[str, np.ndarray]]:
+def _inputs(rng: np.random.Generator, n: int) -> list[dict[str, Array]]:
     return [{"INPUT0": rng.standard_normal((1, FEATURES), dtype=np.float32)} for _ in range(n)]
 
 
 def _latency(model: Path, cloud: str, args: argparse.Namespace) -> dict[str, Any]:
     from kiln.edge import EdgeRunner, Policy
+    from kiln.edge.runner import EdgeResult
 
     samples = _inputs(np.random.default_rng(args.seed), args.requests)
     timings: dict[str, list[float]] = {"direct": [], "local": [], "forwarded": []}
@@ -99,7 +85,7 @@ def _latency(model: Path, cloud: str, args: argparse.Namespace) -> dict[str, Any
                 t0 = time.perf_counter()
                 result = call(sample)
                 timings[name].append(time.perf_counter() - t0)
-                if name in sources:
+                if isinstance(result, EdgeResult):
                     sources[name].add(result.source)
     if sources != {"local": {"local"}, "forwarded": {"cloud"}}:
         raise RuntimeError(f"unexpected answer sources: {sources}")
@@ -140,33 +126,23 @@ def _sweep(model: Path, cloud: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"samples": len(samples), "max_probability": quantiles, "rows": rows}
 
 
-def _print(latency: dict[str, Any], sweep: dict[str, Any]) -> None:
-    print("\n## Latency, batch 1 (EdgeRunner.infer wall time; direct = the engine alone)\n")
+def _report(latency: dict[str, Any], sweep: dict[str, Any]) -> str:
     what = {"direct": "engine.infer (no policy)", "local": "edge, answered locally",
             "forwarded": "edge, forwarded (cloud answer over HTTP)"}
-    rows = [[what[name], s["n"], s["p50_ms"], s["p99_ms"], s["mean_ms"]] for name, s in latency.items()]
-    for line in _markdown(["path", "requests", "p50 ms", "p99 ms", "mean ms"], rows):
-        print(line)
-    print(f"\n## Forwarded fraction vs max_prob_below ({sweep['samples']} samples, batch 1)\n")
-    quant = ", ".join(f"{k} {v:.3f}" for k, v in sweep["max_probability"].items())
-    print(f"max probability of the local answer: {quant}\n")
+    parts = ["\n## Latency, batch 1 (EdgeRunner.infer wall time; direct = the engine alone)\n",
+             table(["path", "requests", "p50 ms", "p99 ms", "mean ms"],
+                   [[what[name], s["n"], s["p50_ms"], s["p99_ms"], s["mean_ms"]] for name, s in latency.items()]),
+             f"## Forwarded fraction vs max_prob_below ({sweep['samples']} samples, batch 1)\n",
+             "max probability of the local answer: "
+             + ", ".join(f"{k} {v:.3f}" for k, v in sweep["max_probability"].items()) + "\n"]
     rows = []
     for row in sweep["rows"]:
         check = "-" if row["checked"] is None else (
             f"{'ok' if row['checked'] else 'MISMATCH'} (flagged {row['runner']['flagged']}, "
             f"cloud answers {row['runner']['cloud_answers']})")
         rows.append([row["threshold"], row["forwarded"], f"{row['fraction']:.3f}", check])
-    for line in _markdown(["max_prob_below", "forwarded", "fraction", "runner's counters"], rows):
-        print(line)
-
-
-def _markdown(headers: list[str], rows: list[list[Any]]) -> list[str]:
-    def cell(value: Any) -> str:
-        return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return lines
+    parts.append(table(["max_prob_below", "forwarded", "fraction", "runner's counters"], rows))
+    return "\n".join(parts)
 
 
 if __name__ == "__main__":

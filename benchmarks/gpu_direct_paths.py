@@ -22,12 +22,13 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from _common import Array, describe, header
 
 import kiln
 
@@ -72,10 +73,10 @@ def drive(results: dict[str, Any], name: str, make_call: Callable[[int], Call], 
           flush=True)
 
 
-def plain_call(module: Callable[..., Any], image: np.ndarray, numpy_copy: bool) -> Call:
+def plain_call(module: Callable[..., Any], image: Array, numpy_copy: bool) -> Call:
     """One thread's plain-PyTorch caller: its own stream, graph and pinned buffers."""
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    static = torch.zeros(1, 3, 224, 224, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+    static = torch.zeros(image.shape, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
     pinned = torch.from_numpy(image.copy()).pin_memory()
     pinned_view = pinned.numpy()
     with torch.inference_mode():
@@ -103,16 +104,17 @@ def plain_call(module: Callable[..., Any], image: np.ndarray, numpy_copy: bool) 
     return call
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repo", type=Path, required=True, help="a repository with the built resnet50")
     parser.add_argument("--streams16-repo", type=Path, help="the same with parameter cuda_streams: 16")
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--warmup", type=float, default=1.5)
     parser.add_argument("--output", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    print(header(describe("kiln's direct engine next to plain PyTorch, batch-1 ResNet-50 calls",
+                          gpu=f"{torch.cuda.get_device_name()}, torch {torch.__version__}")), flush=True)
     results: dict[str, Any] = {}
-    image = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
 
     def run(name: str, make_call: Callable[[int], Call], concurrency: int) -> None:
         drive(results, name, make_call, concurrency, args.seconds, args.warmup)
@@ -120,11 +122,13 @@ def main() -> int:
             args.output.write_text(json.dumps(results, indent=1))
 
     engine = kiln.load(args.repo / "resnet50", kind="gpu")
+    spec = engine.spec.inputs[0]  # one image: its name and dims
+    image = np.random.default_rng(0).random((1, *spec.dims), dtype=np.float32)
 
     def kiln_call(engine: Any) -> Callable[[int], Call]:
         def make(_: int) -> Call:
             source = image.copy()  # each thread its own array, as separate callers would have
-            return lambda: engine.infer({"input": source})
+            return lambda: engine.infer({spec.name: source})
         return make
 
     for concurrency in (1, 8, 16):

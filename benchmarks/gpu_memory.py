@@ -17,26 +17,29 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from _common import describe, header
+
 from kiln.config.parse import config_to_text, read_config
 
 MIB = 1 << 20
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", type=Path, help="a built model folder (<repo>/<model>) for the torch backend")
     parser.add_argument("--graph-sizes", default="1-64;1,64;1,2,4,8,16,32,64",
                         help="cuda_graph_batch_sizes values to compare, separated by semicolons")
     parser.add_argument("--batches", default="1,8,32,64", help="batch sizes run after the load")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child is not None:
         print(json.dumps(_measure(args.model, [int(b) for b in args.batches.split(",")])))
         return 0
+    print(header(describe("Where a loaded GPU engine's memory goes", model=str(args.model))), flush=True)
     print(f"{'cuda_graph_batch_sizes':>22}  {'stage':<28} {'allocated MiB':>13} {'reserved MiB':>12} "
           f"{'device MiB':>10}")
     for sizes in args.graph_sizes.split(";"):

@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from _common import describe, header, int_list
 
 import kiln
 
@@ -43,9 +44,9 @@ class Lane:
     computed: torch.cuda.Event
 
 
-def make_lane(module: Callable[..., Any], batch: int) -> Lane:
+def make_lane(module: Callable[..., Any], batch: int, dims: tuple[int, ...]) -> Lane:
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    device_input = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.float16)
+    device_input = torch.randn(batch, *dims, device="cuda", dtype=torch.float16)
     device_input = device_input.contiguous(memory_format=torch.channels_last)
     with torch.inference_mode():
         with torch.cuda.stream(stream):
@@ -56,7 +57,7 @@ def make_lane(module: Callable[..., Any], batch: int) -> Lane:
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             result = module(device_input)
     output = result[0] if isinstance(result, (tuple, list)) else result
-    host_input = torch.randn(batch, 3, 224, 224, dtype=torch.float16).pin_memory()
+    host_input = torch.randn(batch, *dims, dtype=torch.float16).pin_memory()
     host_output = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
     return Lane(stream, graph, device_input, output, host_input, host_output,
                 torch.cuda.Event(), torch.cuda.Event())  # type: ignore[no-untyped-call]
@@ -96,20 +97,22 @@ def measure(lanes: list[Lane], mode: str, compute: torch.cuda.Stream, seconds: f
     return count, time.perf_counter() - started
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repo", type=Path, required=True, help="a repository with the built resnet50")
     parser.add_argument("--batches", default="16,32")
     parser.add_argument("--streams", default="1,2,4")
     parser.add_argument("--seconds", type=float, default=1.5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     engine = kiln.load(args.repo / "resnet50", kind="gpu")
     module: Callable[..., Any] = engine._function  # type: ignore[attr-defined]  # the prepared fp16 module
+    dims = tuple(engine.spec.inputs[0].dims)  # one image: channels, height, width
     compute = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    for batch in (int(b) for b in args.batches.split(",")):
-        for streams in (int(s) for s in args.streams.split(",")):
-            lanes = [make_lane(module, batch) for _ in range(streams)]
+    print(header(describe("The GPU's own limit: batches queued from K CUDA streams, no server",
+                          gpu=f"{torch.cuda.get_device_name()}, torch {torch.__version__}")), flush=True)
+    for batch in int_list(args.batches):
+        for streams in int_list(args.streams):
+            lanes = [make_lane(module, batch, dims) for _ in range(streams)]
             for mode in ("copies", "one compute stream", "graph only"):
                 count, elapsed = measure(lanes, mode, compute, args.seconds)
                 print(f"batch {batch:3d}, {streams} streams, {mode:18s}: {count * batch / elapsed:8,.0f} images/s, "

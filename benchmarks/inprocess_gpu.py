@@ -18,10 +18,12 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import Array, describe, header
 
 from kiln.config.parse import config_to_text, read_config
 from kiln.engines.torch import staging
@@ -48,14 +50,14 @@ def _variant(built: Path, root: Path, instances: int, preferred: list[int], fp16
     return repo
 
 
-async def _drive(server: Server, images: list[np.ndarray], datatype: DataType, seconds: float) -> int:
+async def _drive(server: Server, name: str, images: list[Array], datatype: DataType, seconds: float) -> int:
     done = 0
     stop = time.perf_counter() + seconds
 
-    async def client(image: np.ndarray) -> None:
+    async def client(image: Array) -> None:
         nonlocal done
         while time.perf_counter() < stop:
-            await server.infer(InferRequest(MODEL, [InputTensor("input", datatype, image.shape, image)]))
+            await server.infer(InferRequest(MODEL, [InputTensor(name, datatype, image.shape, image)]))
             done += 1
 
     await asyncio.gather(*(client(image) for image in images))
@@ -117,11 +119,12 @@ def _graphs(server: Server) -> tuple[str, int]:
     return lanes, sum(getattr(engine, "cuda_graph_count", 0) for engine in engines)
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("repo", type=Path)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before the measured window")
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--preferred", default="", help="preferred batch sizes, e.g. 16,32 (default: none)")
     parser.add_argument("--fp16-inputs", action="store_true")
@@ -140,7 +143,8 @@ def main() -> int:
     parser.add_argument("--switch-interval-us", type=int, default=0,
                         help="sys.setswitchinterval for the run (default: Python's 5,000 us): how soon the waiter "
                              "thread gets the GIL back from a busy event loop")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    print(header(describe("In-process serving of a built GPU model", repo=str(args.repo))), flush=True)
     if args.switch_interval_us:
         sys.setswitchinterval(args.switch_interval_us / 1e6)
     if args.copy_threads:
@@ -165,14 +169,15 @@ def main() -> int:
         try:
             datatype = DataType.FP16 if args.fp16_inputs else DataType.FP32
             rng = np.random.default_rng(0)
-            images = [rng.random((1, 3, 224, 224)).astype(np.float16 if args.fp16_inputs else np.float32)
+            name, dims = config.input[0].name, tuple(config.input[0].dims)  # one image
+            images = [rng.random((1, *dims)).astype(np.float16 if args.fp16_inputs else np.float32)
                       for _ in range(args.concurrency)]
-            asyncio.run(_drive(server, images, datatype, 2.0))  # warm-up: lanes, buffers
+            asyncio.run(_drive(server, name, images, datatype, args.warmup))  # lanes, buffers
             graphs_before = _graphs(server)
             timing.recording = args.gpu_timing
             before = server.model_statistics(MODEL)[0]
             started = time.perf_counter()
-            count = asyncio.run(_drive(server, images, datatype, args.seconds))
+            count = asyncio.run(_drive(server, name, images, datatype, args.seconds))
             elapsed = time.perf_counter() - started
             after = server.model_statistics(MODEL)[0]
             timing.recording = False

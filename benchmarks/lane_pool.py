@@ -1,35 +1,33 @@
 """Threads sharing a few lanes: kiln's LanePool (a lane given back goes to the longest waiting caller) next to a
-pool that puts it back for anyone to take (kiln's before, a queue.SimpleQueue), side by side in one run. Needs no
-GPU: each call holds its lane for some GIL-held work (staging, launching) and a GIL-free wait (the stream
-synchronize), then does a little GIL-held work with its answer, as a direct caller of a GPU engine does.
+pool that puts a lane back for anyone to take (a queue.SimpleQueue), side by side in one run. Needs no GPU: each
+call holds its lane for some GIL-held work (staging, launching) and a GIL-free wait (the stream synchronize), then
+does a little GIL-held work with its answer, as a direct caller of a GPU engine does (a lane is a CUDA stream with
+its graphs and buffers: docs/pytorch-backend.md, "Thread safety").
 
-    .venv/bin/python benchmarks/lane_pool.py [--lanes 8] [--threads 8,16,32] [--seconds 3]
+    python benchmarks/lane_pool.py [--lanes 8] [--threads 8,16,32] [--seconds 3] [--output results.txt]
 
 Prints calls/s, the p50, p99 and longest call, and the fewest and most calls one thread made, per pool and thread
-count (a thread that never got a lane makes one call, however long the run). On the GPU, the direct engine at c=16
-(16 threads, 8 lanes) had a p99 of 105-127 ms against a mean near 6 ms (`kiln bench compare` on the H200).
-"""
+count. With the put-back pool, the thread that gives a lane back still holds the GIL and takes it again on its
+next call, so waiting threads can starve: a thread that never got a lane makes one call, however long the run."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import queue
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info
+from _common import describe, header, int_list, table
 
 from kiln.engines.torch.lanes import LanePool
 
 
 class PutBackPool:
-    """The pool before: free lanes in a queue anyone may take from; waiters block on the queue."""
+    """Free lanes in a queue anyone may take from; waiters block on the queue."""
 
     def __init__(self, make: Callable[[int], Any], limit: int) -> None:
         self._free: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -55,7 +53,7 @@ def spin(us: float) -> None:
         pass
 
 
-def measure(pool: Any, threads: int, seconds: float, held_us: float, device_us: float) -> str:
+def measure(pool: Any, threads: int, seconds: float, held_us: float, device_us: float) -> dict[str, float]:
     latencies: list[float] = []
     per_thread: list[int] = []
     stop = time.perf_counter() + seconds
@@ -82,26 +80,36 @@ def measure(pool: Any, threads: int, seconds: float, held_us: float, device_us: 
     def percentile(q: float) -> float:
         return latencies[int(q * (len(latencies) - 1))] * 1000
 
-    return (f"{len(latencies) / seconds:8,.0f} calls/s, p50 {percentile(0.5):6.2f} ms, p99 {percentile(0.99):7.2f} ms, "
-            f"longest {latencies[-1] * 1000:8.2f} ms, calls per thread {min(per_thread):,}-{max(per_thread):,}")
+    return {"calls_per_s": len(latencies) / seconds, "p50_ms": percentile(0.5), "p99_ms": percentile(0.99),
+            "longest_ms": latencies[-1] * 1000, "fewest_calls": min(per_thread), "most_calls": max(per_thread)}
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lanes", type=int, default=8)
     parser.add_argument("--threads", default="8,16,32")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--held-us", type=float, default=60.0, help="GIL-held work per call while holding a lane")
     parser.add_argument("--device-us", type=float, default=900.0, help="GIL-free wait per call (the GPU's time)")
-    args = parser.parse_args()
-    machine = machine_info()
-    print(f"machine: {machine['nproc']} cores, {machine['cpu_model']}, Python {machine['python']}, {machine['date']}")
-    print(f"command: {' '.join(sys.argv)}")
-    for threads in (int(t) for t in args.threads.split(",")):
-        for name, pool in (("put back (before)", PutBackPool(lambda index: index, args.lanes)),
+    parser.add_argument("--output", type=Path, default=None, help="write the text here too")
+    args = parser.parse_args(argv)
+    info = describe("Threads sharing lanes: kiln's LanePool vs a put-back pool (no GPU)",
+                    settings=f"{args.lanes} lanes, {args.held_us:g} us GIL-held + {args.device_us:g} us GIL-free "
+                             f"per call, {args.seconds:g} s per row")
+    print(header(info), flush=True)
+    rows: list[list[object]] = []
+    for threads in int_list(args.threads):
+        for name, pool in (("put back", PutBackPool(lambda index: index, args.lanes)),
                            ("kiln LanePool", LanePool(lambda index: index, args.lanes))):
-            line = measure(pool, threads, args.seconds, args.held_us, args.device_us)
-            print(f"{threads:3d} threads, {args.lanes} lanes, {name:18s}: {line}", flush=True)
+            r = measure(pool, threads, args.seconds, args.held_us, args.device_us)
+            rows.append([threads, name, r["calls_per_s"], r["p50_ms"], r["p99_ms"], r["longest_ms"],
+                         f"{r['fewest_calls']:,}-{r['most_calls']:,}"])
+            print(f"{threads:3d} threads, {name:18s}: {r}", flush=True)
+    text = header(info) + "\n" + table(["threads", "pool", "calls/s", "p50 ms", "p99 ms", "longest ms",
+                                         "calls per thread"], rows, numeric_from=2)
+    print(text[len(header(info)):])
+    if args.output is not None:
+        args.output.write_text(text)
     return 0
 
 

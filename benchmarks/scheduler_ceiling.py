@@ -25,9 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, format_table, header_lines, machine_info, write_json
+from _common import Array, describe, header, int_list, table, write_outputs
 
 from kiln.config.spec import ModelSpec
 from kiln.engines import Engine, EngineOptions, register_backend
@@ -114,7 +112,7 @@ class _StandInBatch:
         return result
 
 
-async def _drive(server: Server, image: np.ndarray, concurrency: int, seconds: float) -> int:
+async def _drive(server: Server, image: Array, concurrency: int, seconds: float) -> int:
     done = 0
     stop = time.perf_counter() + seconds
 
@@ -128,7 +126,7 @@ async def _drive(server: Server, image: np.ndarray, concurrency: int, seconds: f
     return done
 
 
-def _measure(repo: Path, image: np.ndarray, concurrency: int, seconds: float) -> dict[str, Any]:
+def _measure(repo: Path, image: Array, concurrency: int, seconds: float) -> dict[str, Any]:
     server = Server(ServerOptions(repositories=[repo]))
     server.start()
     try:
@@ -154,7 +152,7 @@ def _measure(repo: Path, image: np.ndarray, concurrency: int, seconds: float) ->
             "client_latency_us": concurrency / served * 1e6 if served else 0.0}
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--instances", default="1,2")
@@ -168,15 +166,15 @@ def main() -> int:
     parser.add_argument("--per-row-us", type=float, default=30.0, help="fake device time per image")
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--output", type=Path, default=None, help="JSON results; a .txt beside it gets the table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     DeviceStandIn.base_s, DeviceStandIn.per_row_s = args.base_ms / 1000, args.per_row_us / 1e6
     register_backend(BACKEND, DeviceStandIn)
     dims = [int(d) for d in args.dims.split(",")]
     image = np.random.default_rng(0).standard_normal([1, *dims]).astype(np.float32)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kiln-ceiling-") as tmp:
-        for instances in (int(n) for n in args.instances.split(",")):
-            for concurrency in (int(c) for c in args.concurrency.split(",")):
+        for instances in int_list(args.instances):
+            for concurrency in int_list(args.concurrency):
                 for path in args.paths.split(","):  # side by side, so the machine's drift hits both alike
                     repo = Path(tmp) / f"i{instances}-{path}"
                     if not repo.exists():
@@ -188,21 +186,18 @@ def main() -> int:
                     row = {"instances": instances, "path": path, **_measure(repo, image, concurrency, args.seconds)}
                     rows.append(row)
                     print(row, file=sys.stderr, flush=True)
-    info = {**machine_info(), "command": command_line()}
-    lines = [line for line in header_lines("kiln scheduler ceiling: in-process serving against a device stand-in",
-                                           info) if not line.startswith("load generators")]
-    lines += [f"device stand-in: {args.base_ms:g} ms per batch + {args.per_row_us:g} us per image, FP32 images "
-              f"{'x'.join(map(str, dims))}, max_batch_size {args.max_batch_size}, {args.seconds:g} s per row", ""]
-    lines += format_table(
+    info = describe("kiln scheduler ceiling: in-process serving against a device stand-in",
+                    stand_in=f"{args.base_ms:g} ms per batch + {args.per_row_us:g} us per image, FP32 images "
+                             f"{'x'.join(map(str, dims))}, max_batch_size {args.max_batch_size}, {args.seconds:g} s "
+                             f"per row")
+    text = header(info) + "\n" + table(
         ["instances", "path", "conc", "req/s", "avg batch", "device-bound req/s", "served/device-bound", "queue us",
          "compute_infer us", "client latency us"],
-        [[r["instances"], r["path"], r["concurrency"], f"{r['requests_per_s']:,.0f}", f"{r['average_batch']:.1f}",
-          f"{r['device_bound_per_s']:,.0f}", f"{r['of_device_bound']:.2f}", f"{r['queue_us']:,.0f}",
-          f"{r['compute_infer_us']:,.0f}", f"{r['client_latency_us']:,.0f}"] for r in rows])
-    print("\n".join(lines))
-    if args.output:
-        write_json(args.output, {**info, "rows": rows, "settings": vars(args) | {"output": str(args.output)}})
-        args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+        [[r["instances"], r["path"], r["concurrency"], r["requests_per_s"], f"{r['average_batch']:.1f}",
+          r["device_bound_per_s"], f"{r['of_device_bound']:.2f}", r["queue_us"], r["compute_infer_us"],
+          r["client_latency_us"]] for r in rows], numeric_from=2)
+    print(text)
+    write_outputs(args.output, {**info, "rows": rows, "settings": vars(args)}, text)
     return 0
 
 

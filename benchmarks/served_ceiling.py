@@ -17,17 +17,21 @@ stand-in backend and then runs `kiln serve`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import describe, header, int_list, table, write_outputs
+from scheduler_ceiling import BACKEND, DeviceStandIn
+from shm_gpu import ClientWork, served_rate
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, format_table, header_lines, machine_info, write_json
+from kiln.serve_process import free_port, stop, wait_ready
 
 MODEL = "resnet50"  # the name benchmarks/shm_gpu.py's client requests use
 CONFIG = """
@@ -40,9 +44,10 @@ dynamic_batching {{ {batching} }}
 ROWS = "http:request body,http:system shm,grpc:request body,grpc:system shm"
 
 
-def main() -> int:
-    if sys.argv[1:2] == ["--serve-child"]:
-        return _serve_child(sys.argv[2:])
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--serve-child"]:
+        return _serve_child(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="16")
     parser.add_argument("--instances", type=int, default=2)
@@ -54,71 +59,52 @@ def main() -> int:
     parser.add_argument("--per-row-us", type=float, default=30.0, help="stand-in device time per image")
     parser.add_argument("--serve-args", default="", help="more `kiln serve` arguments, e.g. '--grpc-workers 2'")
     parser.add_argument("--output", type=Path, default=None, help="JSON results; a .txt beside it gets the table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     preferred = f"preferred_batch_size: [ {args.preferred} ]" if args.preferred else ""
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kiln-served-ceiling-") as tmp:
         repo = Path(tmp) / "repo"
         (repo / MODEL / "1").mkdir(parents=True)
-        from scheduler_ceiling import BACKEND
-
         (repo / MODEL / "config.pbtxt").write_text(CONFIG.format(model=MODEL, backend=BACKEND,
                                                                  instances=args.instances, batching=preferred))
         settings = [f"--stand-in-ms={args.base_ms}", f"--stand-in-row-us={args.per_row_us}"]
         with _served(repo, settings, args.serve_args.split(), Path(tmp) / "serve.log") as (http_url, grpc_url):
             for row in args.rows.split(","):
                 protocol, tensors = row.split(":")
-                for concurrency in [int(c) for c in args.concurrency.split(",")]:
+                for concurrency in int_list(args.concurrency):
                     rows.append(_row(protocol, tensors, http_url, grpc_url if protocol == "grpc" else http_url,
                                      concurrency, args.client_processes, args.seconds))
                     print(rows[-1], flush=True)
-    table = format_table(["protocol", "tensors", "conc", "req/s", "avg batch"],
-                         [[r["protocol"], r["tensors"], r["concurrency"], f"{r['requests_per_s']:,.0f}",
-                           f"{r['average_batch']:.2f}"] for r in rows])
-    info = {**machine_info(), "command": command_line()}
-    lines = [line for line in header_lines("kiln served ceiling: kiln serve against a device stand-in", info)
-             if not line.startswith("load generators")]
-    lines.append(f"device stand-in: {args.base_ms:g} ms per batch + {args.per_row_us:g} us per image; "
-                 f"{args.instances} instance(s), preferred [{args.preferred}]; {args.client_processes} client "
-                 f"processes; {args.seconds:g} s per row; serve arguments: {args.serve_args or '-'}")
-    print("\n".join(lines + [""] + table))
-    if args.output:
-        write_json(args.output, {**info, "rows": rows})
-        args.output.with_suffix(".txt").write_text("\n".join(lines + [""] + table) + "\n")
+    info = describe("kiln served ceiling: kiln serve against a device stand-in",
+                    stand_in=f"{args.base_ms:g} ms per batch + {args.per_row_us:g} us per image; {args.instances} "
+                             f"instance(s), preferred [{args.preferred}]; {args.client_processes} client processes; "
+                             f"{args.seconds:g} s per row; serve arguments: {args.serve_args or '-'}")
+    text = header(info) + "\n" + table(["protocol", "tensors", "conc", "req/s", "avg batch"],
+                                       [[r["protocol"], r["tensors"], r["concurrency"], r["requests_per_s"],
+                                         f"{r['average_batch']:.2f}"] for r in rows], numeric_from=2)
+    print(text)
+    write_outputs(args.output, {**info, "rows": rows}, text)
     return 0
 
 
-class _served:
-    """`kiln serve --allow-client-shm` over ``repo``, started through this script so the stand-in is registered."""
-
-    def __init__(self, repo: Path, settings: list[str], serve_args: list[str], log: Path) -> None:
-        self._repo, self._settings, self._serve_args, self._log = repo, settings, serve_args, log
-
-    def __enter__(self) -> tuple[str, str]:
-        from kiln.serve_process import free_port, wait_ready
-
-        http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-        command = [sys.executable, __file__, "--serve-child", *self._settings, "serve",
-                   "--model-repository", str(self._repo), "--allow-client-shm", "true",
-                   "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-                   *self._serve_args]
-        self._process = subprocess.Popen(command, stdout=self._log.open("wb"), stderr=subprocess.STDOUT)
+@contextlib.contextmanager
+def _served(repo: Path, settings: list[str], serve_args: list[str], log: Path) -> Iterator[tuple[str, str]]:
+    """`kiln serve --allow-client-shm` over ``repo``, started through this script so the stand-in is registered;
+    yields its HTTP and gRPC ``host:port``."""
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    command = [sys.executable, __file__, "--serve-child", *settings, "serve", "--model-repository", str(repo),
+               "--allow-client-shm", "true", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+               "--metrics-port", str(metrics_port), *serve_args]
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         try:
-            wait_ready(f"127.0.0.1:{http_port}", self._process, 60.0)
-        except BaseException:
-            self.__exit__()
-            raise
-        return f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
-
-    def __exit__(self, *exc: object) -> None:
-        from kiln.serve_process import stop
-
-        stop(self._process)
+            wait_ready(f"127.0.0.1:{http_port}", process, 60.0)
+            yield f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+        finally:
+            stop(process)
 
 
 def _serve_child(argv: list[str]) -> int:
-    from scheduler_ceiling import BACKEND, DeviceStandIn
-
     from kiln.cli import main as kiln_main
     from kiln.engines import register_backend
 
@@ -135,16 +121,15 @@ def _serve_child(argv: list[str]) -> int:
 def _row(protocol: str, tensors: str, http_url: str, url: str, concurrency: int, processes: int,
          seconds: float) -> dict[str, Any]:
     import tritonclient.http as httpclient
-    from shm_gpu import _ClientWork, _served_rate
 
     stats = httpclient.InferenceServerClient(http_url)
     meta = stats.get_model_metadata(MODEL)
     (inp,), (out,) = meta["inputs"], meta["outputs"]
     image = np.random.default_rng(0).standard_normal([1, 3, 224, 224]).astype(np.float16)
-    work = _ClientWork(protocol, url, tensors, inp, out, image, 1000 * 4, seconds)
+    work = ClientWork(protocol, url, tensors, inp, out, image, 1000 * 4, seconds)
     before = _counts(stats)
     started = time.perf_counter()
-    rate = _served_rate(work, concurrency, processes)
+    rate = served_rate(work, concurrency, processes)
     elapsed = time.perf_counter() - started
     after = _counts(stats)
     executions = after[1] - before[1]

@@ -7,7 +7,13 @@ regions (written once, registered once); each request names them. The threads ar
 --client-processes processes, since one Python client process is slower than the server it measures.
 `kiln serve --allow-client-shm` runs in a subprocess on the same host. The direct rows call `engine.infer()` from
 the same number of threads.
-Run on a GPU host: python benchmarks/shm_gpu.py --output benchmarks/results/shm_gpu.json
+
+    python benchmarks/shm_gpu.py [--repo REPO] [--io-dtype fp16] [--concurrency 16,64] [--tensors 'system shm']
+        [--client-processes 8] [--serve-args '--grpc-workers 4'] --output benchmarks/results/shm_gpu-<date>.json
+
+Without --repo the demo ResNet-50 is built here for the GPU (torch backend, FP16, CUDA graphs). The served rows
+with the request body or system shared memory need no GPU of their own: --repo may hold any model named resnet50
+with one input and one output (--no-direct, --tensors 'request body,system shm').
 """
 
 from __future__ import annotations
@@ -22,16 +28,14 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, format_table, write_json
+from _common import Array, describe, header, str_list, table, write_outputs
 
 import kiln
 from kiln.build import BuildOptions, build
@@ -45,8 +49,8 @@ TENSORS = ("request body", "system shm", "cuda shm")
 Record = Callable[[dict[str, Any]], None]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--seconds", type=float, default=5.0, help="timed window per row")
     parser.add_argument("--dynamic-batching", action="store_true",
@@ -63,47 +67,38 @@ def main() -> int:
                         help="more `kiln serve` arguments for the served rows, e.g. '--grpc-workers 4'")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON results, rewritten after every row; a .txt beside it gets the table")
-    args = parser.parse_args()
-    import torch
-
+    args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
-    tensors = [t.strip() for t in args.tensors.split(",")]
-    unknown = set(tensors) - set(TENSORS)
-    if unknown:
+    tensors = str_list(args.tensors)
+    if unknown := set(tensors) - set(TENSORS):
         parser.error(f"--tensors: unknown {sorted(unknown)}; expected some of {', '.join(TENSORS)}")
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    header = ["# Shared memory on a GPU server: ResNet-50 FP16, batch-1 requests",
-              f"command: {command_line()}", f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-              f"gpu: {gpu}, torch {torch.__version__}, kiln {kiln.__version__}",
-              "config: {config}", ""]
     rows: list[dict[str, Any]] = []
-
-    def record(row: dict[str, Any]) -> None:
-        """Keep each row as soon as it is measured: a later row that crashes the process loses only itself."""
-        rows.append(row)
-        print(row, flush=True)
-        lines = header + format_table(["path", "tensors", "concurrency", "requests/s"],
-                                      [[r["path"], r["tensors"], r["concurrency"], f"{r['requests_per_s']:,.0f}"]
-                                       for r in rows])
-        if args.output:
-            write_json(args.output, {"command": command_line(), "config": header[4][len("config: "):],
-                                     "rows": rows})
-            args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
-
     with tempfile.TemporaryDirectory(prefix="kiln-bench-shm-") as tmp:
         repo = args.repo or _build(Path(tmp), args.io_dtype)
         config = repo / MODEL / "config.pbtxt"
         if args.dynamic_batching and "dynamic_batching" not in config.read_text():
             config.write_text(config.read_text() + "\ndynamic_batching { max_queue_delay_microseconds: 500 }\n")
-        header[4] = header[4].format(config=_config_summary(config))
+        info = describe("Shared memory on a GPU server: ResNet-50 FP16, batch-1 requests",
+                        config=_config_summary(config))
+
+        def record(row: dict[str, Any]) -> None:
+            """Keep each row as soon as it is measured: a later row that crashes the process loses only itself."""
+            rows.append(row)
+            print(row, flush=True)
+            write_outputs(args.output, {**info, "rows": rows}, _text(info, rows))
+
         if not args.no_direct:
             _direct_rows(repo, levels, args.seconds, record)
         _served_rows(repo, levels, args.seconds, tensors, args.client_processes, args.serve_args.split(),
-                     args.protocols.split(","), record)
-    print("\n".join(header + format_table(
-        ["path", "tensors", "concurrency", "requests/s"],
-        [[r["path"], r["tensors"], r["concurrency"], f"{r['requests_per_s']:,.0f}"] for r in rows])))
+                     str_list(args.protocols), record)
+    print(_text(info, rows))
     return 0
+
+
+def _text(info: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    return header(info) + "\n" + table(["path", "tensors", "concurrency", "requests/s"],
+                                       [[r["path"], r["tensors"], r["concurrency"], r["requests_per_s"]]
+                                        for r in rows], numeric_from=2)
 
 
 def _config_summary(path: Path) -> str:
@@ -199,15 +194,15 @@ def _served_rows(repo: Path, levels: list[int], seconds: float, tensors: list[st
                 continue
             for kind in tensors:
                 for concurrency in levels:
-                    work = _ClientWork(protocol, url, kind, inp, out, image, out_bytes, seconds)
-                    rate = _served_rate(work, concurrency, processes)
+                    work = ClientWork(protocol, url, kind, inp, out, image, out_bytes, seconds)
+                    rate = served_rate(work, concurrency, processes)
                     path = f"kiln serve, {protocol}" + (f" ({' '.join(serve_args)})" if serve_args else "")
                     record({"path": path, "tensors": kind, "concurrency": concurrency,
                             "client_processes": min(processes, concurrency), "requests_per_s": rate})
 
 
 @dataclass(frozen=True)
-class _ClientWork:
+class ClientWork:
     """What each client process runs: its share of the threads, against one server, for one row."""
 
     protocol: str
@@ -215,12 +210,12 @@ class _ClientWork:
     tensors: str
     inp: dict[str, Any]
     out: dict[str, Any]
-    image: np.ndarray
+    image: Array
     out_bytes: int
     seconds: float
 
 
-def _served_rate(work: _ClientWork, concurrency: int, processes: int) -> float:
+def served_rate(work: ClientWork, concurrency: int, processes: int) -> float:
     """Requests/s of ``concurrency`` client threads spread over up to ``processes`` processes (one Python
     client process cannot keep a GPU server busy: tritonclient's own work per request is the limit)."""
     shares = [concurrency // processes + (1 if i < concurrency % processes else 0) for i in range(processes)]
@@ -249,10 +244,10 @@ def _served_rate(work: _ClientWork, concurrency: int, processes: int) -> float:
     failures = [a for a in answers if isinstance(a, str)]
     if failures:
         raise RuntimeError(f"a client process failed: {failures[0]}")
-    return float(sum(answers))
+    return sum(a for a in answers if isinstance(a, float))
 
 
-def _client_process(work: _ClientWork, share: int, start: Any, results: Any) -> None:
+def _client_process(work: ClientWork, share: int, start: Any, results: Any) -> None:
     """One client process: ``share`` threads, its own CUDA regions (allocated here, in its main thread)."""
     try:
         import tritonclient.grpc as grpcclient
@@ -274,7 +269,7 @@ def _client_process(work: _ClientWork, share: int, start: Any, results: Any) -> 
 
 
 def _client_request(module: Any, url: str, tensors: str, inp: dict[str, Any], out: dict[str, Any],
-                    image: np.ndarray, out_bytes: int, cuda_regions: list[_CudaRegion],
+                    image: Array, out_bytes: int, cuda_regions: list[_CudaRegion],
                     index: int) -> tuple[Call, Call]:
     """One client thread's request function, with its own client and regions, and what releases them."""
     client = module.InferenceServerClient(url)
@@ -293,7 +288,7 @@ def _client_request(module: Any, url: str, tensors: str, inp: dict[str, Any], ou
         raise
 
 
-def _request(client: Any, module: Any, tensors: str, inp: dict[str, Any], out: dict[str, Any], image: np.ndarray,
+def _request(client: Any, module: Any, tensors: str, inp: dict[str, Any], out: dict[str, Any], image: Array,
              out_bytes: int, cuda_region: _CudaRegion | None, cleanup: list[Call]) -> Call:
     infer_input = module.InferInput(inp["name"], list(image.shape), inp["datatype"])
     requested = module.InferRequestedOutput(out["name"], **({"binary_data": True} if module.__name__.endswith(
@@ -322,7 +317,7 @@ def _request(client: Any, module: Any, tensors: str, inp: dict[str, Any], out: d
 class _CudaRegion:
     """Client device memory holding ``image``: tritonclient's CUDA utilities, or cupy where cuda-python is absent."""
 
-    def __init__(self, byte_size: int, image: np.ndarray) -> None:
+    def __init__(self, byte_size: int, image: Array) -> None:
         try:
             import tritonclient.utils.cuda_shared_memory as cudashm
         except (ImportError, RuntimeError):

@@ -1,0 +1,86 @@
+"""Smoke tests of the benchmarks that measure GPU-shaped work without a GPU (a device stand-in, the lane pool, host
+copies), the INT8 build on a shrunken ResNet-50, and shm_gpu.py's served rows against a CPU model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.config import backends
+from kiln.demo.resnet import build_resnet50
+from kiln.engines import base
+from kiln.testing import write_model
+
+from ._smoke import needs_torch, numbers_in_column, read_json, run_main
+
+_TINY_RESNET = """name: "resnet50" platform: "onnxruntime_onnx" max_batch_size: 8
+input [ { name: "input" data_type: TYPE_FP32 dims: [ 3, 32, 32 ] } ]
+output [ { name: "output" data_type: TYPE_FP32 dims: [ 10 ] } ]
+dynamic_batching { }
+"""
+
+
+@needs_torch
+def test_scheduler_ceiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The script registers its stand-in backend: keep that out of the other tests' registries.
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
+    output = tmp_path / "ceiling.json"
+    assert run_main("scheduler_ceiling", "--concurrency", "2", "--instances", "1", "--seconds", "0.3", "--dims",
+                    "3,8,8", "--max-batch-size", "4", "--output", str(output)) == 0
+    rows = read_json(output)["rows"]
+    assert [row["path"] for row in rows] == ["workers", "launched"]
+    for row in rows:
+        assert row["requests_per_s"] > 0 and row["average_batch"] >= 1 and row["device_bound_per_s"] > 0, row
+
+
+@needs_torch
+def test_served_ceiling(tmp_path: Path) -> None:
+    output = tmp_path / "served.json"
+    assert run_main("served_ceiling", "--rows", "grpc:system shm", "--concurrency", "2",
+                    "--client-processes", "1", "--seconds", "0.3", "--instances", "1", "--preferred", "",
+                    "--output", str(output)) == 0
+    rows = read_json(output)["rows"]
+    assert [(row["protocol"], row["tensors"]) for row in rows] == [("grpc", "system shm")]
+    assert all(row["requests_per_s"] > 0 and row["average_batch"] >= 1 for row in rows), rows
+
+
+def test_shm_gpu_served_rows_on_a_cpu_model(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "resnet50", build_resnet50(0, base_channels=8, image_size=32, num_classes=10), _TINY_RESNET)
+    output = tmp_path / "shm.json"
+    assert run_main("shm_gpu", "--repo", str(repo), "--no-direct", "--tensors", "system shm", "--protocols", "http",
+                    "--concurrency", "2", "--client-processes", "1", "--seconds", "0.3", "--output",
+                    str(output)) == 0
+    (row,) = read_json(output)["rows"]
+    assert (row["path"], row["tensors"], row["concurrency"]) == ("kiln serve, http", "system shm", 2)
+    assert row["requests_per_s"] > 0
+
+
+@needs_torch
+def test_lane_pool(tmp_path: Path) -> None:
+    output = tmp_path / "lanes.txt"
+    assert run_main("lane_pool", "--lanes", "1", "--threads", "2", "--seconds", "0.2", "--output", str(output)) == 0
+    text = output.read_text()
+    assert "| 2 | put back |" in text and "| 2 | kiln LanePool |" in text
+    assert all(rate > 0 for rate in numbers_in_column(text, 2, "2"))
+
+
+@needs_torch
+def test_staging_copy(tmp_path: Path) -> None:
+    output = tmp_path / "staging.txt"
+    assert run_main("staging_copy", "--repeats", "1", "--output", str(output)) == 0
+    lines = [line for line in output.read_text().splitlines() if "GB/s" in line]
+    assert len(lines) == 4 and all("torch.cat" in line and "numpy, 8 threads" in line for line in lines)
+
+
+def test_build_int8(tmp_path: Path) -> None:
+    output = tmp_path / "int8.json"
+    assert run_main("build_int8", "--base-channels", "8", "--image-size", "32", "--calibration-samples", "4",
+                    "--runs", "2", "--batch-sizes", "1", "--bar", "0", "--min-top1", "0", "--output",
+                    str(output)) == 0
+    result = read_json(output)
+    (row,) = result["rows"]
+    assert row["fp32_ms"] > 0 and row["int8_ms"] > 0 and result["passed"] is True
+    assert "QLinearConv" in result["report"]["details"]["runtime_ops"]

@@ -1,0 +1,104 @@
+"""Smoke tests of the serving benchmarks: each script's real code path (a real `kiln serve`, real requests checked
+against their reference answers) with the smallest settings. The ones driven by wrk and h2load skip where those
+Debian tools are missing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ._smoke import SRC, needs_tools, read_json, run_main
+
+# wrk measures whole seconds, so served windows take 1 s; no warm-up.
+QUICK = ("--duration", "0.2", "--warmup", "0", "--max-wait-quiet", "0")
+
+
+def test_overhead_direct(tmp_path: Path) -> None:
+    output = tmp_path / "overhead.json"
+    assert run_main("overhead", *QUICK, "--concurrency", "1", "--models", "simple", "--modes", "direct",
+                    "--output", str(output)) == 0
+    (row,) = read_json(output)["results"]
+    assert (row["model"], row["mode"]) == ("simple", "direct")
+    assert row["result"]["rps"] > 0 and row["result"]["ok"] > 0 and row["result"]["errors"] == 0
+    assert "| simple | direct | 1 |" in output.with_suffix(".txt").read_text()
+
+
+@needs_tools("wrk", "h2load")
+def test_overhead_served(tmp_path: Path) -> None:
+    output = tmp_path / "overhead.json"
+    assert run_main("overhead", *QUICK, "--concurrency", "1", "--models", "mlp", "--modes",
+                    "http-json,http-binary,grpc", "--output", str(output)) == 0
+    rows = read_json(output)["results"]
+    assert [row["mode"] for row in rows] == ["http-json", "http-binary", "grpc"]
+    for row in rows:
+        assert row["result"]["rps"] > 0 and row["result"]["errors"] == 0, row
+        assert row["result"]["cpu_server"] > 0, row
+
+
+@needs_tools("wrk", "h2load")
+def test_batching(tmp_path: Path) -> None:
+    output = tmp_path / "batching.json"
+    assert run_main("batching", *QUICK, "--models", "mlp", "--concurrency", "1", "--protocols", "grpc,http",
+                    "--output", str(output)) == 0
+    rows = read_json(output)["results"]
+    assert {(r["protocol"], r["batching"]) for r in rows} == {(p, b) for p in ("grpc", "http") for b in (True, False)}
+    assert all(r["result"]["rps"] > 0 and r["result"]["errors"] == 0 for r in rows), rows
+
+
+@needs_tools("wrk", "h2load")
+def test_mlserver_compare_kiln_side(tmp_path: Path) -> None:
+    output = tmp_path / "compare.json"
+    assert run_main("mlserver_compare", *QUICK, "--workers", "", "--kiln-variants", "demo", "--rounds", "1",
+                    "--concurrency", "1", "--output", str(output)) == 0
+    (row,) = read_json(output)["rows"]
+    assert row["name"] == "kiln serve (demo)"
+    for protocol in ("rest", "grpc"):
+        assert row[protocol]["rps"] > 0 and row[protocol]["errors"] == 0, row
+
+
+@needs_tools("wrk", "h2load")
+def test_ceilings(tmp_path: Path) -> None:
+    output = tmp_path / "ceilings.json"
+    assert run_main("ceilings", *QUICK, "--concurrency", "1", "--variants", "starlette-json-ort,grpc-aio-pb-ort",
+                    "--output", str(output)) == 0
+    results = read_json(output)["results"]
+    assert set(results) == {"starlette-json-ort", "grpc-aio-pb-ort"}
+    assert all(r["rps"] > 0 and r["errors"] == 0 for r in results.values()), results
+
+
+def test_cold_start(tmp_path: Path) -> None:
+    output = tmp_path / "cold.json"
+    assert run_main("cold_start", "--runs", "1", "--max-wait-quiet", "0", "--output", str(output)) == 0
+    result = read_json(output)
+    (run,) = result["runs"]
+    assert 0 < run["http_s"] <= run["ready_s"] and 0 < run["grpc_s"] <= run["ready_s"]
+    assert result["median"]["ready_s"] == run["ready_s"]
+    assert "| median |" in output.with_suffix(".txt").read_text()
+
+
+def test_before_after(tmp_path: Path) -> None:
+    output = tmp_path / "before_after.json"
+    assert run_main("before_after", "--before", str(SRC), "--models", "simple", "--rounds", "1", "--seconds", "0.2",
+                    "--concurrency", "1", "--output", str(output)) == 0
+    (row,) = read_json(output)["rows"]
+    assert row["before"] > 0 and row["after"] > 0 and row["ratio"] > 0
+    assert "simple: median after / before" in output.with_suffix(".txt").read_text()
+
+
+def test_connection_burst(tmp_path: Path) -> None:
+    output = tmp_path / "burst.json"
+    assert run_main("connection_burst", "--models", "2", "--concurrency", "2", "--seconds", "0.5", "--settle", "1",
+                    "--output", str(output)) == 0
+    rows = read_json(output)["rows"]
+    assert [row["model"] for row in rows] == ["simple_0", "simple_1"]
+    assert all(row["requests_per_s"] > 0 and row["p99_ms"] > 0 for row in rows), rows
+
+
+def test_edge_figures(tmp_path: Path) -> None:
+    output = tmp_path / "edge.json"
+    assert run_main("edge_figures", "--requests", "20", "--warmup", "2", "--samples", "50", "--thresholds",
+                    "0.3,0.5", "--check", "0.5", "--output", str(output)) == 0
+    result = read_json(output)
+    assert set(result["latency"]) == {"direct", "local", "forwarded"}
+    assert all(s["n"] == 20 and s["p50_ms"] > 0 for s in result["latency"].values())
+    checked = [row for row in result["sweep"]["rows"] if row["checked"] is not None]
+    assert [(row["threshold"], row["checked"]) for row in checked] == [(0.5, True)]
