@@ -3,14 +3,13 @@ demo-model requests with answers computed independently of kiln, and servers oth
 
 The package supplies the rest: the machine description (:mod:`kiln.bench.machine`), Markdown tables
 (:mod:`kiln.bench.report`), `kiln serve` child processes (:mod:`kiln.serve_process`), request bodies and response
-decoding (:mod:`kiln.bench.targets.wire`, :mod:`kiln.bench.targets.kserve_grpc`) and the HTTP client
-(:mod:`kiln.bench.targets.http11`). Importing this module puts this checkout's ``src/`` first on ``sys.path`` and
-on ``PYTHONPATH``, so a script and every process it starts measure the code beside it, installed or not.
+decoding (:mod:`kiln.v2.http_codec`, :mod:`kiln.v2.grpc_codec`) and the client (:mod:`kiln.v2.client`). Importing
+this module puts this checkout's ``src/`` first on ``sys.path`` and on ``PYTHONPATH``, so a script and every
+process it starts measure the code beside it, installed or not.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -37,10 +36,11 @@ from kiln.bench.data import Array as Array  # re-exported: the scripts annotate 
 from kiln.bench.data import Request
 from kiln.bench.machine import machine_info
 from kiln.bench.report import Table, machine_line, markdown_table
-from kiln.bench.targets.http11 import HttpConnection, HttpResponse
-from kiln.bench.targets.kserve_grpc import decode_response, encode_request
-from kiln.bench.targets.wire import HEADER_LENGTH, decode_http_response, http_body
 from kiln.tensor import DataType
+from kiln.v2 import grpc_codec, http_codec
+from kiln.v2._generated import grpc_service_pb2 as pb
+from kiln.v2.client import HttpClient, Response
+from kiln.v2.client.calls import decode_infer
 
 HOST = "127.0.0.1"
 BENCH_DIR = Path(__file__).resolve().parent
@@ -141,15 +141,16 @@ class Case:
     expected: dict[str, Array]
 
     def json_body(self) -> tuple[bytes, dict[str, str]]:
-        return http_body(self.request, self.datatypes, binary_input=False, binary_output=False)
+        return http_codec.encode_request(self.request, datatypes=self.datatypes, binary_input=False,
+                                         binary_output=False)
 
     def binary_body(self) -> tuple[bytes, dict[str, str]]:
         """The binary tensor data extension: a JSON header, then the raw input bytes; binary outputs."""
-        return http_body(self.request, self.datatypes, binary_input=True, binary_output=True)
+        return http_codec.encode_request(self.request, datatypes=self.datatypes)
 
     def grpc_message(self) -> bytes:
         """A serialized ModelInferRequest carrying every input in ``raw_input_contents``."""
-        return encode_request(self.model, "", self.request, self.datatypes)
+        return grpc_codec.encode_request(self.model, self.request, datatypes=self.datatypes).SerializeToString()
 
 
 def simple_case() -> Case:
@@ -203,18 +204,10 @@ def check_outputs(got: Mapping[str, Array], expected: Mapping[str, Array], what:
 # One verified call before a load generator repeats it
 
 
-def post(http_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> HttpResponse:
-    """One POST to ``host:port`` through kiln bench's HTTP/1.1 client."""
-    host, _, port = http_url.rpartition(":")
-
-    async def exchange() -> HttpResponse:
-        connection = HttpConnection(host, int(port))
-        try:
-            return await connection.request("POST", path, body, headers)
-        finally:
-            await connection.close()
-
-    return asyncio.run(exchange())
+def post(http_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
+    """One POST to ``host:port`` through kiln's client."""
+    with HttpClient(http_url) as client:
+        return client.request("POST", path, body, headers)
 
 
 def verify_http(http_url: str, case: Case, binary: bool) -> tuple[bytes, dict[str, str]]:
@@ -224,10 +217,9 @@ def verify_http(http_url: str, case: Case, binary: bool) -> tuple[bytes, dict[st
     response = post(http_url, f"/v2/models/{case.model}/infer", body, headers)
     if response.status != 200:
         raise AssertionError(f"{what}: HTTP {response.status}: {response.body[:500]!r}")
-    length = response.headers.get(HEADER_LENGTH.lower())
-    if binary and length is None:
+    if binary and http_codec.HEADER_LENGTH not in response.headers:
         raise AssertionError(f"{what}: the response is not in the binary tensor data extension")
-    check_outputs(decode_http_response(response.body, None if length is None else int(length)), case.expected, what)
+    check_outputs(decode_infer(response).arrays(), case.expected, what)
     return body, headers
 
 
@@ -245,7 +237,8 @@ def verify_grpc(grpc_url: str, case: Case) -> tuple[bytes, bytes]:
     """Send the case's ModelInferRequest once, check the answer; return the request and the response bytes."""
     message = case.grpc_message()
     response = grpc_unary(grpc_url, "/inference.GRPCInferenceService/ModelInfer", message)
-    check_outputs(decode_response(response), case.expected, f"{case.model} over gRPC at {grpc_url}")
+    decoded = grpc_codec.decode_response(pb.ModelInferResponse.FromString(response))
+    check_outputs(decoded.arrays(), case.expected, f"{case.model} over gRPC at {grpc_url}")
     return message, response
 
 

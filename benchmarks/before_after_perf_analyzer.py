@@ -68,7 +68,7 @@ def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurr
     return {"throughput": float(row["Inferences/Second"]), "p50_us": float(row["p50 latency"])}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", type=Path, required=True, help="the src/ folder of the code before the change")
     parser.add_argument("--after", type=Path, default=SRC, help="the src/ folder after it (default: this checkout)")
@@ -81,7 +81,7 @@ def main() -> int:
     parser.add_argument("--stability", type=int, default=20,
                         help="perf_analyzer's --stability-percentage: windows agreeing within it count as stable")
     parser.add_argument("--output", type=Path, default=None, help="JSON results (a .txt table goes beside it)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     models, protocols = args.models.split(","), args.protocols.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
     rows: list[dict[str, Any]] = []
@@ -100,21 +100,21 @@ def main() -> int:
                                              "concurrency": concurrency, **cell})
                                 print(f"round {round_} {label} {model} {protocol} c={concurrency}: "
                                       f"{cell['throughput']:,.0f}/s p50 {cell['p50_us']:,.0f} us", file=sys.stderr)
-    lines = table(rows, args)
+    lines = table(rows, args, argv)
     print("\n".join(lines))
     if args.output is not None:
-        args.output.write_text(json.dumps({"machine": machine_info(), "command": " ".join(sys.argv),
+        args.output.write_text(json.dumps({"machine": machine_info(), "command": command_line(argv),
                                            "rows": rows}, indent=1) + "\n")
         args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     return 0
 
 
-def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] | None) -> list[str]:
     """One line per (model, protocol, concurrency, round): before and after side by side, and their ratio."""
     info = machine_info()
     lines = [f"perf_analyzer before/after, {info['date']}, {info['cpu_model']}, {info['cpu_count']} CPUs, "
              f"GPUs: {', '.join(info['gpus']) or 'none'}",
-             f"before: {args.before}; after: {args.after}; command: {' '.join(sys.argv)}", "",
+             f"before: {args.before}; after: {args.after}; command: {command_line(argv)}", "",
              "| model | protocol | c | round | before /s | after /s | after/before | p50 before us | p50 after us |",
              "|---|---|---|---|---|---|---|---|---|"]
     ratios: dict[str, list[float]] = {}
@@ -130,6 +130,10 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
     lines += [f"median after/before, {protocol}: {statistics.median(values):.2f} over {len(values)} cells"
               for protocol, values in sorted(ratios.items())]
     return lines
+
+
+def command_line(argv: list[str] | None) -> str:
+    return " ".join(["python", "benchmarks/before_after_perf_analyzer.py", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ from _common import describe, header, log_tail, mlp_case, spawned, str_list, tab
 from _loadgen import LoadResult, require_tools, run_h2load, run_wrk, tool_versions, wait_quiet
 
 from kiln.demo import build_demo_repository
-from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
 from kiln.serve_process import free_port
+from kiln.v2._generated import grpc_service_pb2 as pb
 
 _SERVER = textwrap.dedent('''
     import asyncio, json, sys

@@ -136,7 +136,7 @@ def _http_status(url: str) -> int | None:
 def _grpc_server_ready(grpc_url: str) -> bool:
     import grpc
 
-    from kiln.frontends.grpc._generated import grpc_service_pb2 as pb
+    from kiln.v2._generated import grpc_service_pb2 as pb
 
     channel = grpc.insecure_channel(grpc_url)
     try:

@@ -4,7 +4,11 @@ Debian tools are missing."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+
+import pytest
 
 from ._smoke import SRC, needs_tools, read_json, run_main
 
@@ -82,6 +86,21 @@ def test_before_after(tmp_path: Path) -> None:
     (row,) = read_json(output)["rows"]
     assert row["before"] > 0 and row["after"] > 0 and row["ratio"] > 0
     assert "simple: median after / before" in output.with_suffix(".txt").read_text()
+
+
+def test_before_after_perf_analyzer(tmp_path: Path) -> None:
+    binary = os.environ.get("KILN_PERF_ANALYZER") or shutil.which("perf_analyzer")
+    if binary is None:
+        pytest.skip("perf_analyzer not found: set KILN_PERF_ANALYZER or put it on PATH (pip install perf-analyzer; "
+                    "it needs glibc >= 2.38)")
+    output = tmp_path / "pa.json"
+    assert run_main("before_after_perf_analyzer", "--before", str(SRC), "--perf-analyzer", binary, "--models",
+                    "simple", "--protocols", "http,grpc", "--concurrency", "1", "--rounds", "1", "--window-ms", "500",
+                    "--stability", "50", "--output", str(output)) == 0
+    rows = read_json(output)["rows"]
+    assert {(r["tree"], r["protocol"]) for r in rows} == {(t, p) for t in ("before", "after") for p in ("http", "grpc")}
+    assert all(r["throughput"] > 0 and r["p50_us"] > 0 for r in rows)
+    assert "median after/before, grpc" in output.with_suffix(".txt").read_text()
 
 
 def test_connection_burst(tmp_path: Path) -> None:
