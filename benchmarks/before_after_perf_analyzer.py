@@ -1,9 +1,10 @@
 """One change, measured by NVIDIA's perf_analyzer: `kiln serve` from two src/ trees in turn (before, after), each
 driven by the same C++ client over HTTP and gRPC at each concurrency.
 
-Rounds alternate the two servers so that drift of a shared machine falls on both; every cell is perf_analyzer's
-own stable measurement (three windows within --stability percent). The table gives throughput and p50 latency
-per tree and the ratio after / before; the last lines give the median ratio per protocol.
+Rounds alternate the two servers, and which of them goes first, so that drift of a shared machine falls on both;
+every cell is perf_analyzer's own stable measurement (three windows within --stability percent). The table gives
+throughput and p50 latency per tree and the ratio after / before; the last lines give the median ratio per
+protocol.
 
     git worktree add /tmp/before <commit>       # or: git archive <commit> src | tar -x -C /tmp/before
     python benchmarks/before_after_perf_analyzer.py --before /tmp/before/src --perf-analyzer PATH \\
@@ -52,20 +53,24 @@ def server_from(src: Path, repo: Path, models: list[str], log: Path) -> Iterator
 
 
 def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurrency: int, window_ms: int,
-            stability: int, folder: Path) -> dict[str, float]:
-    """Throughput (inferences/s) and p50 latency (us) of one perf_analyzer run."""
+            stability: int, folder: Path) -> dict[str, float | None]:
+    """Throughput (inferences/s) and p50 latency (us) of one perf_analyzer run; a cell that does not stabilise is
+    tried once more with windows twice as long, then recorded as None (unstable) rather than ending the run."""
     out = folder / f"{model}-{protocol}-{concurrency}.csv"
     url = server.http_url if protocol == "http" else server.grpc_url
-    command = [binary, "-m", model, "-u", url, "-i", protocol, "--concurrency-range", f"{concurrency}:{concurrency}",
-               "--measurement-interval", str(window_ms), "--stability-percentage", str(stability),
-               "--max-trials", "8", "-f", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        raise RuntimeError(f"perf_analyzer failed ({done.returncode}): {' '.join(command)}\n{done.stdout[-2000:]}"
-                           f"{done.stderr[-2000:]}")
-    with out.open() as f:
-        row = next(csv.DictReader(f))
-    return {"throughput": float(row["Inferences/Second"]), "p50_us": float(row["p50 latency"])}
+    for window in (window_ms, 2 * window_ms):
+        command = [binary, "-m", model, "-u", url, "-i", protocol, "--concurrency-range",
+                   f"{concurrency}:{concurrency}", "--measurement-interval", str(window), "--stability-percentage",
+                   str(stability), "--max-trials", "8", "-f", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if done.returncode == 0:
+            with out.open() as f:
+                row = next(csv.DictReader(f))
+            return {"throughput": float(row["Inferences/Second"]), "p50_us": float(row["p50 latency"])}
+        if "stable measurement" not in done.stdout + done.stderr:
+            raise RuntimeError(f"perf_analyzer failed ({done.returncode}): {' '.join(command)}\n"
+                               f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return {"throughput": None, "p50_us": None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         repo = Path(tmp) / "repo"
         build_demo_repository(repo)
         for round_ in range(1, args.rounds + 1):
-            for label, src in (("before", args.before), ("after", args.after)):
+            trees = [("before", args.before), ("after", args.after)]
+            # Odd rounds run before first, even rounds after first: a drift within a round falls on both alike.
+            for label, src in trees if round_ % 2 else trees[::-1]:
                 with server_from(src, repo, models, Path(tmp) / f"{label}-{round_}.log") as server:
                     for model in models:
                         for protocol in protocols:
@@ -98,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                                                args.window_ms, args.stability, Path(tmp))
                                 rows.append({"round": round_, "tree": label, "model": model, "protocol": protocol,
                                              "concurrency": concurrency, **cell})
-                                print(f"round {round_} {label} {model} {protocol} c={concurrency}: "
-                                      f"{cell['throughput']:,.0f}/s p50 {cell['p50_us']:,.0f} us", file=sys.stderr)
+                                print(f"round {round_} {label} {model} {protocol} c={concurrency}: {cell}",
+                                      file=sys.stderr)
     lines = table(rows, args, argv)
     print("\n".join(lines))
     if args.output is not None:
@@ -122,6 +129,10 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] 
     cells = {(tuple(r[k] for k in key), r["tree"]): r for r in rows}
     for cell_key in sorted({tuple(r[k] for k in key) for r in rows}):
         before, after = cells[(cell_key, "before")], cells[(cell_key, "after")]
+        if before["throughput"] is None or after["throughput"] is None:
+            lines.append(f"| {cell_key[0]} | {cell_key[1]} | {cell_key[2]} | {cell_key[3]} | "
+                         f"{_rate(before['throughput'])} | {_rate(after['throughput'])} | unstable | | |")
+            continue
         ratio = after["throughput"] / before["throughput"]
         ratios.setdefault(str(cell_key[1]), []).append(ratio)
         lines.append(f"| {cell_key[0]} | {cell_key[1]} | {cell_key[2]} | {cell_key[3]} | {before['throughput']:,.0f} "
@@ -130,6 +141,10 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] 
     lines += [f"median after/before, {protocol}: {statistics.median(values):.2f} over {len(values)} cells"
               for protocol, values in sorted(ratios.items())]
     return lines
+
+
+def _rate(value: float | None) -> str:
+    return "unstable" if value is None else f"{value:,.0f}"
 
 
 def command_line(argv: list[str] | None) -> str:
