@@ -4,6 +4,10 @@ official tritonclient receives for the same request."""
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,3 +124,14 @@ def test_grpc_clients_infer_as_tritonclient_does(kiln_server: KilnProcess) -> No
                 await client.infer("simple", {"INPUT0": A})
 
     asyncio.run(run())
+
+
+def test_the_readme_client_example_runs(kiln_server: KilnProcess) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Talking to a server from Python", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert block is not None
+    code = block.group(1).replace('"localhost:8000"', repr(kiln_server.http_url))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "[[ 0  2  4" in run.stdout
