@@ -42,3 +42,12 @@ def kiln_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProces
     with kiln_serve([repo], "--http-max-input-size", str(MAX_INPUT_SIZE), "--exit-timeout-secs", "5",
                     log_path=log_path) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def shm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+    """`kiln serve` on the demo repository with client shared memory allowed (system and, where it can, CUDA)."""
+    repo = tmp_path_factory.mktemp("shm-repo")
+    build_demo_repository(repo)
+    with kiln_serve([repo], "--allow-client-shm", "true", "--exit-timeout-secs", "5") as server:
+        yield server

@@ -14,20 +14,11 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from kiln.demo import build_demo_repository
-from kiln.testing.serve import KilnProcess, kiln_serve
+from kiln.testing.serve import KilnProcess
 
 pytestmark = pytest.mark.conformance
 
 TENSOR_BYTES = 16 * 4  # simple: INT32 [1, 16]
-
-
-@pytest.fixture(scope="module")
-def shm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
-    repo = tmp_path_factory.mktemp("repo")
-    build_demo_repository(repo)
-    with kiln_serve([repo], "--allow-client-shm", "true", "--exit-timeout-secs", "5") as server:
-        yield server
 
 
 def _client(protocol: str, server: KilnProcess) -> Any:

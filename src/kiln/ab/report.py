@@ -44,11 +44,7 @@ def fetch_routing(url: str, model: str) -> Any:
 
 def fetch_statistics(url: str, model: str) -> Any:
     """The model's statistics, every version: ``GET /v2/models/{model}/stats``."""
-    with HttpClient(url, timeout_s=10) as client:
-        try:
-            return client.statistics(model)
-        except ServerUnreachableError as exc:
-            raise _unreachable(client.url, exc) from None
+    return _get(url, f"/v2/models/{urllib.parse.quote(model, safe='')}/stats")
 
 
 def _get(url: str, path: str) -> Any:
