@@ -148,7 +148,8 @@ def test_grpc_explicit_int_content_clients(stub: Any, model: str, datatype: str,
     with pytest.raises(grpc.RpcError) as caught:
         stub.ModelInfer(request)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "'wrong_specification'" in (caught.value.details() or "")
+    assert "failed to get model version from specified version string 'wrong_specification'" in \
+        (caught.value.details() or "")
 
 
 # -- sequences ----------------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import tritonclient.http as triton_http
 
+from kiln.demo import build_demo_repository
 from kiln.errors import InvalidArgumentError, NotFoundError
-from kiln.testing.serve import KilnProcess, free_port
+from kiln.testing.serve import KilnProcess, free_port, kiln_serve
 from kiln.v2.client import AsyncHttpClient, HttpClient, ServerUnreachableError
 from kiln.v2.client.grpc import AsyncGrpcClient, GrpcClient
 
@@ -135,3 +136,23 @@ def test_the_readme_client_example_runs(kiln_server: KilnProcess) -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert "[[ 0  2  4" in run.stdout
+
+
+def test_clients_load_and_unload_models_in_explicit_mode(tmp_path: Path) -> None:
+    build_demo_repository(tmp_path / "repo")
+    with kiln_serve([tmp_path / "repo"], "--model-control-mode", "explicit", "--exit-timeout-secs", "5") as server:
+        with HttpClient(server.http_url) as client:
+            assert not client.model_ready("simple")
+            client.load_model("simple")
+            assert client.model_ready("simple")
+            with pytest.raises(NotFoundError):
+                client.load_model("no_such_model")
+
+        async def run() -> None:
+            async with AsyncHttpClient(server.http_url) as client:
+                await client.unload_model("simple")
+                assert not await client.model_ready("simple")
+                await client.load_model("mlp")
+                assert await client.model_ready("mlp")
+
+        asyncio.run(run())

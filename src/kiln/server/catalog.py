@@ -191,7 +191,9 @@ class ModelCatalog:
         try:
             number = int(version)
         except ValueError:
-            raise InvalidArgumentError(f"model '{name}': version '{version}' is not a number") from None
+            # Triton's wording, which its example clients look for.
+            raise InvalidArgumentError(f"model '{name}': failed to get model version from specified version string "
+                                       f"'{version}': a version is an integer > 0") from None
         found = record.versions.get(number)
         if found is None and number in record.unloaded:
             raise ModelNotReadyError(f"model '{name}' version {version} is not available: {record.unloaded[number]}")

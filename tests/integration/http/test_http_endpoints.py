@@ -111,7 +111,8 @@ async def test_model_metadata_includes_the_batch_dimension(client: httpx.AsyncCl
 async def test_metadata_errors(client: httpx.AsyncClient) -> None:
     assert _error(await client.get("/v2/models/nope"), 404) == "Request for unknown model: 'nope' is not found"
     assert _error(await client.get("/v2/models/simple/versions/7"), 404).startswith("Request for unknown model")
-    assert "version 'x' is not a number" in _error(await client.get("/v2/models/simple/versions/x"), 400)
+    bad_version = _error(await client.get("/v2/models/simple/versions/x"), 400)
+    assert "version string 'x': a version is an integer > 0" in bad_version
 
 
 async def test_model_ready(client: httpx.AsyncClient) -> None:

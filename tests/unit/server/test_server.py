@@ -86,7 +86,7 @@ def test_unknown_model_and_version(server: Server) -> None:
         server.infer_sync(simple_request(model_name="nope"))
     with pytest.raises(ModelNotFoundError, match="version 7"):
         server.infer_sync(simple_request(model_version="7"))
-    with pytest.raises(InvalidArgumentError, match="version 'x' is not a number"):
+    with pytest.raises(InvalidArgumentError, match="failed to get model version from specified version string 'x'"):
         server.infer_sync(simple_request(model_version="x"))
     with pytest.raises(ModelNotReadyError, match="no_such_backend"):
         server.model_metadata("broken")

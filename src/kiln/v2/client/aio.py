@@ -191,6 +191,13 @@ class AsyncHttpClient:
     async def repository_index(self, ready_only: bool = False) -> Any:
         return await self.send(calls.repository_index(ready_only))
 
+    async def load_model(self, model: str, config: str | None = None,
+                         files: Mapping[str, bytes] | None = None) -> None:
+        await self.send(calls.load_model(model, config, files))
+
+    async def unload_model(self, model: str, unload_dependents: bool = False) -> None:
+        await self.send(calls.unload_model(model, unload_dependents))
+
     async def get(self, path: str) -> Any:
         return await self.send(calls.get(path))
 
