@@ -178,7 +178,8 @@ def test_counters_match_the_statistics(server: Server) -> None:
                                                     ("gated", "1"), ("bucketed", "1"), ("mlp_pipeline", "1"),
                                                     ("mlp_preprocess", "1"), ("mlp_postprocess", "1"),
                                                     ("simple_int8", "1"), ("simple_sequence", "1"),
-                                                    ("simple_dyna_sequence", "1"), ("simple_identity", "1")}
+                                                    ("simple_dyna_sequence", "1"), ("simple_identity", "1"),
+                                                    ("image_classifier", "1")}
     for s in stats:
         labels = {"model": s.name, "version": s.version}
         assert scrape.value("nv_inference_request_success", **labels) == s.success.count

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 def add_command(commands: Commands) -> None:
     parser = commands.add_parser(
         "demo-repo", help="build the demo model repository (simple, mlp, simple_string, the mlp_pipeline ensemble, "
-                          "optional resnet50)")
+                          "the models of Triton's example clients, optional resnet50)")
     parser.add_argument("path", type=Path, help="folder to write the repository into")
     parser.add_argument("--resnet50", action="store_true", help="also build resnet50 (random weights, ~100 MB)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")

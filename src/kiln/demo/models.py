@@ -57,7 +57,7 @@ def build_simple(elem_type: int = TensorProto.INT32, name: str = "simple") -> on
     return make_demo_model(helper.make_graph(nodes, name, inputs, outputs))
 
 
-def _dense_params(rng: np.random.Generator, fan_in: int, fan_out: int) -> tuple[np.ndarray, np.ndarray]:
+def dense_params(rng: np.random.Generator, fan_in: int, fan_out: int) -> tuple[np.ndarray, np.ndarray]:
     """He-normal weights in torch's [out, in] layout and small uniform biases (as torch.nn.Linear draws them)."""
     weight = rng.standard_normal((fan_out, fan_in), dtype=np.float32) * np.float32(np.sqrt(2.0 / fan_in))
     bound = 1.0 / np.sqrt(fan_in)
@@ -75,7 +75,7 @@ def build_mlp(seed: int = 0, *, sizes: Sequence[int] = MLP_SIZES) -> onnx.ModelP
     last = len(sizes) - 2
     x = "INPUT0"
     for i, (fan_in, fan_out) in enumerate(pairwise(sizes)):
-        weight, bias = _dense_params(rng, fan_in, fan_out)
+        weight, bias = dense_params(rng, fan_in, fan_out)
         initializers += [numpy_helper.from_array(weight, f"fc{i}.weight"), numpy_helper.from_array(bias, f"fc{i}.bias")]
         y = "OUTPUT0" if i == last else f"fc{i}"
         nodes.append(helper.make_node("Gemm", [x, f"fc{i}.weight", f"fc{i}.bias"], [y], name=f"fc{i}", transB=1))

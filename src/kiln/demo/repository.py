@@ -2,7 +2,8 @@
 
 ``simple_string`` and ``simple_identity`` are Python-backend models (``<name>/1/model.py``): Triton's string
 examples, written against Triton's Python-backend API. ``simple_int8``, ``simple_sequence`` and
-``simple_dyna_sequence`` are the other models Triton's example clients use. ``mlp_pipeline`` is an ensemble:
+``simple_dyna_sequence`` are the other models Triton's example clients use, and ``image_classifier`` the one its
+image clients can call. ``mlp_pipeline`` is an ensemble:
 ``mlp_preprocess`` (Python) -> ``mlp`` -> ``mlp_postprocess`` (Python).
 """
 
@@ -18,6 +19,7 @@ import onnx
 from onnx import TensorProto
 
 from kiln._files import write_atomic
+from kiln.demo import image_classifier
 from kiln.demo.models import build_mlp, build_simple
 from kiln.demo.resnet import build_resnet50
 from kiln.demo.sequences import (
@@ -111,8 +113,9 @@ def build_demo_repository(path: str | os.PathLike[str], *, include_resnet50: boo
     _write_python_model(root / SIMPLE_STRING, "simple_string_model.py", _SIMPLE_STRING_CONFIG)
     _write_python_model(root / SIMPLE_IDENTITY, "simple_identity_model.py", _SIMPLE_IDENTITY_CONFIG)
     _write_pipeline(root)
+    _write_image_classifier(root / image_classifier.NAME, seed)
     names = [_SIMPLE.name, _MLP.name, SIMPLE_STRING, *_PIPELINE_STEPS, PIPELINE,
-             *(demo.name for demo in _TRITON_EXAMPLES), SIMPLE_IDENTITY]
+             *(demo.name for demo in _TRITON_EXAMPLES), SIMPLE_IDENTITY, image_classifier.NAME]
     if include_resnet50:
         _write_demo(root / _RESNET50.name, _RESNET50, seed)
         names.append(_RESNET50.name)
@@ -179,6 +182,16 @@ def _write_demo(folder: Path, demo: _DemoModel, seed: int) -> None:
     _write_atomic(folder / "1" / "model.onnx", model.SerializeToString(deterministic=True))
     config = render_config(demo.name, model, demo.max_batch_size, demo.extra_config, demo.controls)
     _write_atomic(folder / "config.pbtxt", config)
+
+
+def _write_image_classifier(folder: Path, seed: int) -> None:
+    """Its config names the input's layout and a labels file, which the generic config writer does not."""
+    model = image_classifier.build_image_classifier(seed)
+    onnx.checker.check_model(model, full_check=True)
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    _write_atomic(folder / "1" / "model.onnx", model.SerializeToString(deterministic=True))
+    _write_atomic(folder / "labels.txt", image_classifier.labels_file())
+    _write_atomic(folder / "config.pbtxt", image_classifier.CONFIG.encode())
 
 
 def _write_pipeline(root: Path) -> None:

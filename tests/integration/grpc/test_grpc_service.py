@@ -142,13 +142,15 @@ async def test_statistics_count_inferences(client: tc_aio.InferenceServerClient)
     assert {s["name"] for s in everything["model_stats"]} == {"echo_bytes", "echo_fp16", "mlp", "simple",
                                                                "simple_string", "mlp_pipeline", "mlp_preprocess",
                                                                "mlp_postprocess", "simple_int8", "simple_sequence",
-                                                               "simple_dyna_sequence", "simple_identity"}
+                                                               "simple_dyna_sequence", "simple_identity",
+                                                               "image_classifier"}
 
 
 async def test_repository_index(client: tc_aio.InferenceServerClient) -> None:
     index = (await client.get_model_repository_index(as_json=True))["models"]
     assert [(m["name"], m["version"], m["state"]) for m in index] == [
-        ("echo_bytes", "1", "READY"), ("echo_fp16", "1", "READY"), ("mlp", "1", "READY"),
+        ("echo_bytes", "1", "READY"), ("echo_fp16", "1", "READY"), ("image_classifier", "1", "READY"),
+        ("mlp", "1", "READY"),
         ("mlp_pipeline", "1", "READY"), ("mlp_postprocess", "1", "READY"), ("mlp_preprocess", "1", "READY"),
         ("simple", "1", "READY"), ("simple_dyna_sequence", "1", "READY"), ("simple_identity", "1", "READY"),
         ("simple_int8", "1", "READY"), ("simple_sequence", "1", "READY"), ("simple_string", "1", "READY"),

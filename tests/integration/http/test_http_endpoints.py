@@ -14,7 +14,7 @@ from kiln.frontends.http import build_app
 from kiln.server.server import Server, ServerOptions
 from kiln.v2.types import InferRequest, InferResponse
 
-PIPELINE = ["mlp", "mlp_pipeline", "mlp_postprocess", "mlp_preprocess"]  # demo models, sorted
+PIPELINE = ["image_classifier", "mlp", "mlp_pipeline", "mlp_postprocess", "mlp_preprocess"]  # demo models, sorted
 SIMPLES = ["simple", "simple_dyna_sequence", "simple_identity", "simple_int8", "simple_sequence", "simple_string"]
 
 _BROKEN = 'name: "broken"\nbackend: "identity"\ninput [ { name: "INPUT0" data_type: TYPE_NOPE dims: [ 1 ] } ]\n'

@@ -17,7 +17,7 @@ from kiln.demo.resnet import build_resnet50
 ONNX_DEMOS = ["simple", "mlp"]
 PIPELINE = ["mlp_preprocess", "mlp_postprocess", "mlp_pipeline"]
 TRITON_EXAMPLES = ["simple_int8", "simple_sequence", "simple_dyna_sequence"]  # ONNX, for Triton's example clients
-DEMO_NAMES = [*ONNX_DEMOS, "simple_string", *PIPELINE, *TRITON_EXAMPLES, "simple_identity"]
+DEMO_NAMES = [*ONNX_DEMOS, "simple_string", *PIPELINE, *TRITON_EXAMPLES, "simple_identity", "image_classifier"]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,7 @@ def test_layout_and_names(tmp_path: Path) -> None:
     expected |= {f"{name}/{leaf}" for name in ("simple_string", "simple_identity") for leaf in python_files}
     expected |= {f"{name}/{leaf}" for name in PIPELINE[:2] for leaf in ("config.pbtxt", "1/model.py")}
     expected |= {"mlp_pipeline/config.pbtxt"}  # its version folder 1/ holds no file
+    expected |= {f"image_classifier/{leaf}" for leaf in (*onnx_files, "labels.txt")}
     assert (root / "mlp_pipeline" / "1").is_dir()
     assert set(_files(root)) == expected  # and no temp files left behind
     for name in [*ONNX_DEMOS, *TRITON_EXAMPLES]:
