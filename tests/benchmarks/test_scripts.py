@@ -63,7 +63,8 @@ def gpu_repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     source = root / "resnet50.onnx"
     onnx.save(build_resnet50(0, base_channels=8, image_size=32, num_classes=10), str(source))
     build(source, root / "repo" / "resnet50", BuildOptions(backend="torch", device="cuda", precision="fp16",
-                                                           channels_last=True, max_batch_size=8, samples=4))
+                                                           channels_last=True, max_batch_size=8, samples=4,
+                                                           min_top1=0.0))  # random, shrunken: classes nearly tie
     yield root / "repo"
 
 
@@ -72,7 +73,7 @@ def gpu_repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def test_torch_gpu(tmp_path: Path) -> None:
     output = tmp_path / "torch_gpu.json"
     _script("torch_gpu", "--batch-sizes", "1,2", "--seconds", "0.2", "--base-channels", "8", "--image-size", "32",
-            "--compile-mode", "none", "--output", str(output))
+            "--compile-mode", "none", "--min-top1", "0", "--output", str(output))
     rows = read_json(output)["rows"]
     assert {(r["engine"], r["batch"]) for r in rows} == {
         (engine, batch) for engine in ("eager fp32", "built fp16 + cuda graphs", "built, input on the GPU")

@@ -13,7 +13,7 @@ import ssl
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import numpy.typing as npt
 
@@ -127,7 +127,7 @@ class HttpClient:
             raise ServerUnreachableError(f"{method} {self.url}{path}: {type(exc).__name__}: {exc}"
                                          f"{self._tls_hint(exc)}") from exc
 
-    def download(self, path: str, sink: Any, chunk_size: int = 1 << 20) -> int:
+    def download(self, path: str, sink: BinaryIO, chunk_size: int = 1 << 20) -> int:
         """GET ``path`` and write its body to ``sink`` (a binary file) in chunks; returns the bytes written.
         The connection is not kept (the body is read to its end, then closed)."""
         connection = self.endpoint.connection(self.timeout_s)
