@@ -77,8 +77,8 @@ def test_perf_analyzer_measures_kiln_serve(server: KilnProcess, model: str, targ
     check_level(result.results[0])
 
 
-def test_the_cli_starts_kiln_serve_with_shared_memory_and_writes_json_and_csv(repo: Path, tmp_path: Path,
-                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_starts_kiln_serve_with_shared_memory_and_writes_json_and_csv(
+        repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_csv = tmp_path / "r.json", tmp_path / "r.csv"
     assert main(["bench", "-m", "mlp", "--target", "grpc", "--model-repository", str(repo), "--concurrency", "1",
                  "-b", "2", "-p", "250", "-r", "4", "-s", "100", "--load-generator", "perf_analyzer",
