@@ -49,9 +49,9 @@ def shared_memory_field(group: str) -> Any:
 
 def output_shared_memory_size_field(group: str) -> Any:
     return field(default=DEFAULT_OUTPUT_SHARED_MEMORY_SIZE, metadata=flag(
-        "--output-shared-memory-size", metavar="BYTES", group=group,
-        help=f"with --shared-memory system: bytes of each output's region (default "
-             f"{DEFAULT_OUTPUT_SHARED_MEMORY_SIZE})"))
+        "--shared-memory-output-size", metavar="BYTES", group=group,
+        help=f"with --shared-memory system: bytes of each output's region (perf_analyzer's "
+             f"--output-shared-memory-size; default {DEFAULT_OUTPUT_SHARED_MEMORY_SIZE})"))
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ class BenchOptions:
     def _check_load_generator(self) -> None:
         _check_choice("--load-generator", self.load_generator, LOAD_GENERATORS)
         _check_choice("--shared-memory", self.shared_memory, SHARED_MEMORY)
-        _check_positive("--output-shared-memory-size", self.output_shared_memory_size)
+        _check_positive("--shared-memory-output-size", self.output_shared_memory_size)
         if self.load_generator == "kiln":
             if self.shared_memory != "none":
                 raise InvalidArgumentError(f"--shared-memory {self.shared_memory} needs --load-generator "

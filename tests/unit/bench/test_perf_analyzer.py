@@ -156,7 +156,7 @@ def test_the_binary_is_the_flag_else_the_environment_else_path(tmp_path: Path,
     ({"load_generator": "kiln", "shared_memory": "system"}, "needs --load-generator perf_analyzer"),
     ({"shared_memory": "cuda"}, "--shared-memory is 'cuda'"),
     ({"load_generator": "locust"}, "--load-generator is 'locust'"),
-    ({"output_shared_memory_size": 0}, "--output-shared-memory-size must be >= 1"),
+    ({"output_shared_memory_size": 0}, "--shared-memory-output-size must be >= 1"),
 ])
 def test_load_generator_options_are_checked(fields: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
