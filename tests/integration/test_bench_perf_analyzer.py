@@ -77,6 +77,15 @@ def test_perf_analyzer_measures_kiln_serve(server: KilnProcess, model: str, targ
     check_level(result.results[0])
 
 
+def test_perf_analyzer_at_a_request_rate(server: KilnProcess) -> None:
+    result = run(BenchOptions(model="simple", target="grpc", url=server.grpc_url, request_rates=(150.0,),
+                              request_distribution="poisson", load_generator="perf_analyzer", **QUICK))
+    level = result.results[0]
+    check_level(level)
+    assert level.request_rate == 150.0 and level.concurrency is None
+    assert level.throughput_infer_per_s <= 150.0 * 1.5, "perf_analyzer keeps the schedule"
+
+
 def test_the_cli_starts_kiln_serve_with_shared_memory_and_writes_json_and_csv(
         repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_csv = tmp_path / "r.json", tmp_path / "r.csv"
