@@ -20,6 +20,7 @@ import pytest
 from kiln.bench import BenchOptions, LevelResult, run
 from kiln.bench.compare import CompareOptions, Comparison
 from kiln.bench.perf_analyzer import PerfAnalyzerError
+from kiln.bench.report import scenario_label
 from kiln.cli import main
 from kiln.demo import build_demo_repository
 from kiln.testing.serve import KilnProcess, kiln_serve
@@ -131,7 +132,9 @@ def test_compare_drives_its_served_rows_with_perf_analyzer(repo: Path) -> None:
     assert any("perf_analyzer" in note for note in doc["notes"])
     direct, *served = doc["scenarios"]
     assert direct["results"][0]["load_generator"] == "kiln"
+    assert scenario_label(direct) == "direct"
     for scenario in served:
+        assert scenario_label(scenario).endswith("(perf_analyzer)")  # the table's and the plots' label
         level = LevelResult.from_dict(scenario["results"][0])
         check_level(level)
         counted = scenario["results"][0]["server_models_per_s"]
