@@ -122,7 +122,7 @@ class CompareOptions:
         if self.client_processes < 1:
             raise InvalidArgumentError(f"--client-processes must be >= 1, got {self.client_processes}")
         self.bench_options()  # the measurement settings, checked before any process starts
-        self.served_options("127.0.0.1:1", 1)
+        self.served_options("127.0.0.1:1", 1)  # and the served rows' (no server yet: a placeholder URL)
         if not (self.model_repository / self.model).is_dir():
             raise InvalidArgumentError(f"model '{self.model}' has no folder in --model-repository "
                                        f"{self.model_repository} (expected {self.model_repository / self.model})")
