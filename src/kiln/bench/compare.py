@@ -33,7 +33,15 @@ from typing import Any
 from kiln._flags import flag
 from kiln.bench.data import build_requests
 from kiln.bench.machine import machine_info
-from kiln.bench.options import BenchOptions, parse_list
+from kiln.bench.options import (
+    BenchOptions,
+    load_generator_field,
+    output_shared_memory_size_field,
+    parse_list,
+    perf_analyzer_field,
+    shared_memory_field,
+)
+from kiln.bench.perf_analyzer import find_binary
 from kiln.bench.records import Level, Recorder
 from kiln.bench.resources import MIB, ByteReader, gpu_reader, rss_reader
 from kiln.bench.result import BenchResult, LevelResult
@@ -49,6 +57,7 @@ from kiln.v2._generated import model_config_pb2 as pb
 PROTOCOLS = ("http", "grpc")
 BATCHING = {"both": (False, True), "on": (True,), "off": (False,)}  # --batching: the variants measured
 MEASUREMENT = "measurement (short by default; raise them for publishable figures)"  # the --help section
+LOAD = "served load generator"  # the --help section
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 120.0
 SCENARIOS = ("direct", "served", "served_with_others")
@@ -93,6 +102,11 @@ class CompareOptions:
         help="served scenarios: send the measured model's requests, and each peer's, from N processes (large "
              "tensors: one Python client process is slower than the server)"))
     seed: int = field(default=0, metadata=flag("--seed", group=MEASUREMENT, help="seed of the random input data"))
+    # What sends the measured model's requests in the served scenarios (the peers' load stays kiln's).
+    load_generator: str = load_generator_field(LOAD)
+    perf_analyzer: str | None = perf_analyzer_field(LOAD)
+    shared_memory: str = shared_memory_field(LOAD)
+    output_shared_memory_size: int = output_shared_memory_size_field(LOAD)
     work_dir: Path | None = None  # where temporary repositories and logs go (default: a fresh temporary folder)
 
     def __post_init__(self) -> None:
@@ -108,6 +122,7 @@ class CompareOptions:
         if self.client_processes < 1:
             raise InvalidArgumentError(f"--client-processes must be >= 1, got {self.client_processes}")
         self.bench_options()  # the measurement settings, checked before any process starts
+        self.served_options("127.0.0.1:1", 1)  # and the served rows' (no server yet: a placeholder URL)
         if not (self.model_repository / self.model).is_dir():
             raise InvalidArgumentError(f"model '{self.model}' has no folder in --model-repository "
                                        f"{self.model_repository} (expected {self.model_repository / self.model})")
@@ -118,6 +133,16 @@ class CompareOptions:
                                     "stability_percentage": self.stability_percentage}
         settings.update(changes)
         return BenchOptions(**settings)
+
+    def served_options(self, url: str, concurrency: int, server_pid: int | None = None) -> BenchOptions:
+        """The bench of the measured model in a served scenario. perf_analyzer is one process of its own, so
+        --client-processes then applies to the peers' load only."""
+        external = self.load_generator == "perf_analyzer"
+        return self.bench_options(target=self.protocol, url=url, server_pid=server_pid, concurrency=(concurrency,),
+                                  client_processes=1 if external else self.client_processes,
+                                  load_generator=self.load_generator, perf_analyzer=self.perf_analyzer,
+                                  shared_memory=self.shared_memory,
+                                  output_shared_memory_size=self.output_shared_memory_size)
 
 
 # -- processes ---------------------------------------------------------------------------------------------------
@@ -256,6 +281,11 @@ class Comparison:
                                        "dynamic batching; use --batching off (or both)")
         served = [(name, peers, batched) for name, peers in (("served", 0), ("served_with_others", opts.models))
                   for batched in batching]
+        if opts.load_generator == "perf_analyzer":
+            find_binary(opts.perf_analyzer)  # missing: fail before any scenario runs
+            self.notes.append(f"served rows: the measured model's requests come from perf_analyzer (NVIDIA's C++ "
+                              f"client, {opts.protocol}, shared memory {opts.shared_memory}); the peer models' load "
+                              f"and the direct rows come from kiln")
         machine = machine_info()
         with ExitStack() as stack:
             work = opts.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-compare-")))
@@ -275,7 +305,8 @@ class Comparison:
                 "protocol": opts.protocol, "scenarios": list(scenarios), "memory_mb": memory_summary(scenarios),
                 "settings": {"measurement_interval_ms": opts.measurement_interval_ms, "max_trials": opts.max_trials,
                              "stability_percentage": opts.stability_percentage, "device": opts.device,
-                             "client_processes": opts.client_processes},
+                             "client_processes": opts.client_processes, "load_generator": opts.load_generator,
+                             "shared_memory": opts.shared_memory},
                 "notes": notes}
 
     @contextmanager
@@ -337,9 +368,7 @@ class Comparison:
                 sampler = CountSampler(http_url)
                 sampler.start()
                 try:
-                    result = run(opts.bench_options(target=opts.protocol, url=url, server_pid=server.pid,
-                                                    concurrency=(concurrency,),
-                                                    client_processes=opts.client_processes))
+                    result = run(opts.served_options(url, concurrency, server.pid))
                 finally:
                     sampler.stop()
                 for level in result.results:
@@ -356,7 +385,8 @@ class Comparison:
         http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
         server = processes.start("server", [sys.executable, "-m", "kiln.cli", "serve", "--model-repository", str(repo),
                                             "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-                                            "--metrics-port", str(metrics_port), "--exit-timeout-secs", "5"])
+                                            "--metrics-port", str(metrics_port), "--exit-timeout-secs", "5",
+                                            *(["--allow-client-shm"] if self.options.shared_memory != "none" else [])])
         try:
             wait_ready(f"127.0.0.1:{http_port}", server.process, READY_TIMEOUT_S)
         except (RuntimeError, TimeoutError) as exc:

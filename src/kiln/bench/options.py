@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kiln._flags import flag
 from kiln.errors import InvalidArgumentError
@@ -13,6 +14,9 @@ TARGETS = ("direct", "inprocess", "http", "grpc")
 DISTRIBUTIONS = ("constant", "poisson")
 TENSOR_FORMATS = ("binary", "json")
 DEFAULT_URLS = {"http": "localhost:8000", "grpc": "localhost:8001"}
+LOAD_GENERATORS = ("kiln", "perf_analyzer")
+SHARED_MEMORY = ("none", "system")
+DEFAULT_OUTPUT_SHARED_MEMORY_SIZE = 102400  # perf_analyzer's default, bytes per output region
 
 DEFAULT_MEASUREMENT_INTERVAL_MS = 2000
 """perf_analyzer measures 5000 ms windows. A level needs at least 3 windows to be called stable, so 2000 ms keeps a
@@ -20,6 +24,34 @@ level at >= 6 s instead of 15 s (a four-level sweep in about half a minute) whil
 a few milliseconds still holds hundreds of requests; pass --measurement-interval 5000 for perf_analyzer's windows."""
 MAX_SWEEP_LEVELS = 1024
 """A range whose end is 0 (sweep until --latency-threshold) stops here at the latest."""
+
+
+# The load generator's settings, declared once for kiln bench and for kiln bench compare's served rows.
+def load_generator_field(group: str) -> Any:
+    return field(default="kiln", metadata=flag(
+        "--load-generator", choices=LOAD_GENERATORS, group=group,
+        help="http/grpc: what sends the requests: kiln (its Python client, default) or perf_analyzer (NVIDIA's C++ "
+             "client, so served figures are not bounded by a Python client; pip install perf-analyzer)"))
+
+
+def perf_analyzer_field(group: str) -> Any:
+    return field(default=None, metadata=flag(
+        "--perf-analyzer", metavar="PATH", group=group,
+        help="the perf_analyzer binary (default: $KILN_PERF_ANALYZER, else perf_analyzer on PATH)"))
+
+
+def shared_memory_field(group: str) -> Any:
+    return field(default="none", metadata=flag(
+        "--shared-memory", choices=SHARED_MEMORY, group=group,
+        help="with --load-generator perf_analyzer: tensors in the request body (none, default) or in system "
+             "shared memory (the server must allow it: kiln serve --allow-client-shm)"))
+
+
+def output_shared_memory_size_field(group: str) -> Any:
+    return field(default=DEFAULT_OUTPUT_SHARED_MEMORY_SIZE, metadata=flag(
+        "--shared-memory-output-size", metavar="BYTES", group=group,
+        help=f"with --shared-memory system: bytes of each output's region (perf_analyzer's "
+             f"--output-shared-memory-size; default {DEFAULT_OUTPUT_SHARED_MEMORY_SIZE})"))
 
 
 @dataclass(frozen=True)
@@ -90,6 +122,10 @@ class BenchOptions:
              "large tensors as fast as a server can take them)"))
     seed: int = field(default=0, metadata=flag(
         "--seed", group="input data", help="seed of random data and poisson gaps"))
+    load_generator: str = load_generator_field("load")
+    perf_analyzer: str | None = perf_analyzer_field("load")
+    shared_memory: str = shared_memory_field("load")
+    output_shared_memory_size: int = output_shared_memory_size_field("load")
 
     def __post_init__(self) -> None:
         _check_choice("--target", self.target, TARGETS)
@@ -127,6 +163,26 @@ class BenchOptions:
         if self.target == "inprocess" and self.model_repository is None:
             raise InvalidArgumentError("target 'inprocess' needs --model-repository: the repository the in-process "
                                        "kiln.Server serves")
+        self._check_load_generator()
+
+    def _check_load_generator(self) -> None:
+        _check_choice("--load-generator", self.load_generator, LOAD_GENERATORS)
+        _check_choice("--shared-memory", self.shared_memory, SHARED_MEMORY)
+        _check_positive("--shared-memory-output-size", self.output_shared_memory_size)
+        if self.load_generator == "kiln":
+            if self.shared_memory != "none":
+                raise InvalidArgumentError(f"--shared-memory {self.shared_memory} needs --load-generator "
+                                           f"perf_analyzer: kiln's own client sends tensors in the request body")
+            return
+        if self.target not in ("http", "grpc"):
+            raise InvalidArgumentError(f"--load-generator {self.load_generator} drives the http and grpc targets; "
+                                       f"target '{self.target}' has no server to send to")
+        if self.client_processes > 1:
+            raise InvalidArgumentError(f"--client-processes {self.client_processes} splits kiln's own client; "
+                                       f"perf_analyzer is one C++ process with a thread per request slot")
+        if self.input_data.endswith(".npz"):
+            raise InvalidArgumentError(f"--input-data {self.input_data}: perf_analyzer reads random, zero or its "
+                                       f".json format, not .npz")
 
     @property
     def request_rate_mode(self) -> bool:
@@ -151,6 +207,8 @@ class BenchOptions:
             "output_tensor_format": self.output_tensor_format if self.target == "http" else None,
             "latency_threshold_ms": self.latency_threshold_ms,
             "client_processes": self.client_processes if self.target in ("http", "grpc") else None,
+            "load_generator": self.load_generator,
+            "shared_memory": self.shared_memory if self.load_generator == "perf_analyzer" else None,
         }
 
 

@@ -26,7 +26,9 @@ def scenario_label(scenario: dict[str, Any]) -> str:
     if name == "direct":
         return "direct"
     base = "served, 1 model" if name == "served" else f"served, {models} models"
-    return f"{base}, dynamic batching" if scenario["batching"] else base
+    label = f"{base}, dynamic batching" if scenario["batching"] else base
+    generators = {row.get("load_generator", "kiln") for row in scenario["results"]}
+    return f"{label} (perf_analyzer)" if "perf_analyzer" in generators else label
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ class LevelResult:
     # The merged windows' start and end (time.monotonic_ns of the measuring process): counts read elsewhere, such
     # as every model's on the server, can be matched to exactly the time the figures above cover.
     window_span_ns: tuple[int, int] | None = None
+    load_generator: str = "kiln"  # what sent the requests: kiln's own client or perf_analyzer
 
     @classmethod
     def from_measurement(cls, measured: Measurement, batch_size: int) -> LevelResult:
@@ -99,7 +100,8 @@ class LevelResult:
                    stable=doc["stable"], windows=doc["windows"], errors=doc["errors"],
                    memory_mb=MemoryFigures(**doc["memory_mb"]), requests=doc.get("requests", 0),
                    duration_s=doc.get("duration_s", 0.0), sends=optional("sends", SendCounts),
-                   window_span_ns=tuple(doc["window_span_ns"]) if doc.get("window_span_ns") else None)
+                   window_span_ns=tuple(doc["window_span_ns"]) if doc.get("window_span_ns") else None,
+                   load_generator=doc.get("load_generator", "kiln"))
 
     @property
     def network_us(self) -> float | None:
@@ -159,6 +161,7 @@ CSV_COLUMNS = (
     # kiln's
     "Request Rate", "Requests/Second", "Avg latency", "Requests", "Errors", "Stable", "Windows",
     "RSS Idle MiB", "RSS Peak MiB", "GPU Idle MiB", "GPU Peak MiB", "Sends Delayed", "Sends Dropped",
+    "Load Generator",
 )
 
 
@@ -182,5 +185,5 @@ def _csv_row(level: LevelResult) -> list[object]:
         _cell(level.request_rate), round(level.throughput_infer_per_s, 2), _us(latency.avg), level.requests,
         level.errors, level.stable, level.windows, _cell(memory.rss_idle), _cell(memory.rss_peak),
         _cell(memory.gpu_idle), _cell(memory.gpu_peak), _cell(level.sends.delayed if level.sends else None),
-        _cell(level.sends.dropped if level.sends else None),
+        _cell(level.sends.dropped if level.sends else None), level.load_generator,
     ]

@@ -9,6 +9,7 @@ from kiln.bench.data import build_requests
 from kiln.bench.machine import machine_info
 from kiln.bench.measure import Settings, measure_level
 from kiln.bench.options import BenchOptions
+from kiln.bench.perf_analyzer import PerfAnalyzerLoad, find_binary
 from kiln.bench.progress import Progress
 from kiln.bench.records import Level
 from kiln.bench.resources import MemorySampler, gpu_reader, rss_reader
@@ -23,6 +24,7 @@ def run(options: BenchOptions, progress: Progress | None = None,
     progress = progress if progress is not None else Progress(enabled=False)
     settings = Settings(interval_ns=options.measurement_interval_ms * 1_000_000,
                         stability_percentage=options.stability_percentage, max_trials=options.max_trials)
+    binary = find_binary(options.perf_analyzer) if options.load_generator == "perf_analyzer" else None
     with create_target(options) as target:
         progress.note(f"opening target {options.target} for model '{options.model}'")
         model = target.open()
@@ -30,13 +32,17 @@ def run(options: BenchOptions, progress: Progress | None = None,
         pid = target.process_id()
         gpu, gpu_source = gpu_reader(pid, target.in_process)
         sampler = MemorySampler(rss_reader(pid), gpu)
+        external = PerfAnalyzerLoad(binary, options, target.url or "") if binary is not None else None
         results: list[LevelResult] = []
         for value in options.levels():
             level = _level(options, value)
-            measured = measure_level(target, level, settings, sampler,
-                                     on_window=functools.partial(progress.window, level))
-            progress.end_level()
-            result = LevelResult.from_measurement(measured, options.batch_size)
+            if external is not None:
+                result = external.measure(level, sampler, progress)
+            else:
+                measured = measure_level(target, level, settings, sampler,
+                                         on_window=functools.partial(progress.window, level))
+                progress.end_level()
+                result = LevelResult.from_measurement(measured, options.batch_size)
             results.append(result)
             if on_level is not None:
                 on_level(result)

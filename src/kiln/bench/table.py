@@ -22,6 +22,7 @@ def level_block(level: LevelResult) -> str:
     latency = level.latency_ms
     lines = [
         title,
+        *([f"  Load generator: {level.load_generator}"] if level.load_generator != "kiln" else []),
         "  Client:",
         f"    Request count: {level.requests}",
         f"    Throughput: {level.throughput_infer_per_s:.1f} infer/sec ({level.throughput_items_per_s:.1f} items/sec)",

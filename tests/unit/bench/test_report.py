@@ -132,6 +132,15 @@ def test_memory_table_names_each_deployment(doc: dict[str, Any]) -> None:
     assert scenario_label(doc["scenarios"][2]) == "served, 1 model, dynamic batching"
 
 
+def test_rows_perf_analyzer_made_are_labelled_so(doc: dict[str, Any]) -> None:
+    scenario = doc["scenarios"][2]
+    assert scenario["results"]
+    measured = {**scenario, "results": [{**row, "load_generator": "perf_analyzer"} for row in scenario["results"]]}
+    assert scenario_label(measured) == "served, 1 model, dynamic batching (perf_analyzer)"
+    assert scenario_label({**scenario, "results": [{**row, "load_generator": "kiln"} for row in scenario["results"]]}
+                          ) == "served, 1 model, dynamic batching"
+
+
 def test_write_report_writes_every_file_and_non_empty_plots(doc: dict[str, Any], tmp_path: Path) -> None:
     image = pytest.importorskip("matplotlib.image", reason="matplotlib (the bench extra) draws the plots")
     written = write_report(doc, tmp_path / "out", ["kiln", "bench", "compare", "resnet50"])

@@ -60,6 +60,8 @@ class RemoteTarget(AsyncTarget):
         self.version = options.model_version
         self._repository = options.model_repository
         self._pid = options.server_pid
+        # perf_analyzer's system shared memory needs a server that allows client regions.
+        self._serve_args = ("--allow-client-shm",) if options.shared_memory != "none" else ()
         self._stack = contextlib.ExitStack()
         self.host, self.port = ("", 0) if self.url is None else split_url(self.url, self.default_port)
 
@@ -82,7 +84,7 @@ class RemoteTarget(AsyncTarget):
         log_path = log_dir / "serve.log"
         try:
             return self._stack.enter_context(kiln_serve(
-                [self._repository], "--model-control-mode", "explicit", "--load-model", self.model,
+                [self._repository], "--model-control-mode", "explicit", "--load-model", self.model, *self._serve_args,
                 log_path=log_path, ready_timeout_s=SERVE_READY_TIMEOUT_S))
         except (RuntimeError, TimeoutError) as exc:
             tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
