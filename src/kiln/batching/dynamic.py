@@ -19,6 +19,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from kiln.batching.answers import Answer, deliver
+from kiln.batching.inline import InlineRunner
+from kiln.batching.launched import LaunchRunner
+from kiln.batching.model import BatchModel
+from kiln.batching.policy import BatchingPolicy
+from kiln.batching.queue import Batch, BatchQueue, Pending, batch_signature
 from kiln.engines.base import Engine
 from kiln.errors import (
     CancelledError,
@@ -28,19 +34,13 @@ from kiln.errors import (
     RequestTimeoutError,
     VersionUnloadingError,
 )
-from kiln.server.model import LoadedModel
-from kiln.server.scheduler.answers import Answer, deliver
-from kiln.server.scheduler.inline import InlineRunner
-from kiln.server.scheduler.launched import LaunchRunner
-from kiln.server.scheduler.policy import BatchingPolicy
-from kiln.server.scheduler.queue import Batch, BatchQueue, Pending, batch_signature
 from kiln.v2.types import InferRequest, InferResponse
 
 Clock = Callable[[], int]
 
 
 class DynamicBatcher:
-    def __init__(self, model: LoadedModel, policy: BatchingPolicy, clock: Clock = time.monotonic_ns) -> None:
+    def __init__(self, model: BatchModel, policy: BatchingPolicy, clock: Clock = time.monotonic_ns) -> None:
         self.model = model
         self.policy = policy
         self._clock = clock
