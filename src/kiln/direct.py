@@ -3,7 +3,9 @@ engine coalesces concurrent callers into batches with the server's batching core
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -76,6 +78,8 @@ class BatchingEngine(Engine):
         self.batch_log = BatchLog()
         self._batcher = DynamicBatcher(BatchModel(engine.spec, version, [engine], self.batch_log), policy)
         self._closed = False
+        # An engine dropped without close() must not leave its worker thread waiting on the queue for good.
+        self._finalizer = weakref.finalize(self, _stop, self._batcher)
 
     def infer(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None = None) -> dict[str, Array]:
         request = self._request(inputs, outputs)
@@ -104,6 +108,7 @@ class BatchingEngine(Engine):
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         self._batcher.close()  # closes the engine once the queue is drained
 
     def _request(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None) -> InferRequest | None:
@@ -118,6 +123,11 @@ class BatchingEngine(Engine):
         tensors = [InputTensor(name, specs[name].datatype, array.shape, array) for name, array in arrays.items()]
         wanted = [RequestedOutput(name) for name in names] if outputs is not None else []
         return InferRequest(self.name, tensors, outputs=wanted)
+
+
+def _stop(batcher: DynamicBatcher) -> None:
+    with contextlib.suppress(RuntimeError):  # collected on the worker thread itself: it ends on its own
+        batcher.close()
 
 
 def _rows(request: InferRequest) -> int:
