@@ -76,7 +76,8 @@ class BatchingEngine(Engine):
         self.accepts_torch_tensors = engine.accepts_torch_tensors
         self.policy = policy
         self.batch_log = BatchLog()
-        self._batcher = DynamicBatcher(BatchModel(engine.spec, version, [engine], self.batch_log), policy)
+        self._batcher = DynamicBatcher(BatchModel(engine.spec, version, [engine], self.batch_log), policy,
+                                       caller_runs=True)
         self._closed = False
         # An engine dropped without close() must not leave its worker thread waiting on the queue for good.
         self._finalizer = weakref.finalize(self, _stop, self._batcher)

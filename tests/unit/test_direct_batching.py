@@ -39,10 +39,12 @@ class GatedIdentity(Engine):
         self.gate.set()
         self.entered = threading.Event()
         self.batches: list[tuple[int, float]] = []
+        self.threads: list[int] = []  # the thread each execution ran on
         self.closed = False
 
     def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
         self.batches.append((len(inputs["x"]), time.monotonic()))
+        self.threads.append(threading.get_ident())
         self.entered.set()
         assert self.gate.wait(30), "the test never opened the gate"
         return {"y": np.array(inputs["x"])}
@@ -150,6 +152,8 @@ def test_a_lone_caller_does_not_wait_for_the_queue_delay(tmp_path: Path) -> None
             assert started - called < delay_s / 2
             np.testing.assert_array_equal(output, np.full((1, 2), value, np.float32))
         assert inner(engine).rows == [1, 1, 1]
+        # ...and runs on the caller's own thread: no hand-off to the worker and back.
+        assert inner(engine).threads == [threading.get_ident()] * 3
     finally:
         engine.close()
 

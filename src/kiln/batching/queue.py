@@ -63,10 +63,15 @@ class BatchQueue:
         self._levels: dict[int, collections.deque[Pending]] = {
             level: collections.deque() for level in range(1, policy.priority_levels + 1)}
         self._delayed: collections.deque[Pending] = collections.deque()
-        self._last_rows = 0  # rows of the last batch formed (delay_needs_company)
+        self._last_rows = 0  # rows of the last batch formed
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._levels.values()) + len(self._delayed)
+
+    @property
+    def last_rows(self) -> int:
+        """The rows of the last batch formed (0 before the first)."""
+        return self._last_rows
 
     def put(self, item: Pending) -> None:
         queue = self._levels[item.priority]
@@ -94,8 +99,7 @@ class BatchQueue:
             deadline = self._next_deadline()
             return Batch([], expired, wake if deadline is None else min(wake, deadline))
         self._remove(chosen)
-        if self.policy.delay_needs_company:
-            self._last_rows = sum(p.rows for p in chosen)
+        self._last_rows = sum(p.rows for p in chosen)
         return Batch(chosen, expired, None)
 
     def _queues(self) -> Iterator[collections.deque[Pending]]:
