@@ -65,7 +65,8 @@ class BatchingEngine(Engine):
     a worker runs what is queued as one batch (same input shapes, up to max_batch_size, cut at a preferred batch
     size) and gives each caller its rows. A caller that finds the engine idle runs at once: the config's max queue
     delay is waited only while fewer callers are queued than the last batch held. Device (DLPack) inputs run on
-    their own, unbatched. ``batch_log`` counts executions and batch sizes.
+    their own, unbatched. ``batch_log`` counts executions and batch sizes; ``engine`` is the wrapped engine, whose
+    own attributes read through.
     """
 
     def __init__(self, engine: Engine, version: int, policy: BatchingPolicy) -> None:
@@ -94,6 +95,12 @@ class BatchingEngine(Engine):
         if request is None:
             return await super().ainfer(inputs, outputs)
         return _outputs(await self._batcher.submit(request, _rows(request)))
+
+    def __getattr__(self, name: str) -> Any:
+        """What the wrapped engine offers beyond the Engine interface (``providers``, ``device``, ...)."""
+        if name == "engine":  # not set yet (during __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
     def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
         return self.engine.execute(inputs, outputs)

@@ -232,6 +232,7 @@ def test_onnx_runtime_engine_batches_threads_correctly(tmp_path: Path) -> None:
               'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\ndynamic_batching { }\n')
     engine = kiln.load(write_model(tmp_path, "identity", onnx_identity_model(), config))
     assert isinstance(engine, BatchingEngine)
+    assert engine.providers == ["CPUExecutionProvider"]  # the wrapped engine's own attributes read through
     errors: list[str] = []
 
     def caller(index: int) -> None:
