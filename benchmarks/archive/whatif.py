@@ -66,7 +66,8 @@ _LAUNCHER = textwrap.dedent('''
 
         grpc.aio.server = server
     if "inline" in variant:
-        from kiln.server.scheduler import direct, dynamic
+        from kiln.batching import dynamic
+        from kiln.server.scheduler import direct
 
         async def submit_direct(self, request, batch_size):
             return self._run(request, batch_size, time.monotonic_ns())

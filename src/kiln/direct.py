@@ -1,22 +1,35 @@
-"""The direct path: load a model into an in-process engine, with nothing in between."""
+"""The direct path: load a model into an in-process engine. Where the model's config enables dynamic batching, the
+engine coalesces concurrent callers into batches with the server's batching core (kiln.batching)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import weakref
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
+import numpy.typing as npt
+
+from kiln.batching import BatchingPolicy, BatchLog, BatchModel, DynamicBatcher
 from kiln.config.backends import FILE_BACKENDS
 from kiln.config.model_dir import ModelDir, open_model_dir
 from kiln.config.onnx_io import FileTensor, read_onnx_io
 from kiln.config.spec import ModelSpec
 from kiln.config.validate import validate_config
-from kiln.engines.base import Engine, EngineOptions, create_engine, instance_group_options
+from kiln.engines.base import Engine, EngineOptions, LaunchedBatch, create_engine, instance_group_options
+from kiln.engines.checks import check_inputs, check_outputs
+from kiln.engines.dlpack import prepare_inputs
 from kiln.errors import ConfigError, InvalidArgumentError, ModelNotFoundError
 from kiln.v2._generated import model_config_pb2 as pb
+from kiln.v2.types import InferRequest, InferResponse, InputTensor, RequestedOutput
+
+Array = npt.NDArray[Any]
 
 
-def load(path: str | Path, version: int | None = None, **options: Any) -> Engine:
+def load(path: str | Path, version: int | None = None, *, batching: bool | None = None, **options: Any) -> Engine:
     """Load a model file (``model.onnx``) or a model folder (``<repo>/<model>``) into an engine.
 
     ``version`` picks a version folder (default: the newest the version policy serves). ``options`` are the
@@ -24,6 +37,11 @@ def load(path: str | Path, version: int | None = None, **options: Any) -> Engine
     ``intra_op_threads``, ``inter_op_threads``. Those not given come from the folder's config, as the server's
     first instance would have them: a ``KIND_GPU`` instance group means ``kind="gpu"`` on its first listed GPU.
     A bare model file runs on the CPU unless told otherwise.
+
+    ``batching``: coalesce concurrent ``infer`` / ``ainfer`` calls (threads, asyncio) into batches, as the
+    server's dynamic batcher does (see :class:`BatchingEngine`). None (the default) follows the config: on when it
+    has ``dynamic_batching``, with its preferred sizes and max queue delay. True needs a model that batches
+    (``max_batch_size`` > 0); False runs each call on its own.
     """
     _check_option_names(options)
     path = Path(path)
@@ -32,11 +50,117 @@ def load(path: str | Path, version: int | None = None, **options: Any) -> Engine
     if path.is_file() or path.suffix == ".onnx":
         if version is not None:
             raise InvalidArgumentError(f"{path}: version={version} applies to model folders, not to a model file")
-        return create_engine(_spec_for_file(path), path, EngineOptions(**options))
+        return _with_batching(create_engine(_spec_for_file(path), path, EngineOptions(**options)), 1, batching)
     model_dir = open_model_dir(path)
     chosen = _choose_version(model_dir, version)
     engine_options = dataclasses.replace(config_engine_options(model_dir.spec), **options)
-    return create_engine(model_dir.spec, model_dir.model_file(chosen), engine_options)
+    engine = create_engine(model_dir.spec, model_dir.model_file(chosen), engine_options)
+    return _with_batching(engine, chosen, batching)
+
+
+class BatchingEngine(Engine):
+    """An engine whose concurrent callers are served in batches by the server's dynamic batcher.
+
+    Each ``infer`` (from any thread) or ``ainfer`` (from any event loop) call is checked on its own, then queued;
+    a worker runs what is queued as one batch (same input shapes, up to max_batch_size, cut at a preferred batch
+    size) and gives each caller its rows. A caller that finds the engine idle runs at once: the config's max queue
+    delay is waited only while fewer callers are queued than the last batch held. Device (DLPack) inputs run on
+    their own, unbatched. ``batch_log`` counts executions and batch sizes; ``engine`` is the wrapped engine, whose
+    own attributes read through.
+    """
+
+    def __init__(self, engine: Engine, version: int, policy: BatchingPolicy) -> None:
+        super().__init__(engine.spec)
+        self.engine = engine
+        self.thread_safe = engine.thread_safe
+        self.launches = engine.launches
+        self.accepts_torch_tensors = engine.accepts_torch_tensors
+        self.policy = policy
+        self.batch_log = BatchLog()
+        self._batcher = DynamicBatcher(BatchModel(engine.spec, version, [engine], self.batch_log), policy,
+                                       caller_runs=True)
+        self._closed = False
+        # An engine dropped without close() must not leave its worker thread waiting on the queue for good.
+        self._finalizer = weakref.finalize(self, _stop, self._batcher)
+
+    def infer(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None = None) -> dict[str, Array]:
+        request = self._request(inputs, outputs)
+        if request is None:
+            return self.engine.infer(inputs, outputs)
+        return _outputs(self._batcher.submit_sync(request, _rows(request)))
+
+    async def ainfer(self, inputs: Mapping[str, npt.ArrayLike],
+                     outputs: Sequence[str] | None = None) -> dict[str, Array]:
+        request = self._request(inputs, outputs)
+        if request is None:
+            return await super().ainfer(inputs, outputs)
+        return _outputs(await self._batcher.submit(request, _rows(request)))
+
+    def __getattr__(self, name: str) -> Any:
+        """What the wrapped engine offers beyond the Engine interface (``providers``, ``device``, ...)."""
+        if name == "engine":  # not set yet (during __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
+        return self.engine.execute(inputs, outputs)
+
+    def execute_parts(self, parts: Sequence[Mapping[str, Array]], outputs: Sequence[str]) -> dict[str, Array]:
+        return self.engine.execute_parts(parts, outputs)
+
+    def launch_parts(self, parts: Sequence[Mapping[str, Array]], outputs: Sequence[str]) -> LaunchedBatch | None:
+        return self.engine.launch_parts(parts, outputs)
+
+    def close(self) -> None:
+        """Refuse new calls, answer the queued ones, then release the engine. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        self._batcher.close()  # closes the engine once the queue is drained
+
+    def _request(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None) -> InferRequest | None:
+        """The call as a request, checked before it joins a batch (so a bad call fails alone); None for calls
+        that run unbatched (device tensors, tensors the engine takes as they are)."""
+        prepared, device = prepare_inputs(self.name, inputs, keep_torch=self.accepts_torch_tensors)
+        arrays = check_inputs(self.spec, prepared, keep_torch_tensors=self.accepts_torch_tensors)
+        names = check_outputs(self.spec, outputs)
+        if device is not None or not arrays or not all(isinstance(a, np.ndarray) for a in arrays.values()):
+            return None
+        specs = self.spec.input_map
+        tensors = [InputTensor(name, specs[name].datatype, array.shape, array) for name, array in arrays.items()]
+        wanted = [RequestedOutput(name) for name in names] if outputs is not None else []
+        return InferRequest(self.name, tensors, outputs=wanted)
+
+
+def _stop(batcher: DynamicBatcher) -> None:
+    with contextlib.suppress(RuntimeError):  # collected on the worker thread itself: it ends on its own
+        batcher.close()
+
+
+def _rows(request: InferRequest) -> int:
+    return int(request.inputs[0].shape[0])
+
+
+def _outputs(response: InferResponse) -> dict[str, Array]:
+    return {tensor.name: tensor.data for tensor in response.outputs}
+
+
+def _with_batching(engine: Engine, version: int, batching: bool | None) -> Engine:
+    spec = engine.spec
+    scheduling = spec.config.WhichOneof("scheduling_choice")
+    if batching is None:
+        batching = scheduling == "dynamic_batching"
+    if not batching:
+        return engine
+    if not spec.batching or scheduling == "sequence_batching":
+        engine.close()
+        why = "its config has sequence_batching" if spec.batching else "it has no batch dimension (max_batch_size 0)"
+        raise InvalidArgumentError(f"model '{spec.name}': load(batching=True) cannot batch this model: {why}; "
+                                   f"load it with batching=False")
+    policy = (BatchingPolicy.from_config(spec.config) if scheduling == "dynamic_batching"
+              else BatchingPolicy(max_batch_size=spec.config.max_batch_size))
+    return BatchingEngine(engine, version, dataclasses.replace(policy, delay_needs_company=True))
 
 
 def config_engine_options(spec: ModelSpec) -> EngineOptions:

@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "kiln"
 
 BASE = {"errors", "tensor"}
 PROTOCOL = BASE | {"v2", "_proto_pool"}
-MODELS = PROTOCOL | {"config", "engines", "direct", "_files", "_flags"}
+MODELS = PROTOCOL | {"config", "engines", "batching", "direct", "_files", "_flags"}
 # Product areas beside the server use the protocol, the engines, the direct API and the public API (``kiln``:
 # ``kiln.load``, ``kiln.Server``); a server only as a child process (serve_process) or through the client.
 PRODUCT = MODELS | {"kiln", "serve_process"}
@@ -35,7 +35,8 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "v2": (BASE | {"_proto_pool"}, {"numpy", "orjson", "google", "grpc", "starlette"}),
     "config": (PROTOCOL | {"_files"}, {"numpy", "onnx", "google"}),
     "engines": (PROTOCOL | {"config", "_files"}, {"numpy", "ml_dtypes", "onnx", "onnxruntime", "torch", "tensorrt"}),
-    "direct": (PROTOCOL | {"config", "engines"}, {"numpy"}),
+    "batching": (PROTOCOL | {"config", "engines"}, {"numpy"}),
+    "direct": (PROTOCOL | {"config", "engines", "batching"}, {"numpy"}),
     "server": (MODELS | {"kiln"}, {"numpy", "google", "torch"}),
     "frontends": (PROTOCOL | {"config", "server", "kiln"}, {"numpy", "starlette", "grpc", "grpc_health",
                                                              "prometheus_client", "psutil", "uvloop", "pynvml"}),

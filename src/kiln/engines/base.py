@@ -8,6 +8,7 @@ server calls after it has validated a request once.
 from __future__ import annotations
 
 import abc
+import asyncio
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -100,6 +101,12 @@ class Engine(abc.ABC):
         arrays = check_inputs(self.spec, prepared, keep_torch_tensors=self.accepts_torch_tensors)
         names = check_outputs(self.spec, outputs)
         return outputs_like(self.execute(arrays, names), device)
+
+    async def ainfer(self, inputs: Mapping[str, npt.ArrayLike],
+                     outputs: Sequence[str] | None = None) -> dict[str, Array]:
+        """``infer`` for an event loop: runs on a worker thread (the batching engine of kiln.load coalesces it
+        with other callers instead)."""
+        return await asyncio.to_thread(self.infer, inputs, outputs)
 
     @abc.abstractmethod
     def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kiln.batching.model import ExecutionTimes
+
 
 @dataclass
 class Duration:
@@ -47,17 +49,6 @@ class ModelStats:
     batch_stats: dict[int, BatchStats] = field(default_factory=dict)
     failures_by_reason: dict[str, int] = field(default_factory=dict)  # REJECTED, CANCELED, BACKEND, OTHER
     load_duration_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class ExecutionTimes:
-    """What one execution of a batch cost, in nanoseconds."""
-
-    batch_size: int
-    start_ns: int  # monotonic time the execution began; a request's queue time ends here
-    compute_input_ns: int
-    compute_infer_ns: int
-    compute_output_ns: int
 
 
 @dataclass(frozen=True)

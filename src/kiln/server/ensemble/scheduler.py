@@ -10,11 +10,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from kiln.batching.model import ExecutionTimes
 from kiln.errors import InternalError, KilnError, VersionUnloadingError
 from kiln.server.classification import classify
 from kiln.server.ensemble.plan import EnsemblePlan, Step
 from kiln.server.model import LoadedModel
-from kiln.server.stats import Duration, ExecutionTimes
+from kiln.server.stats import Duration
 from kiln.tensor import DataType
 from kiln.v2.types import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput
 

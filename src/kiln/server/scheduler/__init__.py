@@ -1,10 +1,10 @@
 """Schedulers decide when and on which instance a model's requests run."""
 
+from kiln.batching.dynamic import DynamicBatcher
+from kiln.batching.policy import BatchingPolicy
 from kiln.server.model import LoadedModel
 from kiln.server.scheduler.base import Scheduler
 from kiln.server.scheduler.direct import DirectScheduler
-from kiln.server.scheduler.dynamic import DynamicBatcher
-from kiln.server.scheduler.policy import BatchingPolicy
 
 
 def make_scheduler(model: LoadedModel) -> Scheduler:

@@ -14,12 +14,12 @@ import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kiln.batching.inline import InlineRunner
+from kiln.batching.launched import LaunchRunner
+from kiln.batching.policy import BatchingPolicy
 from kiln.engines.base import Engine
 from kiln.errors import InternalError, KilnError, VersionUnloadingError
 from kiln.server.model import LoadedModel
-from kiln.server.scheduler.inline import InlineRunner
-from kiln.server.scheduler.launched import LaunchRunner
-from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.v2.types import InferRequest, InferResponse
 
 

@@ -33,12 +33,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kiln.batching.answers import Answer, deliver
+from kiln.batching.queue import batch_signature
 from kiln.config.autocomplete import SEQUENCE_IDLE_DEFAULT_US
 from kiln.engines.base import Engine
 from kiln.errors import InternalError, InvalidArgumentError, KilnError, UnsupportedError, VersionUnloadingError
 from kiln.server.model import LoadedModel
-from kiln.server.scheduler.answers import Answer, deliver
-from kiln.server.scheduler.queue import batch_signature
 from kiln.server.scheduler.sequence_controls import (
     PADDING,
     RowControl,

@@ -7,7 +7,7 @@ import asyncio
 import threading
 from concurrent.futures import Future
 
-from kiln.server.scheduler.answers import deliver
+from kiln.batching.answers import deliver
 from kiln.v2.types import InferResponse
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kiln.batching.dynamic import DynamicBatcher
+from kiln.batching.policy import BatchingPolicy
 from kiln.config import parse_config_text
 from kiln.config.validate import validate_config
 from kiln.engines.base import Array, Engine
 from kiln.errors import InternalError, QueueFullError, RequestTimeoutError
 from kiln.server.model import LoadedModel
-from kiln.server.scheduler.dynamic import DynamicBatcher
-from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.tensor import DataType
 from kiln.v2.types import InferRequest, InferResponse, InputTensor
 

@@ -10,14 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kiln.batching import inline
+from kiln.batching.inline import MIN_SAMPLES, InlineRunner, inline_mode
+from kiln.batching.policy import BatchingPolicy
 from kiln.config import parse_config_text
 from kiln.config.validate import validate_config
 from kiln.engines.base import Array, Engine
 from kiln.errors import InvalidArgumentError
 from kiln.server.model import LoadedModel
-from kiln.server.scheduler import DirectScheduler, DynamicBatcher, inline
-from kiln.server.scheduler.inline import MIN_SAMPLES, InlineRunner, inline_mode
-from kiln.server.scheduler.policy import BatchingPolicy
+from kiln.server.scheduler import DirectScheduler, DynamicBatcher
 from kiln.tensor import DataType
 from kiln.v2.types import InferRequest, InputTensor
 

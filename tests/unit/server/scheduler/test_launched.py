@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kiln.batching.launched import launch_mode
+from kiln.batching.policy import BatchingPolicy
 from kiln.config import parse_config_text
 from kiln.config.validate import validate_config
 from kiln.engines.base import Array, Engine
@@ -18,8 +20,6 @@ from kiln.errors import InternalError, InvalidArgumentError, VersionUnloadingErr
 from kiln.server.model import LoadedModel
 from kiln.server.scheduler import DynamicBatcher
 from kiln.server.scheduler.direct import DirectScheduler
-from kiln.server.scheduler.launched import launch_mode
-from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.tensor import DataType
 from kiln.v2.types import InferRequest, InputTensor
 

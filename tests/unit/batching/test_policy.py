@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kiln.batching.policy import BatchingPolicy
 from kiln.config import parse_config_text
 from kiln.errors import InvalidArgumentError
-from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.tensor import DataType
 from kiln.v2.types import InferRequest, InputTensor
 

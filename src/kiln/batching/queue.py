@@ -3,7 +3,8 @@
 Rule (Triton's): requests are taken by priority level, then arrival order. A batch grows while the next request
 has the same input shapes (after the batch dimension) and still fits in max_batch_size. It is sent at once when
 it is full, cannot grow, or reaches a preferred batch size (the largest one that can be formed); otherwise when
-its oldest request has waited max_queue_delay. Requests whose timeout passes while queued are rejected (REJECT)
+its oldest request has waited max_queue_delay (with delay_needs_company, only while fewer rows wait than the last
+batch had: a lone caller runs at once). Requests whose timeout passes while queued are rejected (REJECT)
 or moved behind every other request (DELAY).
 """
 
@@ -14,9 +15,9 @@ from collections.abc import Hashable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from kiln.batching.answers import Answer
+from kiln.batching.policy import BatchingPolicy
 from kiln.errors import QueueFullError
-from kiln.server.scheduler.answers import Answer
-from kiln.server.scheduler.policy import BatchingPolicy
 from kiln.v2.types import InferRequest
 
 
@@ -62,9 +63,15 @@ class BatchQueue:
         self._levels: dict[int, collections.deque[Pending]] = {
             level: collections.deque() for level in range(1, policy.priority_levels + 1)}
         self._delayed: collections.deque[Pending] = collections.deque()
+        self._last_rows = 0  # rows of the last batch formed
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._levels.values()) + len(self._delayed)
+
+    @property
+    def last_rows(self) -> int:
+        """The rows of the last batch formed (0 before the first)."""
+        return self._last_rows
 
     def put(self, item: Pending) -> None:
         queue = self._levels[item.priority]
@@ -92,6 +99,7 @@ class BatchQueue:
             deadline = self._next_deadline()
             return Batch([], expired, wake if deadline is None else min(wake, deadline))
         self._remove(chosen)
+        self._last_rows = sum(p.rows for p in chosen)
         return Batch(chosen, expired, None)
 
     def _queues(self) -> Iterator[collections.deque[Pending]]:
@@ -141,6 +149,8 @@ class BatchQueue:
                 return items[:best]
         if rows >= self.policy.max_batch_size or blocked or self.policy.max_queue_delay_ns == 0:
             return items
+        if self.policy.delay_needs_company and rows >= self._last_rows:
+            return items  # everyone the last batch held is here (or it held fewer): nobody else to wait for
         if now_ns - min(p.enqueued_ns for p in items) >= self.policy.max_queue_delay_ns:
             return items
         return None

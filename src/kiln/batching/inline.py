@@ -14,10 +14,9 @@ import asyncio
 import time
 from collections.abc import Callable, Hashable
 
+from kiln.batching.admission import Admission
+from kiln.batching.model import BatchModel, ExecutionTimes
 from kiln.errors import InternalError, InvalidArgumentError, KilnError
-from kiln.server.model import LoadedModel
-from kiln.server.scheduler.admission import Admission
-from kiln.server.stats import ExecutionTimes
 from kiln.v2.types import InferRequest, InferResponse
 
 PARAMETER = "inline_execution"
@@ -27,7 +26,7 @@ MIN_SAMPLES = 8  # executions seen before auto mode trusts its estimate
 _Item = tuple[InferRequest, int, int, "asyncio.Future[InferResponse]", Hashable]
 
 
-def inline_mode(model: LoadedModel) -> str:
+def inline_mode(model: BatchModel) -> str:
     mode = model.spec.parameters.get(PARAMETER, "auto") or "auto"
     if mode not in ("auto", "on", "off"):
         raise InvalidArgumentError(f"model '{model.name}': parameter '{PARAMETER}' is '{mode}'; expected auto, on "
@@ -37,7 +36,7 @@ def inline_mode(model: LoadedModel) -> str:
 
 
 class InlineRunner:
-    def __init__(self, model: LoadedModel, max_batch_size: int, signature: Callable[[InferRequest], Hashable]):
+    def __init__(self, model: BatchModel, max_batch_size: int, signature: Callable[[InferRequest], Hashable]):
         self.model = model
         self.mode = inline_mode(model)
         self._max_rows = max(1, max_batch_size)

@@ -27,12 +27,11 @@ import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from kiln.batching.admission import Admission
+from kiln.batching.model import BatchModel, ExecutionTimes
+from kiln.batching.policy import BatchingPolicy
 from kiln.engines.base import LaunchedBatch
 from kiln.errors import InternalError, InvalidArgumentError, KilnError, VersionUnloadingError
-from kiln.server.model import LoadedModel
-from kiln.server.scheduler.admission import Admission
-from kiln.server.scheduler.policy import BatchingPolicy
-from kiln.server.stats import ExecutionTimes
 from kiln.v2.types import InferRequest, InferResponse
 
 PARAMETER = "launch_execution"
@@ -75,7 +74,7 @@ class _LoopQueue:
     scheduled: bool = False
 
 
-def launch_mode(model: LoadedModel, policy: BatchingPolicy) -> str:
+def launch_mode(model: BatchModel, policy: BatchingPolicy) -> str:
     mode = model.spec.parameters.get(PARAMETER, "auto") or "auto"
     if mode not in ("auto", "off"):
         raise InvalidArgumentError(f"model '{model.name}': parameter '{PARAMETER}' is '{mode}'; expected auto or "
@@ -87,7 +86,7 @@ def launch_mode(model: LoadedModel, policy: BatchingPolicy) -> str:
 
 
 class LaunchRunner:
-    def __init__(self, model: LoadedModel, policy: BatchingPolicy,
+    def __init__(self, model: BatchModel, policy: BatchingPolicy,
                  signature: Callable[[InferRequest], Hashable]) -> None:
         self.model = model
         self.policy = policy

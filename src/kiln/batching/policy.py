@@ -35,6 +35,10 @@ class BatchingPolicy:
     priority_levels: int = 1
     default_priority: int = 1
     queue_policies: dict[int, QueuePolicy] = field(default_factory=dict)
+    # Wait max_queue_delay only for company seen before: while the queued rows are fewer than the last batch's, other
+    # callers are likely to come back; a lone caller never waits. The direct engine's rule; the server keeps
+    # Triton's (every batch below its preferred size waits the delay).
+    delay_needs_company: bool = False
 
     @classmethod
     def from_config(cls, config: pb.ModelConfig) -> BatchingPolicy:

@@ -7,6 +7,10 @@ even when instances finish out of order.
 Answers to callers on an event loop go back in one hand-off per batch and loop (answers.py). Engines that queue
 batches on a device take requests from the event loop instead (launched.py); the workers then serve only blocking
 callers.
+
+With ``caller_runs`` (the direct engine: one instance), a blocking caller that finds the instance idle and nobody
+queued runs its request on its own thread, sparing a lone caller the two thread hops; callers that arrive meanwhile
+queue for the worker, which waits until the instance is free.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from kiln.batching.answers import Answer, deliver
+from kiln.batching.inline import InlineRunner
+from kiln.batching.launched import LaunchRunner
+from kiln.batching.model import BatchModel
+from kiln.batching.policy import BatchingPolicy
+from kiln.batching.queue import Batch, BatchQueue, Pending, batch_signature
 from kiln.engines.base import Engine
 from kiln.errors import (
     CancelledError,
@@ -28,19 +38,14 @@ from kiln.errors import (
     RequestTimeoutError,
     VersionUnloadingError,
 )
-from kiln.server.model import LoadedModel
-from kiln.server.scheduler.answers import Answer, deliver
-from kiln.server.scheduler.inline import InlineRunner
-from kiln.server.scheduler.launched import LaunchRunner
-from kiln.server.scheduler.policy import BatchingPolicy
-from kiln.server.scheduler.queue import Batch, BatchQueue, Pending, batch_signature
 from kiln.v2.types import InferRequest, InferResponse
 
 Clock = Callable[[], int]
 
 
 class DynamicBatcher:
-    def __init__(self, model: LoadedModel, policy: BatchingPolicy, clock: Clock = time.monotonic_ns) -> None:
+    def __init__(self, model: BatchModel, policy: BatchingPolicy, clock: Clock = time.monotonic_ns,
+                 caller_runs: bool = False) -> None:
         self.model = model
         self.policy = policy
         self._clock = clock
@@ -54,7 +59,8 @@ class DynamicBatcher:
         self._inline = InlineRunner(model, policy.max_batch_size, batch_signature)
         if not _simple(policy) or self._launcher.active:
             self._inline.mode = "off"  # delays, priorities and queue policies need the real queue
-        self._busy = 0
+        self._busy = 0  # batches being executed (by the workers, or by callers with caller_runs)
+        self._caller_runs = caller_runs and len(model.engines) == 1 and not policy.preserve_ordering
         self._workers = [threading.Thread(target=self._work, args=(engine,), daemon=True,
                                           name=f"kiln-{model.name}-{model.version}-{index}")
                          for index, engine in enumerate(model.engines)]
@@ -77,9 +83,37 @@ class DynamicBatcher:
         return await waiter
 
     def submit_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
+        if self._caller_runs:
+            outcome = self._run_here(request, batch_size)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if outcome is not None:
+                return outcome
         answer: Future[InferResponse] = Future()
         self._enqueue(request, batch_size, answer)
         return answer.result()
+
+    def _run_here(self, request: InferRequest, batch_size: int) -> InferResponse | BaseException | None:
+        """Run the request on the calling thread if the instance is idle, nothing is queued and the last batch
+        was a lone one (after a batch with company, the queue gathers the returning callers instead); None when
+        it must queue."""
+        priority = self.policy.priority_of(self.model.name, request)  # rejects bad parameters as the queue would
+        with self._cond:
+            if self._busy or len(self._queue) or self._closed or self._queue.last_rows > 1:
+                return None
+            self._busy += 1
+            self._inflight += 1
+        pending = Pending(request=request, rows=batch_size, signature=None, priority=priority,
+                          enqueued_ns=self._clock(), deadline_ns=0, seq=0)
+        try:
+            ((_, outcome),) = self._execute(self.model.engines[0], [pending])
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._inflight -= 1
+                if len(self._queue) or self._closed:  # the worker waits for the instance to be free
+                    self._cond.notify_all()
+        return outcome
 
     def close(self) -> None:
         """Stop taking requests, run the queued ones, then release the engines."""
@@ -116,27 +150,26 @@ class DynamicBatcher:
 
     def _work(self, engine: Engine) -> None:
         while True:
-            batch = self._next_batch()
+            batch = self._next_batch()  # counts this worker busy
             if batch is None:
                 return
-            early: list[tuple[Pending, InferResponse | BaseException]] = []  # answered before the batch runs
-            for pending in batch.expired:
-                waited_ns = self._clock() - pending.enqueued_ns
-                self.model.stats.record_failure(waited_ns, "REJECTED")
-                early.append((pending, RequestTimeoutError(
-                    f"model '{self.model.name}': request timed out after waiting in the queue {waited_ns // 1000} us")))
-            live = self._drop_cancelled(batch.items, early)
-            self._answer(early)
-            if live:
-                with self._cond:
-                    self._busy += 1
-                try:
+            outcomes: list[tuple[Pending, InferResponse | BaseException]] = []
+            try:
+                early: list[tuple[Pending, InferResponse | BaseException]] = []  # answered before the batch runs
+                for pending in batch.expired:
+                    waited_ns = self._clock() - pending.enqueued_ns
+                    self.model.stats.record_failure(waited_ns, "REJECTED")
+                    early.append((pending, RequestTimeoutError(f"model '{self.model.name}': request timed out "
+                                                               f"after waiting in the queue {waited_ns // 1000} us")))
+                live = self._drop_cancelled(batch.items, early)
+                self._answer(early)
+                if live:
                     outcomes = self._execute(engine, live)
-                finally:
-                    with self._cond:
-                        self._busy -= 1
-                # Answer once the worker counts as idle, so the next request may already run inline.
-                self._answer(outcomes)
+            finally:
+                with self._cond:
+                    self._busy -= 1
+            # Answer once the worker counts as idle, so the next request may already run inline.
+            self._answer(outcomes)
 
     def _drop_cancelled(self, items: list[Pending],
                         answers: list[tuple[Pending, InferResponse | BaseException]]) -> list[Pending]:
@@ -149,14 +182,20 @@ class DynamicBatcher:
         return live
 
     def _next_batch(self) -> Batch | None:
+        """The next batch to run, counted busy in the same step (a caller that may run its own request must see
+        the instance taken); None once closed and drained."""
         with self._cond:
             while True:
-                batch = self._queue.next_batch(self._clock())
-                if batch.items or batch.expired:
-                    return batch
-                if self._closed and not len(self._queue):
+                timeout = None
+                if not (self._caller_runs and self._busy):  # with caller_runs, wait while a caller has the instance
+                    batch = self._queue.next_batch(self._clock())
+                    if batch.items or batch.expired:
+                        self._busy += 1
+                        return batch
+                    if batch.wake_at_ns is not None:
+                        timeout = max(0, batch.wake_at_ns - self._clock()) / 1e9
+                if self._closed and not len(self._queue) and not (self._caller_runs and self._busy):
                     return None
-                timeout = None if batch.wake_at_ns is None else max(0, batch.wake_at_ns - self._clock()) / 1e9
                 self._cond.wait(timeout)
 
     def _execute(self, engine: Engine,

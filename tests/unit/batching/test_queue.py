@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kiln.batching.policy import BatchingPolicy, QueuePolicy
+from kiln.batching.queue import BatchQueue, Pending
 from kiln.errors import QueueFullError
-from kiln.server.scheduler.policy import BatchingPolicy, QueuePolicy
-from kiln.server.scheduler.queue import BatchQueue, Pending
 from kiln.tensor import DataType
 from kiln.v2.types import InferRequest, InputTensor
 
