@@ -1,9 +1,9 @@
 """The direct engine with and without batching: threads calling one ``kiln.load``'d engine, one row per call.
 
-With ``batching=True`` (the default where the config has ``dynamic_batching``) concurrent calls are coalesced into
-batches by the batching core the server uses; with ``batching=False`` each call runs on its own. For every thread
-count both are measured in turn on the same model: calls/s, p50/p99 latency of a call, and the average batch the
-engine executed. Answers are checked against a single unbatched call.
+With ``batching=True`` (the default for a GPU engine whose config has ``dynamic_batching``) concurrent calls are
+coalesced into batches by the batching core the server uses; with ``batching=False`` each call runs on its own.
+For every thread count both are measured in turn on the same model: calls/s, p50/p99 latency of a call, and the
+average batch the engine executed. Answers are checked against a single unbatched call.
 
     python benchmarks/direct_batching.py --model mlp --threads 1,4,16 --seconds 5 \\
         --output benchmarks/results/direct-batching-<date>.json

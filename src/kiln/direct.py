@@ -1,5 +1,6 @@
-"""The direct path: load a model into an in-process engine. Where the model's config enables dynamic batching, the
-engine coalesces concurrent callers into batches with the server's batching core (kiln.batching)."""
+"""The direct path: load a model into an in-process engine. Where the model's config enables dynamic batching and
+it runs on a GPU, the engine coalesces concurrent callers into batches with the server's batching core
+(kiln.batching)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ def load(path: str | Path, version: int | None = None, *, batching: bool | None 
     A bare model file runs on the CPU unless told otherwise.
 
     ``batching``: coalesce concurrent ``infer`` / ``ainfer`` calls (threads, asyncio) into batches, as the
-    server's dynamic batcher does (see :class:`BatchingEngine`). None (the default) follows the config: on when it
-    has ``dynamic_batching``, with its preferred sizes and max queue delay. True needs a model that batches
-    (``max_batch_size`` > 0); False runs each call on its own.
+    server's dynamic batcher does (see :class:`BatchingEngine`). None (the default) is on for a GPU engine whose
+    config has ``dynamic_batching`` (with its preferred sizes and max queue delay), off on the CPU, where threads
+    already run calls side by side and batching's bookkeeping costs more than it saves (docs/scheduling.md). True
+    needs a model that batches (``max_batch_size`` > 0); False runs each call on its own.
     """
     _check_option_names(options)
     path = Path(path)
@@ -50,12 +52,13 @@ def load(path: str | Path, version: int | None = None, *, batching: bool | None 
     if path.is_file() or path.suffix == ".onnx":
         if version is not None:
             raise InvalidArgumentError(f"{path}: version={version} applies to model folders, not to a model file")
-        return _with_batching(create_engine(_spec_for_file(path), path, EngineOptions(**options)), 1, batching)
+        file_options = EngineOptions(**options)
+        return _with_batching(create_engine(_spec_for_file(path), path, file_options), 1, batching, file_options.kind)
     model_dir = open_model_dir(path)
     chosen = _choose_version(model_dir, version)
     engine_options = dataclasses.replace(config_engine_options(model_dir.spec), **options)
     engine = create_engine(model_dir.spec, model_dir.model_file(chosen), engine_options)
-    return _with_batching(engine, chosen, batching)
+    return _with_batching(engine, chosen, batching, engine_options.kind)
 
 
 class BatchingEngine(Engine):
@@ -146,11 +149,11 @@ def _outputs(response: InferResponse) -> dict[str, Array]:
     return {tensor.name: tensor.data for tensor in response.outputs}
 
 
-def _with_batching(engine: Engine, version: int, batching: bool | None) -> Engine:
+def _with_batching(engine: Engine, version: int, batching: bool | None, kind: str) -> Engine:
     spec = engine.spec
     scheduling = spec.config.WhichOneof("scheduling_choice")
     if batching is None:
-        batching = scheduling == "dynamic_batching"
+        batching = scheduling == "dynamic_batching" and kind == "gpu"
     if not batching:
         return engine
     if not spec.batching or scheduling == "sequence_batching":

@@ -69,6 +69,7 @@ def _backend() -> None:
 
 
 def _load(tmp_path: Path, config: str | None = None, **kwargs: Any) -> Engine:
+    kwargs.setdefault("batching", True)  # on the CPU it is off unless asked for
     return kiln.load(write_model(tmp_path, "gated", config=config or _config()), **kwargs)
 
 
@@ -195,8 +196,14 @@ def test_batching_off_runs_each_call_on_its_own(tmp_path: Path) -> None:
     assert all(np.array_equal(results[v], np.full((1, 2), v, np.float32)) for v in results)
 
 
-def test_batching_follows_the_config_unless_told(tmp_path: Path) -> None:
-    plain = kiln.load(write_model(tmp_path, "plain", config=_config("")))
+def test_batching_follows_the_config_on_a_gpu_unless_told(tmp_path: Path) -> None:
+    # The test backend ignores the device, so kind="gpu" shows the default a GPU engine gets.
+    on_gpu = kiln.load(write_model(tmp_path, "batched", config=_config()), kind="gpu")
+    assert isinstance(on_gpu, BatchingEngine)
+    on_gpu.close()
+    on_cpu = kiln.load(tmp_path / "batched")
+    assert not isinstance(on_cpu, BatchingEngine)  # threads already run side by side there
+    plain = kiln.load(write_model(tmp_path, "plain", config=_config("")), kind="gpu")
     assert not isinstance(plain, BatchingEngine)
     forced = kiln.load(tmp_path / "plain", batching=True)
     assert isinstance(forced, BatchingEngine) and forced.policy.max_batch_size == 32
@@ -230,7 +237,7 @@ def test_onnx_runtime_engine_batches_threads_correctly(tmp_path: Path) -> None:
     config = ('platform: "onnxruntime_onnx" max_batch_size: 8\n'
               'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
               'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\ndynamic_batching { }\n')
-    engine = kiln.load(write_model(tmp_path, "identity", onnx_identity_model(), config))
+    engine = kiln.load(write_model(tmp_path, "identity", onnx_identity_model(), config), batching=True)
     assert isinstance(engine, BatchingEngine)
     assert engine.providers == ["CPUExecutionProvider"]  # the wrapped engine's own attributes read through
     errors: list[str] = []
