@@ -26,23 +26,33 @@ from kiln.engines.checks import check_inputs, check_outputs
 from kiln.engines.dlpack import outputs_like, prepare_inputs
 from kiln.errors import InvalidArgumentError, UnsupportedError
 from kiln.v2._generated import model_config_pb2 as pb
+from kiln.v2.types import InferRequest, InferResponse
 
 Array = npt.NDArray[Any]
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Where and how an engine instance runs. ``kind`` is "cpu" or "gpu" (an instance group's kind)."""
+    """Where and how an engine instance runs. ``kind`` is "cpu" or "gpu" (an instance group's kind).
+    ``caller`` runs requests on the other models of the server that loads the engine (a Python model's BLS calls);
+    None outside a server."""
 
     kind: str = "cpu"
     device_id: int = 0
     intra_op_threads: int | None = None
     inter_op_threads: int | None = None
     extra: Mapping[str, str] = field(default_factory=dict)
+    caller: ModelCaller | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in ("cpu", "gpu"):
             raise InvalidArgumentError(f"engine option kind is '{self.kind}'; expected 'cpu' or 'gpu'")
+
+
+class ModelCaller(Protocol):
+    """A server's request path as a model sees it: ``kiln.Server`` is one."""
+
+    def infer_sync(self, request: InferRequest) -> InferResponse: ...
 
 
 def instance_group_options(group: pb.ModelInstanceGroup, cpu_threads: int | None = None) -> list[EngineOptions]:

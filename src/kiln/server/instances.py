@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from kiln.config.spec import ModelSpec
-from kiln.engines.base import Engine, EngineOptions, create_engine, instance_group_options
+from kiln.engines.base import Engine, EngineOptions, ModelCaller, create_engine, instance_group_options
 from kiln.v2._generated import model_config_pb2 as pb
 
 # Config parameters with which a model sets its own thread counts (onnxruntime and PyTorch backends).
@@ -34,19 +35,23 @@ def cpu_thread_share(cpu_threads: int | None, models: list[tuple[ModelSpec, int]
     return max(1, budget // instances)
 
 
-def instance_options(spec: ModelSpec, threads: int | None = None) -> list[EngineOptions]:
+def instance_options(spec: ModelSpec, threads: int | None = None,
+                     caller: ModelCaller | None = None) -> list[EngineOptions]:
     """One EngineOptions per instance: ``count`` per listed GPU for KIND_GPU, ``count`` in total otherwise.
-    CPU instances get ``threads`` intra-op threads unless the config sets its own."""
+    CPU instances get ``threads`` intra-op threads unless the config sets its own; every instance gets ``caller``
+    (the server, for models that call other models)."""
     own = any(spec.parameters.get(key) for key in _THREAD_PARAMETERS)
     cpu_threads = None if own else threads
     options = [each for group in spec.config.instance_group for each in instance_group_options(group, cpu_threads)]
-    return options or [EngineOptions(intra_op_threads=cpu_threads)]
+    options = options or [EngineOptions(intra_op_threads=cpu_threads)]
+    return [dataclasses.replace(each, caller=caller) for each in options]
 
 
-def create_instances(spec: ModelSpec, model_file: Path, threads: int | None = None) -> list[Engine]:
+def create_instances(spec: ModelSpec, model_file: Path, threads: int | None = None,
+                     caller: ModelCaller | None = None) -> list[Engine]:
     engines: list[Engine] = []
     try:
-        for options in instance_options(spec, threads):
+        for options in instance_options(spec, threads, caller):
             engines.append(create_engine(spec, model_file, options))
     except BaseException:
         for engine in engines:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.config.model_dir import ModelDir
-from kiln.engines.base import Engine, create_engine
+from kiln.engines.base import Engine, ModelCaller, create_engine
 from kiln.errors import KilnError
 from kiln.server.instances import create_instances, instance_options
 from kiln.server.model import LoadedModel
@@ -28,13 +28,13 @@ log = logging.getLogger("kiln.server")
 
 
 def load_version(model_dir: ModelDir, version: int, fingerprint: str, threads: int | None,
-                 observers: list[RequestObserver]) -> VersionRecord:
+                 observers: list[RequestObserver], caller: ModelCaller | None = None) -> VersionRecord:
     """A READY record for ``version``, or an UNAVAILABLE one carrying the reason it failed."""
     name = model_dir.spec.name
     engines: list[Engine] = []
     started = time.monotonic()
     try:
-        engines = create_instances(model_dir.spec, model_dir.model_file(version), threads)
+        engines = create_instances(model_dir.spec, model_dir.model_file(version), threads, caller)
         warm_up(model_dir.spec, model_dir.path, engines)
         loaded = LoadedModel(model_dir.spec, version, model_dir.path, engines, observers=observers)
         scheduler = make_scheduler(loaded)
@@ -49,13 +49,13 @@ def load_version(model_dir: ModelDir, version: int, fingerprint: str, threads: i
 
 
 def resize_version(record: VersionRecord, model_dir: ModelDir, fingerprint: str, threads: int | None,
-                   observers: list[RequestObserver]) -> VersionRecord:
+                   observers: list[RequestObserver], caller: ModelCaller | None = None) -> VersionRecord:
     """Same model files, new instance count: keep the running engines, add or drop the difference.
 
     The old scheduler keeps its engine list while it drains; it is told to release only the surplus."""
     old = record.loaded
     assert old is not None
-    options = instance_options(model_dir.spec, threads)
+    options = instance_options(model_dir.spec, threads, caller)
     kept = old.engines[:len(options)]
     added: list[Engine] = []
     try:

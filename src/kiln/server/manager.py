@@ -19,6 +19,7 @@ from pathlib import Path
 from kiln._flags import flag
 from kiln.config.model_dir import ModelDir, open_model_dir
 from kiln.config.spec import ModelSpec
+from kiln.engines.base import ModelCaller
 from kiln.errors import InvalidArgumentError, KilnError, ModelNotFoundError, ModelNotReadyError, UnsupportedError
 from kiln.server.ensemble import LATEST, StepDispatch
 from kiln.server.ensemble.loading import is_ensemble, load_ensemble, rebind
@@ -72,6 +73,7 @@ class RepositoryManager:
         self._threads: int | None = None
         self.retirements = Retirements()
         self.load_failures: dict[str, int] = {}  # per model, since start; a metric makes failed reloads visible
+        self.caller: ModelCaller | None = None  # the Server: what Python models' BLS calls reach
 
     # -- entry points ----------------------------------------------------------------------------------------
 
@@ -209,7 +211,8 @@ class RepositoryManager:
                 return
             if _only_instances_changed(current, model_dir, fingerprint):
                 try:
-                    resized = resize_version(current, model_dir, fingerprint, self._threads, self._observers)
+                    resized = resize_version(current, model_dir, fingerprint, self._threads, self._observers,
+                                             self.caller)
                 except (KilnError, OSError) as exc:
                     current.reason = f"{_RELOAD_FAILED}{exc}"
                     return
@@ -222,7 +225,7 @@ class RepositoryManager:
         if is_ensemble(model_dir):
             fresh = load_ensemble(model_dir, version, fingerprint, self._step_spec, self._dispatch, self._observers)
         else:
-            fresh = load_version(model_dir, version, fingerprint, self._threads, self._observers)
+            fresh = load_version(model_dir, version, fingerprint, self._threads, self._observers, self.caller)
         if fresh.state is not ModelState.READY and current is not None and current.state is ModelState.READY:
             current.reason = f"{_RELOAD_FAILED}{fresh.reason}"
             record.versions[version] = current

@@ -87,6 +87,7 @@ class Server:
         self._regions = ClientRegions(options.allow_client_shm)
         self._router = Router(self._catalog)
         self._path = InferPath(self._catalog, self._regions, self._router)
+        self._catalog.manager.caller = self  # Python models call the server's other models through it (BLS)
         self._live = False
 
     # -- lifecycle -------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ raises kiln's UnsupportedError with the reason.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import logging
@@ -19,6 +20,7 @@ from typing import Any, NoReturn
 import numpy as np
 import numpy.typing as npt
 
+from kiln.engines.python import bls
 from kiln.engines.python.model_config import ModelConfig
 from kiln.errors import InvalidArgumentError, UnsupportedError
 from kiln.tensor import DataType, decode_bytes, encode_bytes
@@ -146,8 +148,9 @@ class _Capsule:
 
 
 class InferenceRequest:
-    """One request given to ``execute``. kiln builds these itself; a model that builds one to call another model
-    (BLS) gets UnsupportedError from ``exec``."""
+    """One request given to ``execute``, or one a model builds to call another model of its server (BLS:
+    :meth:`exec`, :meth:`async_exec`; see :mod:`kiln.engines.python.bls`). ``preferred_memory`` is accepted and
+    has no effect: outputs come back as host arrays."""
 
     def __init__(self, model_name: str = "", requested_output_names: Iterable[str] = (),
                  inputs: Iterable[Tensor] = (), request_id: str = "", correlation_id: int | str = 0, flags: int = 0,
@@ -161,6 +164,8 @@ class InferenceRequest:
         self._flags = flags
         self._timeout = timeout
         self._parameters = parameters if isinstance(parameters, str) else json.dumps(dict(parameters or {}))
+        self.model_name = model_name
+        self.model_version = model_version
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -187,11 +192,13 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         return False
 
-    def exec(self, decoupled: bool = False) -> NoReturn:
-        self._unsupported("calling another model from execute (BLS, InferenceRequest.exec)")
+    def exec(self, decoupled: bool = False) -> InferenceResponse:
+        """Run this request on model ``model_name`` of the server; errors come back in the response."""
+        return bls.call(self, decoupled)
 
-    def async_exec(self, decoupled: bool = False) -> NoReturn:
-        self._unsupported("calling another model from execute (BLS, InferenceRequest.async_exec)")
+    def async_exec(self, decoupled: bool = False) -> asyncio.Future[InferenceResponse]:
+        """:meth:`exec` as an awaitable, for ``async def execute``."""
+        return bls.call_async(self, decoupled)
 
     def get_response_sender(self) -> NoReturn:
         self._unsupported("decoupled models (InferenceRequest.get_response_sender)")

@@ -24,6 +24,7 @@ from typing import Any
 from kiln.config.render import config_to_json
 from kiln.config.spec import ModelSpec
 from kiln.engines.base import Array, Engine, EngineOptions
+from kiln.engines.python import bls
 from kiln.engines.python.api import Adapter, KilnAdapter, TritonAdapter, named
 from kiln.engines.python.loader import ModelModule, import_model_file, model_class
 from kiln.engines.python.tensors import batch_size, collect_outputs, model_inputs
@@ -43,6 +44,7 @@ class PythonEngine(Engine):
         super().__init__(spec)
         _check_supported(spec)
         self._lock = threading.Lock()
+        self._caller = options.caller
         self._module: ModelModule | None = import_model_file(spec.name, model_file)
         try:
             cls, triton = model_class(spec.name, model_file, self._module.module)
@@ -60,9 +62,10 @@ class PythonEngine(Engine):
             if self._module is None:
                 raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
             requests = self._adapter.requests(model_inputs(self.spec, inputs), outputs)
-            result = self._call("execute()", self._model.execute, requests)
-            if inspect.iscoroutine(result):  # ``async def execute``, as Triton allows
-                result = self._call("execute()", asyncio.run, result)
+            with bls.calls_through(self._caller):  # the models it may call, for the length of execute
+                result = self._call("execute()", self._model.execute, requests)
+                if inspect.iscoroutine(result):  # ``async def execute``, as Triton allows
+                    result = self._call("execute()", asyncio.run, result)
             produced = self._adapter.outputs(result, len(requests))
             return collect_outputs(self.spec, produced, outputs, batch_size(self.spec, inputs))
 

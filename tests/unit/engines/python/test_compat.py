@@ -63,11 +63,18 @@ def test_request_accessors_and_lookups() -> None:
     assert not request.is_cancelled()
 
 
-@pytest.mark.parametrize("call", ["exec", "async_exec", "get_response_sender"])
-def test_bls_and_decoupled_calls_are_unsupported(call: str) -> None:
+def test_decoupled_calls_are_unsupported() -> None:
     request = pb_utils.InferenceRequest(model_name="other", requested_output_names=["Y"], inputs=[])
     with pytest.raises(UnsupportedError, match="not supported by kiln's in-process Python backend"):
-        getattr(request, call)()
+        request.get_response_sender()
+    with pytest.raises(UnsupportedError, match="decoupled=True"):
+        request.exec(decoupled=True)
+
+
+def test_bls_outside_a_server_says_it_needs_one() -> None:
+    request = pb_utils.InferenceRequest(model_name="other", requested_output_names=["Y"], inputs=[])
+    with pytest.raises(UnsupportedError, match="calling model 'other' from execute \\(BLS\\) needs a kiln server"):
+        request.exec()
 
 
 def test_response_and_error() -> None:

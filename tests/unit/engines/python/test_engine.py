@@ -229,12 +229,12 @@ return [reply(Z=x(request))]
     assert engine.infer({"X": X}, outputs=["Z"])["Z"].shape == (2, 2)
 
 
-def test_calling_another_model_is_unsupported(write_model: WriteModel) -> None:
+def test_calling_another_model_needs_a_server(write_model: WriteModel) -> None:
     engine = _triton(write_model, """
 other = pb_utils.InferenceRequest(model_name="other", requested_output_names=["Y"], inputs=requests[0].inputs())
 return [other.exec()]
 """)
-    with pytest.raises(UnsupportedError, match=r"^model 'm': calling another model .*\(model 'other'\) is not "):
+    with pytest.raises(UnsupportedError, match=r"^model 'm': calling model 'other' from execute \(BLS\) needs a kiln "):
         engine.infer({"X": X})
 
 
