@@ -62,7 +62,7 @@ class ModelCatalog:
     def _serves_from(self, name: str, folder: Path) -> bool:
         record = self.models.get(name)
         return record is not None and any(v.loaded is not None and v.loaded.path == folder
-                                          for v in record.versions.values())
+                                          for v in list(record.versions.values()))
 
     def unload(self, name: str, unload_dependents: bool) -> None:
         check_model_name(name)
@@ -114,10 +114,10 @@ class ModelCatalog:
         entries: list[IndexEntry] = []
         known = set(self.models)
         for record in self._sorted_records():
-            rows = [(v, r.state.value, r.reason) for v, r in record.versions.items()]
+            rows = [(v, r.state.value, r.reason) for v, r in list(record.versions.items())]
             retired = ModelState.UNLOADING.value, ModelState.UNAVAILABLE.value
             rows += [(v, retired[0] if self.manager.retirements.draining(record.name, v) else retired[1], why)
-                     for v, why in record.unloaded.items() if v not in record.versions]
+                     for v, why in list(record.unloaded.items()) if v not in record.versions]
             if not rows:
                 rows = [(0, ModelState.UNAVAILABLE.value, record.reason)]
             for version, state, reason in sorted(rows):

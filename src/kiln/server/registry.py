@@ -40,7 +40,9 @@ class ModelRecord:
     wanted: bool = True  # False once unloaded on purpose: strict readiness no longer waits for it
 
     def ready_versions(self) -> list[int]:
-        return sorted(v for v, record in self.versions.items() if record.state is ModelState.READY)
+        # A snapshot first: the request path reads this while the manager's thread adds and drops versions, and
+        # list() copies the dict in one step where a generator would see it change under its feet.
+        return sorted(v for v, record in list(self.versions.items()) if record.state is ModelState.READY)
 
 
 @dataclass(frozen=True)
