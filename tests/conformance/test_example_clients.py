@@ -3,9 +3,8 @@ against `kiln serve` on the demo repository, checking what each example checks.
 
 Covered: simple_{http,grpc}_string_infer_client (simple_string, simple_identity), grpc_explicit_{byte,int,int8}_
 content_client, simple_{http,grpc}[_aio]_sequence_sync_infer_client and simple_grpc[_aio]_sequence_stream_infer_
-client (simple_sequence; with -d, simple_dyna_sequence for the integer sequences), simple_{http,grpc}_shm_string_
-client and reuse_infer_objects_client. Left out: the string sequence of the -d runs (it needs
-simple_string_dyna_sequence, not in the demo), and repeat_int32 (a decoupled model; kiln has none).
+client (simple_sequence; with -d, simple_dyna_sequence and simple_string_dyna_sequence), simple_{http,grpc}_shm_
+string_client and reuse_infer_objects_client. Left out: repeat_int32 (a decoupled model; kiln has none).
 """
 
 from __future__ import annotations
@@ -164,8 +163,12 @@ def _sequences(dyna: bool) -> list[tuple[str, int | str, list[int], list[int]]]:
         if dyna:  # the dyna model adds the correlation ID on the sequence's last request
             expected = [*expected[:-1], expected[-1] + sequence_id]
         runs.append((model, sequence_id, values, expected))
-    if not dyna:  # a string correlation ID, on a model without a CORRID control
-        runs.append((model, str(uuid.uuid4()), [20] + [-v for v in VALUES], [21] + [-v for v in VALUES]))
+    values, expected = [20] + [-v for v in VALUES], [21] + [-v for v in VALUES]
+    if dyna:  # a string correlation ID that decodes to an integer, on the model whose CORRID is a string
+        string_id = str(id0 + 2)
+        runs.append(("simple_string_dyna_sequence", string_id, values, [*expected[:-1], expected[-1] + id0 + 2]))
+    else:  # any string correlation ID, on a model without a CORRID control
+        runs.append((model, str(uuid.uuid4()), values, expected))
     return runs
 
 

@@ -2,9 +2,9 @@
 
 ``simple_string`` and ``simple_identity`` are Python-backend models (``<name>/1/model.py``): Triton's string
 examples, written against Triton's Python-backend API. ``simple_int8``, ``simple_sequence`` and
-``simple_dyna_sequence`` are the other models Triton's example clients use, and ``image_classifier`` the one its
-image clients can call. ``mlp_pipeline`` is an ensemble:
-``mlp_preprocess`` (Python) -> ``mlp`` -> ``mlp_postprocess`` (Python).
+``simple_dyna_sequence`` (and ``simple_string_dyna_sequence``, Python, its string-correlation-ID twin) are the
+other models Triton's example clients use, and ``image_classifier`` the one its image clients can call.
+``mlp_pipeline`` is an ensemble: ``mlp_preprocess`` (Python) -> ``mlp`` -> ``mlp_postprocess`` (Python).
 """
 
 from __future__ import annotations
@@ -97,6 +97,16 @@ output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ -1 ] } ]
 """
 
 
+SIMPLE_STRING_DYNA_SEQUENCE = "simple_string_dyna_sequence"
+# Triton's example repository makes it from simple_dyna_sequence with the CORRID control as TYPE_STRING.
+_SIMPLE_STRING_DYNA_SEQUENCE_CONFIG = f"""name: "{SIMPLE_STRING_DYNA_SEQUENCE}"
+backend: "python"
+max_batch_size: 8
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+""" + DYNA_SEQUENCE_CONFIG.replace("data_type: TYPE_UINT64", "data_type: TYPE_STRING")
+
+
 def build_demo_repository(path: str | os.PathLike[str], *, include_resnet50: bool = False, seed: int = 0) -> list[str]:
     """Build the demo models under ``path`` and return the names written.
 
@@ -112,10 +122,13 @@ def build_demo_repository(path: str | os.PathLike[str], *, include_resnet50: boo
         _write_demo(root / demo.name, demo, seed)
     _write_python_model(root / SIMPLE_STRING, "simple_string_model.py", _SIMPLE_STRING_CONFIG)
     _write_python_model(root / SIMPLE_IDENTITY, "simple_identity_model.py", _SIMPLE_IDENTITY_CONFIG)
+    _write_python_model(root / SIMPLE_STRING_DYNA_SEQUENCE, "simple_string_dyna_sequence_model.py",
+                        _SIMPLE_STRING_DYNA_SEQUENCE_CONFIG)
     _write_pipeline(root)
     _write_image_classifier(root / image_classifier.NAME, seed)
     names = [_SIMPLE.name, _MLP.name, SIMPLE_STRING, *_PIPELINE_STEPS, PIPELINE,
-             *(demo.name for demo in _TRITON_EXAMPLES), SIMPLE_IDENTITY, image_classifier.NAME]
+             *(demo.name for demo in _TRITON_EXAMPLES), SIMPLE_IDENTITY, SIMPLE_STRING_DYNA_SEQUENCE,
+             image_classifier.NAME]
     if include_resnet50:
         _write_demo(root / _RESNET50.name, _RESNET50, seed)
         names.append(_RESNET50.name)

@@ -143,7 +143,7 @@ async def test_statistics_count_inferences(client: tc_aio.InferenceServerClient)
                                                                "simple_string", "mlp_pipeline", "mlp_preprocess",
                                                                "mlp_postprocess", "simple_int8", "simple_sequence",
                                                                "simple_dyna_sequence", "simple_identity",
-                                                               "image_classifier"}
+                                                               "image_classifier", "simple_string_dyna_sequence"}
 
 
 async def test_repository_index(client: tc_aio.InferenceServerClient) -> None:
@@ -154,6 +154,7 @@ async def test_repository_index(client: tc_aio.InferenceServerClient) -> None:
         ("mlp_pipeline", "1", "READY"), ("mlp_postprocess", "1", "READY"), ("mlp_preprocess", "1", "READY"),
         ("simple", "1", "READY"), ("simple_dyna_sequence", "1", "READY"), ("simple_identity", "1", "READY"),
         ("simple_int8", "1", "READY"), ("simple_sequence", "1", "READY"), ("simple_string", "1", "READY"),
+        ("simple_string_dyna_sequence", "1", "READY"),
     ]
 
 

@@ -15,7 +15,8 @@ from kiln.server.server import Server, ServerOptions
 from kiln.v2.types import InferRequest, InferResponse
 
 PIPELINE = ["image_classifier", "mlp", "mlp_pipeline", "mlp_postprocess", "mlp_preprocess"]  # demo models, sorted
-SIMPLES = ["simple", "simple_dyna_sequence", "simple_identity", "simple_int8", "simple_sequence", "simple_string"]
+SIMPLES = ["simple", "simple_dyna_sequence", "simple_identity", "simple_int8", "simple_sequence", "simple_string",
+           "simple_string_dyna_sequence"]
 
 _BROKEN = 'name: "broken"\nbackend: "identity"\ninput [ { name: "INPUT0" data_type: TYPE_NOPE dims: [ 1 ] } ]\n'
 
