@@ -1,13 +1,16 @@
 """The direct path: load a model into an in-process engine. Where the model's config enables dynamic batching and
 it runs on a GPU, the engine coalesces concurrent callers into batches with the server's batching core
-(kiln.batching)."""
+(kiln.batching), on as many instances as the config's instance groups give the server."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import threading
+import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -15,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kiln.batching import BatchingPolicy, BatchLog, BatchModel, DynamicBatcher
+from kiln.batching.model import ExecutionTimes
 from kiln.config.backends import FILE_BACKENDS
 from kiln.config.model_dir import ModelDir, open_model_dir
 from kiln.config.onnx_io import FileTensor, read_onnx_io
@@ -53,44 +57,66 @@ def load(path: str | Path, version: int | None = None, *, batching: bool | None 
         if version is not None:
             raise InvalidArgumentError(f"{path}: version={version} applies to model folders, not to a model file")
         file_options = EngineOptions(**options)
-        return _with_batching(create_engine(_spec_for_file(path), path, file_options), 1, batching, file_options.kind)
+        return _with_batching(create_engine(_spec_for_file(path), path, file_options), 1, batching, file_options.kind,
+                              list)
     model_dir = open_model_dir(path)
     chosen = _choose_version(model_dir, version)
     engine_options = dataclasses.replace(config_engine_options(model_dir.spec), **options)
     engine = create_engine(model_dir.spec, model_dir.model_file(chosen), engine_options)
-    return _with_batching(engine, chosen, batching, engine_options.kind)
+
+    def more_instances() -> list[Engine]:
+        return _more_instances(model_dir, chosen, options)
+
+    return _with_batching(engine, chosen, batching, engine_options.kind, more_instances)
 
 
 class BatchingEngine(Engine):
     """An engine whose concurrent callers are served in batches by the server's dynamic batcher.
 
     Each ``infer`` (from any thread) or ``ainfer`` (from any event loop) call is checked on its own, then queued;
-    a worker runs what is queued as one batch (same input shapes, up to max_batch_size, cut at a preferred batch
-    size) and gives each caller its rows. A caller that finds the engine idle runs at once: the config's max queue
-    delay is waited only while fewer callers are queued than the last batch held. Device (DLPack) inputs run on
-    their own, unbatched. ``batch_log`` counts executions and batch sizes; ``engine`` is the wrapped engine, whose
-    own attributes read through.
+    what is queued runs as one batch (same input shapes, up to max_batch_size, cut at a preferred batch size) and
+    each caller gets its rows. A caller that finds the engine idle runs at once, on its own thread: the config's max
+    queue delay is waited only while fewer callers are queued than the last batch held. Device (DLPack) inputs run
+    on their own, unbatched. ``batch_log`` counts executions and batch sizes; ``engine`` is the first instance,
+    whose own attributes read through; ``engines`` all of them.
+
+    On engines that launch batches onto a GPU (the PyTorch backend), concurrent threads' calls go through a private
+    event loop that launches them as the server does (kiln.batching.launched): a batch is staged and queued on one
+    instance while another's runs, instead of each batch waiting for the device before the next is formed.
     """
 
-    def __init__(self, engine: Engine, version: int, policy: BatchingPolicy) -> None:
+    def __init__(self, engines: list[Engine], version: int, policy: BatchingPolicy) -> None:
+        engine = engines[0]
         super().__init__(engine.spec)
         self.engine = engine
+        self.engines = tuple(engines)
         self.thread_safe = engine.thread_safe
         self.launches = engine.launches
         self.accepts_torch_tensors = engine.accepts_torch_tensors
         self.policy = policy
         self.batch_log = BatchLog()
-        self._batcher = DynamicBatcher(BatchModel(engine.spec, version, [engine], self.batch_log), policy,
+        self._batcher = DynamicBatcher(BatchModel(engine.spec, version, list(engines), self.batch_log), policy,
                                        caller_runs=True)
+        self._loop = _LoopThread(f"kiln-{engine.spec.name}-direct") if self._batcher.launches else None
+        self._alone_lock = threading.Lock()
+        self._running_alone = 0
         self._closed = False
-        # An engine dropped without close() must not leave its worker thread waiting on the queue for good.
-        self._finalizer = weakref.finalize(self, _stop, self._batcher)
+        # An engine dropped without close() must not leave its worker threads waiting on the queue for good.
+        self._finalizer = weakref.finalize(self, _stop, self._batcher, self._loop)
 
     def infer(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None = None) -> dict[str, Array]:
         request = self._request(inputs, outputs)
         if request is None:
             return self.engine.infer(inputs, outputs)
-        return _outputs(self._batcher.submit_sync(request, _rows(request)))
+        if self._loop is None:
+            return _outputs(self._batcher.submit_sync(request, _rows(request)))
+        if self._take_alone():
+            try:
+                return self._run_alone(request)
+            finally:
+                with self._alone_lock:
+                    self._running_alone -= 1
+        return _outputs(self._loop.run(self._batcher.submit(request, _rows(request))))
 
     async def ainfer(self, inputs: Mapping[str, npt.ArrayLike],
                      outputs: Sequence[str] | None = None) -> dict[str, Array]:
@@ -115,12 +141,36 @@ class BatchingEngine(Engine):
         return self.engine.launch_parts(parts, outputs)
 
     def close(self) -> None:
-        """Refuse new calls, answer the queued ones, then release the engine. Idempotent."""
+        """Refuse new calls, answer the queued ones, then release the engines. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._finalizer.detach()
-        self._batcher.close()  # closes the engine once the queue is drained
+        _stop(self._batcher, self._loop)
+
+    def _take_alone(self) -> bool:
+        """True (and counted) when nothing else is in flight and the last batch was a lone one: no company to wait
+        for, so the call skips the loop's two thread hops. After a batch with company, the returning callers
+        gather on the loop instead."""
+        with self._alone_lock:
+            if (self._closed or self._running_alone or self._batcher.inflight
+                    or self.batch_log.last_batch_size > 1):
+                return False
+            self._running_alone += 1
+            return True
+
+    def _run_alone(self, request: InferRequest) -> dict[str, Array]:
+        start_ns = time.monotonic_ns()
+        arrays = {tensor.name: tensor.data for tensor in request.inputs}
+        names = [wanted.name for wanted in request.outputs] or [tensor.name for tensor in self.spec.outputs]
+        try:
+            answer = self.engine.execute(arrays, names)
+        except Exception:
+            self.batch_log.record_failure(time.monotonic_ns() - start_ns)
+            raise
+        self.batch_log.record_success(ExecutionTimes(_rows(request), start_ns, 0, 0, 0), [start_ns],
+                                      time.monotonic_ns())
+        return answer
 
     def _request(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None) -> InferRequest | None:
         """The call as a request, checked before it joins a batch (so a bad call fails alone); None for calls
@@ -136,9 +186,28 @@ class BatchingEngine(Engine):
         return InferRequest(self.name, tensors, outputs=wanted)
 
 
-def _stop(batcher: DynamicBatcher) -> None:
+class _LoopThread:
+    """An event loop on a daemon thread, on which blocking callers' requests are launched."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, work: Coroutine[Any, Any, InferResponse]) -> InferResponse:
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+def _stop(batcher: DynamicBatcher, loop: _LoopThread | None) -> None:
     with contextlib.suppress(RuntimeError):  # collected on the worker thread itself: it ends on its own
-        batcher.close()
+        batcher.close()  # answers what the loop launched before the loop stops
+    if loop is not None and threading.current_thread() is not loop._thread:
+        loop.stop()
 
 
 def _rows(request: InferRequest) -> int:
@@ -149,7 +218,8 @@ def _outputs(response: InferResponse) -> dict[str, Array]:
     return {tensor.name: tensor.data for tensor in response.outputs}
 
 
-def _with_batching(engine: Engine, version: int, batching: bool | None, kind: str) -> Engine:
+def _with_batching(engine: Engine, version: int, batching: bool | None, kind: str,
+                   more_instances: Callable[[], list[Engine]]) -> Engine:
     spec = engine.spec
     scheduling = spec.config.WhichOneof("scheduling_choice")
     if batching is None:
@@ -163,7 +233,30 @@ def _with_batching(engine: Engine, version: int, batching: bool | None, kind: st
                                    f"load it with batching=False")
     policy = (BatchingPolicy.from_config(spec.config) if scheduling == "dynamic_batching"
               else BatchingPolicy(max_batch_size=spec.config.max_batch_size))
-    return BatchingEngine(engine, version, dataclasses.replace(policy, delay_needs_company=True))
+    engines = [engine]
+    if kind == "gpu":  # the server's instances, so that batches overlap as they do there
+        try:
+            engines += more_instances()
+        except BaseException:
+            engine.close()
+            raise
+    return BatchingEngine(engines, version, dataclasses.replace(policy, delay_needs_company=True))
+
+
+def _more_instances(model_dir: ModelDir, version: int, options: dict[str, Any]) -> list[Engine]:
+    """The GPU instances the config's instance groups list after the first, with the caller's options applied."""
+    listed = [each for group in model_dir.spec.config.instance_group for each in instance_group_options(group)]
+    engines: list[Engine] = []
+    try:
+        for each in listed[1:]:
+            if each.kind == "gpu":
+                engines.append(create_engine(model_dir.spec, model_dir.model_file(version),
+                                             dataclasses.replace(each, **options)))
+    except BaseException:
+        for created in engines:
+            created.close()
+        raise
+    return engines
 
 
 def config_engine_options(spec: ModelSpec) -> EngineOptions:

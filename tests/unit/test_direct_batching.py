@@ -258,3 +258,99 @@ def test_onnx_runtime_engine_batches_threads_correctly(tmp_path: Path) -> None:
     assert not errors
     assert engine.batch_log.inferences == 8 * 30  # 8 callers x (10 one-row + 10 two-row calls)
     assert engine.batch_log.executions <= 8 * 20
+
+
+LAUNCHING = "launching_for_direct_batching_test"
+
+
+class _Flight:
+    def __init__(self, engine: LaunchingIdentity, x: Array) -> None:
+        self._engine = engine
+        self._x = x
+
+    def wait(self) -> None:
+        time.sleep(0.002)  # a device working without the GIL
+
+    def collect(self) -> dict[str, Array]:
+        with self._engine.lock:
+            self._engine.out -= 1
+        return {"y": self._x}
+
+
+class LaunchingIdentity(Engine):
+    """A stand-in for a GPU engine that queues batches on its device (one at a time) and returns at once."""
+
+    thread_safe = True
+    launches = True
+    created: list[LaunchingIdentity] = []
+
+    def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
+        super().__init__(spec)
+        self.lock = threading.Lock()
+        self.out = 0
+        self.launched: list[int] = []  # rows of each launched batch
+        self.executed: list[int] = []  # the threads that ran a call with execute()
+        self.closed = False
+        LaunchingIdentity.created.append(self)
+
+    def launch_parts(self, parts: Sequence[Mapping[str, Array]], outputs: Sequence[str]) -> _Flight | None:
+        with self.lock:
+            if self.out:
+                return None
+            self.out += 1
+        x = np.concatenate([part["x"] for part in parts])
+        self.launched.append(len(x))
+        return _Flight(self, x)
+
+    def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
+        self.executed.append(threading.get_ident())
+        time.sleep(0.002)  # the device, synchronously
+        return {"y": np.array(inputs["x"])}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_on_a_launching_gpu_engine_threads_are_launched_from_a_loop_on_every_configured_instance(
+        tmp_path: Path) -> None:
+    register_backend(LAUNCHING, LaunchingIdentity)
+    LaunchingIdentity.created.clear()
+    config = _config().replace(BACKEND, LAUNCHING) + 'instance_group [ { kind: KIND_GPU count: 2 } ]\n'
+    engine = kiln.load(write_model(tmp_path, "launching", config=config))
+    assert isinstance(engine, BatchingEngine) and len(engine.engines) == 2  # the config's two GPU instances
+
+    lone = engine.infer(x(5.0))["y"]  # a lone caller runs on its own thread, no loop hop
+    assert np.array_equal(lone, x(5.0)["x"])
+    assert LaunchingIdentity.created[0].executed == [threading.get_ident()]
+
+    values = [float(v) for v in range(1, 65)]
+    errors: list[BaseException] = []
+
+    def call(value: float) -> None:
+        try:
+            for _ in range(20):
+                assert np.array_equal(engine.infer(x(value))["y"], x(value)["x"])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(v,)) for v in values]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    launched = [rows for each in LaunchingIdentity.created for rows in each.launched]
+    assert all(each.launched for each in LaunchingIdentity.created), "both instances took batches"
+    executed = sum(len(each.executed) for each in LaunchingIdentity.created)
+    assert max(launched) > 1 and sum(launched) + executed == 64 * 20 + 1  # every call ran exactly once
+    loop_thread = engine._loop._thread if engine._loop else None
+    engine.close()
+    assert loop_thread is not None and not loop_thread.is_alive()
+    assert all(each.closed for each in LaunchingIdentity.created)
+
+
+def test_on_the_cpu_the_direct_engine_keeps_one_instance(tmp_path: Path) -> None:
+    config = _config() + 'instance_group [ { kind: KIND_CPU count: 3 } ]\n'
+    engine = kiln.load(write_model(tmp_path, "cpu3", config=config), batching=True)
+    assert isinstance(engine, BatchingEngine) and len(engine.engines) == 1
+    engine.close()

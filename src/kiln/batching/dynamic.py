@@ -71,6 +71,11 @@ class DynamicBatcher:
     def inflight(self) -> int:
         return self._inflight + self._inline.inflight + self._launcher.inflight
 
+    @property
+    def launches(self) -> bool:
+        """True when requests from an event loop are launched onto the engines (launched.py), not run by workers."""
+        return self._launcher.active
+
     async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
         launched = self._launcher.active
         if launched or (self._inline.wanted() and not self._busy and not len(self._queue)):

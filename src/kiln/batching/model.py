@@ -49,12 +49,14 @@ class BatchLog:
         self.inferences = 0
         self.batch_sizes: dict[int, int] = {}  # batch size (rows) -> executions of that size
         self.failures: dict[str, int] = {}  # reason -> failed requests
+        self.last_batch_size = 0
 
     def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int) -> None:
         with self._lock:
             self.executions += 1
             self.inferences += times.batch_size
             self.batch_sizes[times.batch_size] = self.batch_sizes.get(times.batch_size, 0) + 1
+            self.last_batch_size = times.batch_size
 
     def record_failure(self, request_ns: int, reason: str = "BACKEND") -> None:
         with self._lock:
