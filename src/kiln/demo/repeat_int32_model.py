@@ -1,4 +1,4 @@
-"""Triton's decoupled ``repeat_int32`` example as a Python-backend model (the demo repository's repeat_int32/1/model.py).
+"""Triton's decoupled ``repeat_int32`` example as a Python-backend model (demo repository: repeat_int32/1/model.py).
 
 For a request with IN (INT32 [n]), DELAY (UINT32 [n], milliseconds) and WAIT (UINT32 [1], milliseconds) the model
 sends n responses: the i-th after waiting DELAY[i] ms, with OUT = [IN[i]] and IDX = [i]; then the final flag alone.

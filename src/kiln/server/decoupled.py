@@ -45,11 +45,12 @@ class DecoupledModelError(UnsupportedError):
 @dataclass(frozen=True)
 class StreamItem:
     """One answer on a request's stream: a response, or an error, or neither (the final flag alone). ``final`` ends
-    the request's stream."""
+    the request's stream; ``model_version`` is the version that answered."""
 
     response: InferResponse | None
     error: KilnError | None = None
     final: bool = False
+    model_version: str = ""
 
 
 class _DecoupledEngine(Protocol):
@@ -127,15 +128,16 @@ class ResponseStream:
                 return
 
     def _item(self, outputs: Mapping[str, Array] | None, error: KilnError | None, final: bool) -> StreamItem:
+        version = str(self._model.version)
         if error is not None:
-            return StreamItem(None, error, final)
+            return StreamItem(None, error, final, version)
         if outputs is None:
-            return StreamItem(None, None, final)
+            return StreamItem(None, None, final, version)
         try:
             response = self._model.responses([self._request], [self._rows], dict(outputs))[0]
         except KilnError as exc:
-            return StreamItem(None, exc, final)
-        return StreamItem(response, None, final)
+            return StreamItem(None, exc, final, version)
+        return StreamItem(response, None, final, version)
 
     def _record(self, index: int, item: StreamItem, begin_ns: int, end_ns: int) -> None:
         infer_ns, output_ns = max(0, begin_ns - self._mark_ns), end_ns - begin_ns
@@ -188,10 +190,10 @@ class DecoupledScheduler:
         return self._open
 
     async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
-        raise self._unary_error()
+        raise unary_error(self.model.name, str(self.model.version))
 
     def submit_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
-        raise self._unary_error()
+        raise unary_error(self.model.name, str(self.model.version))
 
     def submit_stream(self, request: InferRequest, batch_size: int, stream: ResponseStream) -> None:
         """Queue ``request``; its responses go to ``stream``."""
@@ -270,8 +272,10 @@ class DecoupledScheduler:
             return [t.name for t in self.model.spec.outputs if t.name in wanted]
         return [t.name for t in self.model.spec.outputs]
 
-    def _unary_error(self) -> DecoupledModelError:
-        return DecoupledModelError(
-            f"model '{self.model.name}' version {self.model.version} is decoupled (model_transaction_policy "
-            f"decoupled: true): it may send any number of responses per request, so it is called through a "
-            f"stream (gRPC ModelStreamInfer, HTTP generate_stream, InferenceRequest.exec(decoupled=True))")
+
+def unary_error(model: str, version: str) -> DecoupledModelError:
+    """The error of a one-response call to a decoupled model (frontends answer it in Triton's words)."""
+    return DecoupledModelError(
+        f"model '{model}' version {version} is decoupled (model_transaction_policy decoupled: true): it may send "
+        f"any number of responses per request, so it is called through a stream (gRPC ModelStreamInfer, HTTP "
+        f"generate_stream, InferenceRequest.exec(decoupled=True))")

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 
-from kiln.errors import UnavailableError, VersionUnloadingError
+from kiln.errors import InvalidArgumentError, KilnError, UnavailableError, VersionUnloadingError
 from kiln.server.catalog import ModelCatalog
 from kiln.server.cuda_shm import RequestLeases
-from kiln.server.decoupled import DecoupledScheduler, ResponseStream, StreamItem
+from kiln.server.decoupled import DecoupledScheduler, ResponseStream, StreamItem, unary_error
 from kiln.server.regions import ClientRegions
 from kiln.server.router import Router
 from kiln.server.scheduler import Scheduler
@@ -36,19 +36,38 @@ class InferPath:
         self.stopping = False  # shutdown began: new requests are refused, admitted ones finish
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        with _Call(self, request, sync=False) as call:
-            return await call.run()
+        try:
+            with _Call(self, request, sync=False) as call:
+                return await call.run()
+        except InvalidArgumentError:
+            self._refuse_decoupled(request)
+            raise
 
     def infer_sync(self, request: InferRequest) -> InferResponse:
-        with _Call(self, request, sync=True) as call:
-            return call.run_sync()
+        try:
+            with _Call(self, request, sync=True) as call:
+                return call.run_sync()
+        except InvalidArgumentError:
+            self._refuse_decoupled(request)
+            raise
 
-    async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamItem]:
+    def _refuse_decoupled(self, request: InferRequest) -> None:
+        """A one-response call to a decoupled model is refused for that, before what is wrong with its inputs (as
+        Triton checks the model first); looked up only when the request failed, to spare the others."""
+        try:
+            found = self.catalog.resolve(request.model_name, request.model_version)
+        except KilnError:
+            return
+        if isinstance(found.scheduler, DecoupledScheduler):
+            raise unary_error(request.model_name, str(found.version)) from None
+
+    async def infer_stream(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
         """The request's answers: a decoupled model's responses as they come, any other model's one answer.
         Failures before the model runs (admission, validation) are raised from the first step."""
         with _Call(self, request, sync=False) as call:
             if not isinstance(call.scheduler, DecoupledScheduler):
-                yield StreamItem(await call.run(), final=True)
+                response = await call.run()
+                yield StreamItem(response, final=True, model_version=response.model_version)
                 return
             stream = call.open_stream(asyncio.get_running_loop())
             try:
@@ -63,7 +82,8 @@ class InferPath:
         call = _Call(self, request, sync=True).__enter__()
         if not isinstance(call.scheduler, DecoupledScheduler):
             try:
-                return iter([StreamItem(call.run_sync(), final=True)])
+                response = call.run_sync()
+                return iter([StreamItem(response, final=True, model_version=response.model_version)])
             finally:
                 call.__exit__()
         try:

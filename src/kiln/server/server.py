@@ -11,7 +11,7 @@ its model's spec, and hands it to that version's scheduler. The work is done by 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -243,7 +243,7 @@ class Server:
         event loop's thread, which it would block: call :meth:`infer` there."""
         return self._path.infer_sync(request)
 
-    async def infer_stream(self, request: InferRequest) -> AsyncIterator[StreamItem]:
+    async def infer_stream(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
         """Run one request and yield its answers: a decoupled model's responses as the model sends them (zero or
         more, each a response or an error; the last item has ``final`` set, and may carry neither), any other
         model's one answer. A request that cannot run (unknown model, invalid inputs) raises before the first
