@@ -153,7 +153,10 @@ class GRPCInferenceService:
             yield reply
 
     def _in_order(self, request: pb.ModelInferRequest) -> bool:
-        return not self._server.model_is_decoupled(request.model_name, request.model_version)
+        try:
+            return not self._server.model_is_decoupled(request.model_name, request.model_version)
+        except Exception:  # the request itself will say what is wrong; reading the stream goes on
+            return True
 
     async def _stream_replies(self, request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelStreamInferResponse]:
         flagged = False
