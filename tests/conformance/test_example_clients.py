@@ -4,7 +4,8 @@ against `kiln serve` on the demo repository, checking what each example checks.
 Covered: simple_{http,grpc}_string_infer_client (simple_string, simple_identity), grpc_explicit_{byte,int,int8}_
 content_client, simple_{http,grpc}[_aio]_sequence_sync_infer_client and simple_grpc[_aio]_sequence_stream_infer_
 client (simple_sequence; with -d, simple_dyna_sequence and simple_string_dyna_sequence), simple_{http,grpc}_shm_
-string_client and reuse_infer_objects_client. Left out: repeat_int32 (a decoupled model; kiln has none).
+string_client and reuse_infer_objects_client. simple_grpc_custom_repeat (repeat_int32, a decoupled model) is in
+test_decoupled.py.
 """
 
 from __future__ import annotations

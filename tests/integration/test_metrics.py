@@ -179,7 +179,8 @@ def test_counters_match_the_statistics(server: Server) -> None:
                                                     ("mlp_preprocess", "1"), ("mlp_postprocess", "1"),
                                                     ("simple_int8", "1"), ("simple_sequence", "1"),
                                                     ("simple_dyna_sequence", "1"), ("simple_identity", "1"),
-                                                    ("image_classifier", "1"), ("simple_string_dyna_sequence", "1")}
+                                                    ("image_classifier", "1"), ("simple_string_dyna_sequence", "1"),
+                                                    ("repeat_int32", "1")}
     for s in stats:
         labels = {"model": s.name, "version": s.version}
         assert scrape.value("nv_inference_request_success", **labels) == s.success.count

@@ -33,6 +33,7 @@ def validate_config(config: pb.ModelConfig, folder_name: str, source: str, file_
     for output in config.output:
         check_file_name(output.label_filename, f"output '{output.name}' label_filename", source)
     _check_scheduling(config, source)
+    _check_transaction_policy(config, source)
     _check_version_policy(config, source)
     _check_instance_groups(config, source)
     inputs = _tensor_specs(config.input, "input", source)
@@ -167,6 +168,22 @@ def _check_scheduling(config: pb.ModelConfig, source: str) -> None:
         if not 1 <= level <= levels:
             raise ConfigError(f"{source}: dynamic_batching.priority_queue_policy has level {level}; "
                               f"expected 1..priority_levels ({levels})")
+
+
+# Backends whose engines can answer a request with any number of responses (engines/python/decoupled.py).
+DECOUPLED_BACKENDS = ("python",)
+
+
+def _check_transaction_policy(config: pb.ModelConfig, source: str) -> None:
+    if not config.model_transaction_policy.decoupled:
+        return
+    if config.backend not in DECOUPLED_BACKENDS:
+        raise ConfigError(f"{source}: model_transaction_policy decoupled: true needs a backend that can send any "
+                          f"number of responses per request ({', '.join(DECOUPLED_BACKENDS)}); backend "
+                          f"'{config.backend}' answers each request once, so remove decoupled")
+    if config.HasField("sequence_batching"):
+        raise ConfigError(f"{source}: model_transaction_policy decoupled: true with sequence_batching is not "
+                          f"supported by kiln; use one of the two")
 
 
 def _check_version_policy(config: pb.ModelConfig, source: str) -> None:

@@ -4,6 +4,7 @@
 examples, written against Triton's Python-backend API. ``simple_int8``, ``simple_sequence`` and
 ``simple_dyna_sequence`` (and ``simple_string_dyna_sequence``, Python, its string-correlation-ID twin) are the
 other models Triton's example clients use, and ``image_classifier`` the one its image clients can call.
+``repeat_int32`` (Python) is Triton's decoupled example: any number of responses per request, over a stream.
 ``mlp_pipeline`` is an ensemble: ``mlp_preprocess`` (Python) -> ``mlp`` -> ``mlp_postprocess`` (Python).
 """
 
@@ -97,6 +98,24 @@ output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ -1 ] } ]
 """
 
 
+REPEAT_INT32 = "repeat_int32"
+# Triton's decoupled example: one response per element of IN, each after its DELAY; execute returns after WAIT.
+_REPEAT_INT32_CONFIG = """name: "repeat_int32"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [
+  { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] },
+  { name: "DELAY" data_type: TYPE_UINT32 dims: [ -1 ] },
+  { name: "WAIT" data_type: TYPE_UINT32 dims: [ 1 ] }
+]
+output [
+  { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] }
+]
+"""
+
+
 SIMPLE_STRING_DYNA_SEQUENCE = "simple_string_dyna_sequence"
 # Triton's example repository makes it from simple_dyna_sequence with the CORRID control as TYPE_STRING.
 _SIMPLE_STRING_DYNA_SEQUENCE_CONFIG = f"""name: "{SIMPLE_STRING_DYNA_SEQUENCE}"
@@ -124,11 +143,12 @@ def build_demo_repository(path: str | os.PathLike[str], *, include_resnet50: boo
     _write_python_model(root / SIMPLE_IDENTITY, "simple_identity_model.py", _SIMPLE_IDENTITY_CONFIG)
     _write_python_model(root / SIMPLE_STRING_DYNA_SEQUENCE, "simple_string_dyna_sequence_model.py",
                         _SIMPLE_STRING_DYNA_SEQUENCE_CONFIG)
+    _write_python_model(root / REPEAT_INT32, "repeat_int32_model.py", _REPEAT_INT32_CONFIG)
     _write_pipeline(root)
     _write_image_classifier(root / image_classifier.NAME, seed)
     names = [_SIMPLE.name, _MLP.name, SIMPLE_STRING, *_PIPELINE_STEPS, PIPELINE,
              *(demo.name for demo in _TRITON_EXAMPLES), SIMPLE_IDENTITY, SIMPLE_STRING_DYNA_SEQUENCE,
-             image_classifier.NAME]
+             REPEAT_INT32, image_classifier.NAME]
     if include_resnet50:
         _write_demo(root / _RESNET50.name, _RESNET50, seed)
         names.append(_RESNET50.name)

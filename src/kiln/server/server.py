@@ -11,15 +11,16 @@ its model's spec, and hands it to that version's scheduler. The work is done by 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln import __version__
 from kiln._flags import flag
-from kiln.errors import InvalidArgumentError
+from kiln.errors import InvalidArgumentError, KilnError
 from kiln.server.catalog import ModelCatalog
 from kiln.server.cuda_shm import CudaRegionStatus
+from kiln.server.decoupled import DecoupledModelError, StreamItem
 from kiln.server.ensemble import StepStats
 from kiln.server.infer import InferPath
 from kiln.server.manager import CONTROL_MODES, ManagerOptions
@@ -33,7 +34,7 @@ from kiln.server.stats import ModelStats, RequestObserver
 from kiln.v2._generated import model_config_pb2 as pb
 from kiln.v2.types import InferRequest, InferResponse, ModelMetadata
 
-__all__ = ["EXTENSIONS", "ModelMetadata", "Server", "ServerOptions"]
+__all__ = ["EXTENSIONS", "DecoupledModelError", "ModelMetadata", "Server", "ServerOptions", "StreamItem"]
 
 EXTENSIONS = (
     "classification",
@@ -171,6 +172,14 @@ class Server:
     def model_config(self, name: str, version: str = "") -> pb.ModelConfig:
         return self._catalog.config(name, version)
 
+    def model_is_decoupled(self, name: str, version: str = "") -> bool:
+        """Whether the model answers a request with any number of responses (False for an unknown model: its
+        requests fail with the reason)."""
+        try:
+            return bool(self._catalog.config(name, version).model_transaction_policy.decoupled)
+        except KilnError:
+            return False
+
     def model_statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
         return self._catalog.statistics(name, version)
 
@@ -233,6 +242,19 @@ class Server:
         differs, so a model that launches batches from the event loop serves it on its worker path. Not for an
         event loop's thread, which it would block: call :meth:`infer` there."""
         return self._path.infer_sync(request)
+
+    async def infer_stream(self, request: InferRequest) -> AsyncGenerator[StreamItem, None]:
+        """Run one request and yield its answers: a decoupled model's responses as the model sends them (zero or
+        more, each a response or an error; the last item has ``final`` set, and may carry neither), any other
+        model's one answer. A request that cannot run (unknown model, invalid inputs) raises before the first
+        item. :meth:`infer` on a decoupled model raises :class:`DecoupledModelError`."""
+        async for item in self._path.infer_stream(request):
+            yield item
+
+    def infer_stream_sync(self, request: InferRequest) -> Iterator[StreamItem]:
+        """:meth:`infer_stream` for a blocking caller (a Python model's ``exec(decoupled=True)``): the request is
+        sent before this returns; iterating blocks for each answer."""
+        return self._path.infer_stream_sync(request)
 
     # -- A/B routing -----------------------------------------------------------------------------------------
 

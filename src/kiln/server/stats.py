@@ -34,6 +34,18 @@ class BatchStats:
 
 
 @dataclass
+class ResponseStats:
+    """Triton's statistics of the responses at one index of their requests' streams (decoupled models)."""
+
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    empty_response: Duration = field(default_factory=Duration)
+    cancel: Duration = field(default_factory=Duration)
+
+
+@dataclass
 class ModelStats:
     name: str
     version: str
@@ -49,6 +61,7 @@ class ModelStats:
     batch_stats: dict[int, BatchStats] = field(default_factory=dict)
     failures_by_reason: dict[str, int] = field(default_factory=dict)  # REJECTED, CANCELED, BACKEND, OTHER
     load_duration_s: float = 0.0
+    response_stats: dict[str, ResponseStats] = field(default_factory=dict)  # by response index ("0", "1", ...)
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,21 @@ class StatsRecorder:
         with self._lock:
             self._stats.fail.add(request_ns)
             self._stats.failures_by_reason[reason] = self._stats.failures_by_reason.get(reason, 0) + 1
+
+    def record_response(self, index: int, outcome: str, infer_ns: int, output_ns: int) -> None:
+        """One response of a decoupled model's request, the ``index``-th of its request: ``outcome`` is "success"
+        or "fail" (outputs or an error: infer and output times, their sum), "empty" (the final flag alone: infer
+        time) or "cancel" (the client left)."""
+        with self._lock:
+            entry = self._stats.response_stats.setdefault(str(index), ResponseStats())
+            if outcome == "empty":
+                entry.empty_response.add(infer_ns)
+            elif outcome == "cancel":
+                entry.cancel.add(infer_ns)
+            else:
+                entry.compute_infer.add(infer_ns)
+                entry.compute_output.add(output_ns)
+                (entry.success if outcome == "success" else entry.fail).add(infer_ns + output_ns)
 
     def set_load_duration(self, seconds: float) -> None:
         with self._lock:

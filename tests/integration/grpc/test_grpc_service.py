@@ -143,7 +143,8 @@ async def test_statistics_count_inferences(client: tc_aio.InferenceServerClient)
                                                                "simple_string", "mlp_pipeline", "mlp_preprocess",
                                                                "mlp_postprocess", "simple_int8", "simple_sequence",
                                                                "simple_dyna_sequence", "simple_identity",
-                                                               "image_classifier", "simple_string_dyna_sequence"}
+                                                               "image_classifier", "simple_string_dyna_sequence",
+                                                               "repeat_int32"}
 
 
 async def test_repository_index(client: tc_aio.InferenceServerClient) -> None:
@@ -152,6 +153,7 @@ async def test_repository_index(client: tc_aio.InferenceServerClient) -> None:
         ("echo_bytes", "1", "READY"), ("echo_fp16", "1", "READY"), ("image_classifier", "1", "READY"),
         ("mlp", "1", "READY"),
         ("mlp_pipeline", "1", "READY"), ("mlp_postprocess", "1", "READY"), ("mlp_preprocess", "1", "READY"),
+        ("repeat_int32", "1", "READY"),
         ("simple", "1", "READY"), ("simple_dyna_sequence", "1", "READY"), ("simple_identity", "1", "READY"),
         ("simple_int8", "1", "READY"), ("simple_sequence", "1", "READY"), ("simple_string", "1", "READY"),
         ("simple_string_dyna_sequence", "1", "READY"),

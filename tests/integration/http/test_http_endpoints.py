@@ -14,7 +14,8 @@ from kiln.frontends.http import build_app
 from kiln.server.server import Server, ServerOptions
 from kiln.v2.types import InferRequest, InferResponse
 
-PIPELINE = ["image_classifier", "mlp", "mlp_pipeline", "mlp_postprocess", "mlp_preprocess"]  # demo models, sorted
+PIPELINE = ["image_classifier", "mlp", "mlp_pipeline", "mlp_postprocess", "mlp_preprocess",
+            "repeat_int32"]  # demo models, sorted, up to the simple ones
 SIMPLES = ["simple", "simple_dyna_sequence", "simple_identity", "simple_int8", "simple_sequence", "simple_string",
            "simple_string_dyna_sequence"]
 

@@ -18,7 +18,7 @@ ONNX_DEMOS = ["simple", "mlp"]
 PIPELINE = ["mlp_preprocess", "mlp_postprocess", "mlp_pipeline"]
 TRITON_EXAMPLES = ["simple_int8", "simple_sequence", "simple_dyna_sequence"]  # ONNX, for Triton's example clients
 DEMO_NAMES = [*ONNX_DEMOS, "simple_string", *PIPELINE, *TRITON_EXAMPLES, "simple_identity",
-              "simple_string_dyna_sequence", "image_classifier"]
+              "simple_string_dyna_sequence", "repeat_int32", "image_classifier"]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,8 @@ def test_layout_and_names(tmp_path: Path) -> None:
     assert build_demo_repository(root) == DEMO_NAMES
     onnx_files, python_files = ("config.pbtxt", "1/model.onnx"), ("config.pbtxt", "1/model.py")
     expected = {f"{name}/{leaf}" for name in [*ONNX_DEMOS, *TRITON_EXAMPLES] for leaf in onnx_files}
-    expected |= {f"{name}/{leaf}" for name in ("simple_string", "simple_identity", "simple_string_dyna_sequence")
-                 for leaf in python_files}
+    expected |= {f"{name}/{leaf}" for name in ("simple_string", "simple_identity", "simple_string_dyna_sequence",
+                                               "repeat_int32") for leaf in python_files}
     expected |= {f"{name}/{leaf}" for name in PIPELINE[:2] for leaf in ("config.pbtxt", "1/model.py")}
     expected |= {"mlp_pipeline/config.pbtxt"}  # its version folder 1/ holds no file
     expected |= {f"image_classifier/{leaf}" for leaf in (*onnx_files, "labels.txt")}

@@ -77,7 +77,8 @@ def test_readiness_and_index_report_the_broken_model(server: Server, repo: Path)
     state, reason = index[("broken", "")]
     assert state == "UNAVAILABLE" and "no_such_backend" in reason
     ready = [e.name for e in server.repository_index(ready_only=True)]
-    assert ready == ["image_classifier", "mlp", "mlp_pipeline", "mlp_postprocess", "mlp_preprocess", "simple",
+    assert ready == ["image_classifier", "mlp", "mlp_pipeline", "mlp_postprocess", "mlp_preprocess", "repeat_int32",
+                     "simple",
                      "simple_dyna_sequence", "simple_identity", "simple_int8", "simple_sequence", "simple_string",
                      "simple_string_dyna_sequence"]
 

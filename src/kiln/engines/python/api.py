@@ -74,8 +74,7 @@ class TritonAdapter:
                                 f"found {type(response).__name__}")
         error = response.error()
         if error is not None:
-            kind = _TRITON_CODES.get(error.code(), UnknownError)
-            raise kind(f"model '{self._model}': {error.message()}")
+            raise triton_error(self._model, error)
         tensors: dict[str, Any] = {}
         for tensor in response.output_tensors():
             if not isinstance(tensor, compat.Tensor):
@@ -104,6 +103,11 @@ class KilnAdapter:
         return response
 
 
+def triton_error(model: str, error: compat.TritonError) -> KilnError:
+    """The kiln error with the code of a response's ``TritonError``."""
+    return _TRITON_CODES.get(error.code(), UnknownError)(f"model '{model}': {error.message()}")
+
+
 def named(error: KilnError, model: str) -> KilnError:
     """``error`` with a message that starts with the model's name (a new error of the same class)."""
     prefix = f"model '{model}'"
@@ -117,8 +121,8 @@ def named(error: KilnError, model: str) -> KilnError:
 
 def _single(model: str, result: object, count: int, what: str) -> object:
     if result is None:
-        raise UnsupportedError(f"model '{model}': execute() returned None; decoupled models, which answer through "
-                               f"response senders, are not supported by kiln's Python backend")
+        raise InternalError(f"model '{model}': execute() returned None; return one response per request, or set "
+                            f"model_transaction_policy {{ decoupled: true }} to answer through response senders")
     if not isinstance(result, (list, tuple)):
         raise InternalError(f"model '{model}': execute() must return a list with one {what} per request; "
                             f"it returned {type(result).__name__}")

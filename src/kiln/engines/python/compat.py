@@ -3,19 +3,18 @@
 A model.py written for Triton does ``import triton_python_backend_utils as pb_utils``; kiln registers this module
 under that name in ``sys.modules`` before it imports a Python model, so the model runs unchanged. Covered: Tensor,
 InferenceRequest, InferenceResponse, TritonError (with Triton's codes), TritonModelException, Logger, the config
-helpers and ModelConfig (auto-complete). Not covered: calling other models from inside a model (BLS
-``InferenceRequest.exec``), decoupled response senders, request rescheduling, custom metrics and GPU tensors; each
-raises kiln's UnsupportedError with the reason.
+helpers and ModelConfig (auto-complete), calls to other models (BLS ``InferenceRequest.exec``, see bls.py) and
+the response senders of decoupled models (decoupled.py). Not covered: request rescheduling, custom metrics and GPU
+tensors; each raises kiln's UnsupportedError with the reason.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import json
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +23,11 @@ from kiln.engines.python import bls
 from kiln.engines.python.model_config import ModelConfig
 from kiln.errors import InvalidArgumentError, UnsupportedError
 from kiln.tensor import DataType, decode_bytes, encode_bytes
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Iterator
+
+    from kiln.engines.python.decoupled import ResponseSender
 
 Array = npt.NDArray[Any]
 
@@ -166,6 +170,7 @@ class InferenceRequest:
         self._parameters = parameters if isinstance(parameters, str) else json.dumps(dict(parameters or {}))
         self.model_name = model_name
         self.model_version = model_version
+        self._sender: ResponseSender | None = None
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -190,18 +195,37 @@ class InferenceRequest:
         return self._parameters
 
     def is_cancelled(self) -> bool:
-        return False
+        """True once the client of a decoupled model's request went away (always False otherwise)."""
+        return self._sender is not None and self._sender.is_cancelled()
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
-        """Run this request on model ``model_name`` of the server; errors come back in the response."""
-        return bls.call(self, decoupled)
+    def exec(self, decoupled: bool = False) -> InferenceResponse | Iterator[InferenceResponse]:
+        """Run this request on model ``model_name`` of the server; errors come back in the response. With
+        ``decoupled=True``: an iterator over the called model's responses (the last may carry no outputs, only the
+        final flag), for a decoupled model or any other."""
+        if decoupled:
+            return bls.call_decoupled(self)
+        return bls.call(self)
 
-    def async_exec(self, decoupled: bool = False) -> asyncio.Future[InferenceResponse]:
-        """:meth:`exec` as an awaitable, for ``async def execute``."""
-        return bls.call_async(self, decoupled)
+    def async_exec(self, decoupled: bool = False) -> Awaitable[InferenceResponse |
+                                                             AsyncIterator[InferenceResponse]]:
+        """:meth:`exec` for ``async def execute``: an awaitable of the response, or with ``decoupled=True`` an
+        awaitable of an async iterator over the responses."""
+        if decoupled:
+            return bls.call_decoupled_async(self)
+        return bls.call_async(self)
 
-    def get_response_sender(self) -> NoReturn:
-        self._unsupported("decoupled models (InferenceRequest.get_response_sender)")
+    def get_response_sender(self) -> ResponseSender:
+        """The sender of this request's responses (decoupled models)."""
+        if self._sender is None:
+            target = f"model '{self._model_name}'" if self._model_name else "this model"
+            raise UnsupportedError(f"{target}: get_response_sender() is for decoupled models; set "
+                                   f"model_transaction_policy {{ decoupled: true }} in config.pbtxt, or return one "
+                                   f"response per request from execute")
+        return self._sender
+
+    def attach_sender(self, sender: ResponseSender) -> None:
+        """Give the request its response sender (kiln's decoupled engine does, before ``execute``)."""
+        self._sender = sender
 
     def set_release_flags(self, flags: int) -> NoReturn:
         self._unsupported("request rescheduling (InferenceRequest.set_release_flags)")

@@ -8,6 +8,8 @@ instances share no module state, as with Triton's separate processes.
 The server hands an engine one batch, already assembled; that batch reaches ``execute`` as ONE request whose
 inputs carry the batch dimension first (Triton would pass the batched requests as a list, each with its own batch
 dimension). A model written for Triton handles this unchanged, since it must accept any batch size per request.
+A decoupled model (decoupled.py) is the exception: the server hands it requests one by one, or a list of whole
+requests, each with its own response sender (:meth:`PythonEngine.execute_decoupled`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kiln.config.spec import ModelSpec
 from kiln.engines.base import Array, Engine, EngineOptions
 from kiln.engines.python import bls
 from kiln.engines.python.api import Adapter, KilnAdapter, TritonAdapter, named
+from kiln.engines.python.decoupled import DecoupledCall, decoupled_requests
 from kiln.engines.python.loader import ModelModule, import_model_file, model_class
 from kiln.engines.python.tensors import batch_size, collect_outputs, model_inputs
 from kiln.errors import InternalError, KilnError, UnavailableError, UnsupportedError
@@ -43,11 +46,16 @@ class PythonEngine(Engine):
     def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
         super().__init__(spec)
         _check_supported(spec)
+        self.decoupled = spec.config.model_transaction_policy.decoupled
         self._lock = threading.Lock()
         self._caller = options.caller
         self._module: ModelModule | None = import_model_file(spec.name, model_file)
         try:
             cls, triton = model_class(spec.name, model_file, self._module.module)
+            if self.decoupled and not triton:
+                raise UnsupportedError(f"model '{spec.name}': a decoupled model (model_transaction_policy "
+                                       f"decoupled: true) is written against Triton's API (class "
+                                       f"TritonPythonModel, request.get_response_sender())")
             self._adapter: Adapter = TritonAdapter(spec.name) if triton else KilnAdapter(spec.name)
             self._model: Any = self._call(f"{cls.__name__}()", cls)
             initialize = getattr(self._model, "initialize", None)
@@ -58,16 +66,45 @@ class PythonEngine(Engine):
             raise
 
     def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
+        if self.decoupled:
+            raise UnsupportedError(f"model '{self.spec.name}' is decoupled (it may send any number of responses "
+                                   f"per request); serve it with `kiln serve` and stream its requests (gRPC "
+                                   f"ModelStreamInfer, HTTP generate_stream)")
         with self._lock:
-            if self._module is None:
-                raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
+            self._check_open()
             requests = self._adapter.requests(model_inputs(self.spec, inputs), outputs)
-            with bls.calls_through(self._caller):  # the models it may call, for the length of execute
-                result = self._call("execute()", self._model.execute, requests)
-                if inspect.iscoroutine(result):  # ``async def execute``, as Triton allows
-                    result = self._call("execute()", asyncio.run, result)
+            result = self._run_execute(requests)
             produced = self._adapter.outputs(result, len(requests))
             return collect_outputs(self.spec, produced, outputs, batch_size(self.spec, inputs))
+
+    def execute_decoupled(self, calls: Sequence[DecoupledCall]) -> None:
+        """Run ``execute`` on whole requests, each with its own response sender. Responses may still come after
+        this returns. If ``execute`` fails, every request it has not ended gets the error and the final flag,
+        and the error is raised."""
+        with self._lock:
+            self._check_open()
+            requests, senders = decoupled_requests(self.spec, calls, model_inputs)
+            try:
+                result = self._run_execute(requests)
+                if result is not None:
+                    raise InternalError(f"model '{self.spec.name}': execute() returned {type(result).__name__}; a "
+                                        f"decoupled model sends responses through request.get_response_sender() "
+                                        f"and returns None")
+            except KilnError as exc:
+                for sender in senders:
+                    sender.fail(exc)
+                raise
+
+    def _check_open(self) -> None:
+        if self._module is None:
+            raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
+
+    def _run_execute(self, requests: list[Any]) -> Any:
+        with bls.calls_through(self._caller):  # the models it may call, for the length of execute
+            result = self._call("execute()", self._model.execute, requests)
+            if inspect.iscoroutine(result):  # ``async def execute``, as Triton allows
+                result = self._call("execute()", asyncio.run, result)
+        return result
 
     def close(self) -> None:
         with self._lock:
@@ -122,9 +159,6 @@ def _instance_name(spec: ModelSpec, options: EngineOptions) -> str:
 
 
 def _check_supported(spec: ModelSpec) -> None:
-    if spec.config.model_transaction_policy.decoupled:
-        raise UnsupportedError(f"model '{spec.name}': model_transaction_policy decoupled: true is not supported by "
-                               f"kiln's Python backend; return one response per request instead")
     if spec.parameters.get(_EXECUTION_ENV):
         log.warning("model '%s': parameter %s is ignored; kiln runs Python models in its own interpreter, so "
                     "install the model's packages there", spec.name, _EXECUTION_ENV)

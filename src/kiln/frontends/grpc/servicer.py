@@ -4,6 +4,13 @@ Every RPC, unary and streaming, is decorated with :func:`rpc`: the one place whe
 status (``status.as_kiln_error`` + ``status.grpc_code``, then ``context.abort``). A unit test walks the service
 descriptor and fails for any RPC that lacks it. In ``ModelStreamInfer`` a failed request is answered with an
 ``error_message`` and the stream goes on.
+
+``ModelStreamInfer`` answers requests as they come, several at once: a decoupled model's responses go out as the
+model sends them (so several requests' responses interleave), other models' answers in the order their requests
+came. A request with the parameter ``triton_enable_empty_final_response: true`` gets ``triton_final_response``
+(true on its last one) on each of its responses, and a response with no outputs when the model ends it with the
+final flag alone; without it that flag-only response is not sent. ``ModelInfer`` refuses decoupled models in
+Triton's words.
 """
 
 from __future__ import annotations
@@ -17,8 +24,8 @@ from typing import Any, NoReturn, TypeAlias, TypeVar, cast
 import grpc
 
 from kiln.errors import InvalidArgumentError, UnsupportedError
-from kiln.server.server import Server
-from kiln.server.stats import Duration, ModelStats
+from kiln.server.server import DecoupledModelError, Server, StreamItem
+from kiln.server.stats import Duration, ModelStats, ResponseStats
 from kiln.v2 import grpc_codec as codec
 from kiln.v2 import status
 from kiln.v2._generated import grpc_service_pb2 as pb
@@ -34,6 +41,10 @@ WRAPPED_MARK = "__kiln_grpc_rpc__"
 
 STREAM_WINDOW = 64
 """ModelStreamInfer runs up to this many requests of one stream at once; answers still go out in order."""
+
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
+FINAL_RESPONSE = "triton_final_response"
+"""Triton's request parameter asking for the final-response flag, and the response parameter carrying it."""
 
 
 # -- the one error wrapper ---------------------------------------------------------------------------------------
@@ -129,21 +140,34 @@ class GRPCInferenceService:
 
     @rpc
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        return codec.encode_response(await self._server.infer(codec.decode_request(request)))
+        try:
+            return codec.encode_response(await self._server.infer(codec.decode_request(request)))
+        except DecoupledModelError:
+            raise UnsupportedError("ModelInfer RPC doesn't support models with decoupled transaction policy") \
+                from None
 
     @rpc
     async def ModelStreamInfer(self, requests: AsyncIterator[pb.ModelInferRequest],
                                context: Context) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        async for reply in answer_in_order(requests, self._stream_reply, STREAM_WINDOW):
+        async for reply in answer_streams(requests, self._stream_replies, self._in_order, STREAM_WINDOW):
             yield reply
 
-    async def _stream_reply(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
-        reply = pb.ModelStreamInferResponse()
+    def _in_order(self, request: pb.ModelInferRequest) -> bool:
         try:
-            codec.encode_response(await self._server.infer(codec.decode_request(request)), reply.infer_response)
+            return not self._server.model_is_decoupled(request.model_name, request.model_version)
+        except Exception:  # the request itself will say what is wrong; reading the stream goes on
+            return True
+
+    async def _stream_replies(self, request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        flagged = False
+        try:
+            flagged = _wants_final_flag(request)
+            async for item in self._server.infer_stream(codec.decode_request(request)):
+                reply = _stream_reply(item, request, flagged)
+                if reply is not None:
+                    yield reply
         except Exception as exc:  # this request failed; the stream goes on
-            return pb.ModelStreamInferResponse(error_message=error_message(exc))
-        return reply
+            yield _error_reply(request, error_message(exc), flagged, True, request.model_version)
 
     @rpc
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
@@ -237,37 +261,117 @@ class GRPCInferenceService:
 # -- helpers -----------------------------------------------------------------------------------------------------
 
 
-async def answer_in_order(requests: AsyncIterator[R], answer: Callable[[R], Awaitable[T]],
-                          window: int) -> AsyncIterator[T]:
-    """Start answering each request as it arrives, up to ``window`` at once, and yield the answers in the order
-    the requests came. ``answer`` must not raise (a stream answers a failed request with a message); a failure to
-    read ``requests`` is raised once the answers before it have been yielded."""
-    pending: asyncio.Queue[asyncio.Task[T] | None] = asyncio.Queue()
+def _wants_final_flag(request: pb.ModelInferRequest) -> bool:
+    value = request.parameters.get(EMPTY_FINAL_RESPONSE)
+    if value is None:
+        return False
+    if value.WhichOneof("parameter_choice") != "bool_param":
+        raise InvalidArgumentError(f"invalid value type for '{EMPTY_FINAL_RESPONSE}' parameter, expected bool_param.")
+    return bool(value.bool_param)
+
+
+def _stream_reply(item: StreamItem, request: pb.ModelInferRequest,
+                  flagged: bool) -> pb.ModelStreamInferResponse | None:
+    """One streamed answer as a stream response; None for a final flag alone that the client did not ask for."""
+    if item.error is not None:
+        return _error_reply(request, error_message(item.error), flagged, item.final, item.model_version)
+    reply = pb.ModelStreamInferResponse()
+    answer = reply.infer_response
+    if item.response is not None:
+        codec.encode_response(item.response, answer)
+    elif not flagged:
+        return None
+    else:
+        answer.model_name, answer.model_version, answer.id = request.model_name, item.model_version, request.id
+    if flagged:
+        answer.parameters[FINAL_RESPONSE].bool_param = item.final
+    return reply
+
+
+def _error_reply(request: pb.ModelInferRequest, message: str, flagged: bool, final: bool,
+                 version: str) -> pb.ModelStreamInferResponse:
+    """A failed answer; it names the request (id) so that a client with several in flight knows which failed."""
+    reply = pb.ModelStreamInferResponse(error_message=message)
+    answer = reply.infer_response
+    answer.model_name, answer.model_version, answer.id = request.model_name, version, request.id
+    if flagged:
+        answer.parameters[FINAL_RESPONSE].bool_param = final
+    return reply
+
+
+async def answer_streams(requests: AsyncIterator[R], answer: Callable[[R], AsyncIterator[T]],
+                         in_order: Callable[[R], bool], window: int) -> AsyncIterator[T]:
+    """Start answering each request as it arrives, up to ``window`` at once, and yield the answers: those of a
+    request for which ``in_order`` is true after the answers of every such request that came before it, the
+    others as they come. ``answer`` must not raise (a stream answers a failed request with a message); a failure
+    to read ``requests`` is raised once the answers already started have been yielded."""
+    out: asyncio.Queue[T | _End] = asyncio.Queue()
     slots = asyncio.Semaphore(window)
+    running: set[asyncio.Task[None]] = set()
+
+    async def pump(request: R, after: asyncio.Event | None, done: asyncio.Event | None) -> None:
+        try:
+            if after is None:
+                async for reply in answer(request):
+                    out.put_nowait(reply)
+                return
+            replies = [reply async for reply in answer(request)]
+            await after.wait()
+            for reply in replies:
+                out.put_nowait(reply)
+        finally:
+            if done is not None:
+                done.set()
+            slots.release()
 
     async def read() -> None:
+        previous = asyncio.Event()
+        previous.set()
         try:
             async for request in requests:
                 await slots.acquire()
-                pending.put_nowait(asyncio.ensure_future(answer(request)))
+                if in_order(request):
+                    done = asyncio.Event()
+                    task = asyncio.create_task(pump(request, previous, done))
+                    previous = done
+                else:
+                    task = asyncio.create_task(pump(request, None, None))
+                running.add(task)
+                task.add_done_callback(running.discard)
         finally:
-            pending.put_nowait(None)
+            if running:
+                await asyncio.wait(list(running))
+            out.put_nowait(_END)
 
     reader = asyncio.create_task(read())
     try:
-        while (task := await pending.get()) is not None:
-            result = await task
-            slots.release()
-            yield result
+        while not isinstance(item := await out.get(), _End):
+            yield item
         await reader
     finally:
+        for task in list(running):
+            task.cancel()
         reader.cancel()
         if reader.done() and not reader.cancelled():
             reader.exception()  # retrieved: a read failure seen while cancelling is not logged as lost
-        while not pending.empty():
-            leftover = pending.get_nowait()
-            if leftover is not None:
-                leftover.cancel()
+
+
+class _End:
+    """The end of :func:`answer_streams`' output."""
+
+
+_END = _End()
+
+
+async def answer_in_order(requests: AsyncIterator[R], answer: Callable[[R], Awaitable[T]],
+                          window: int) -> AsyncIterator[T]:
+    """:func:`answer_streams` for requests with one answer each, all in arrival order."""
+
+    async def one(request: R) -> AsyncIterator[T]:
+        yield await answer(request)
+
+    async for reply in answer_streams(requests, one, lambda request: True, window):
+        yield reply
 
 
 def _check_repository_name(name: str) -> None:
@@ -303,7 +407,15 @@ def _statistics(stats: ModelStats) -> pb.ModelStatistics:
                                     compute_output=_duration(batch.compute_output))
             for _, batch in sorted(stats.batch_stats.items())
         ],
+        response_stats={key: _response_statistics(entry) for key, entry in stats.response_stats.items()},
     )
+
+
+def _response_statistics(entry: ResponseStats) -> pb.InferResponseStatistics:
+    return pb.InferResponseStatistics(
+        compute_infer=_duration(entry.compute_infer), compute_output=_duration(entry.compute_output),
+        success=_duration(entry.success), fail=_duration(entry.fail),
+        empty_response=_duration(entry.empty_response), cancel=_duration(entry.cancel))
 
 
 def _load_parameters(model: str, parameters: Mapping[str, pb.ModelRepositoryParameter]) -> tuple[str | None,

@@ -14,6 +14,7 @@ from starlette.types import Receive, Scope, Send
 from kiln.frontends.http.capture import CaptureEndpoints, CaptureOptions
 from kiln.frontends.http.endpoints import Endpoints
 from kiln.frontends.http.files import DownloadOptions, FileEndpoints
+from kiln.frontends.http.generate import GenerateEndpoints
 from kiln.frontends.http.routing import RoutingEndpoints
 from kiln.server.server import Server
 from kiln.v2.http_body import DEFAULT_MAX_INPUT_SIZE
@@ -37,7 +38,8 @@ def build_app(server: Server, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE,
     files = FileEndpoints(server, downloads or DownloadOptions())
     captures = CaptureEndpoints(server, capture or CaptureOptions(), max_input_size)
     routing = RoutingEndpoints(server, max_input_size)
-    app = Starlette(routes=_routes(endpoints, files, captures) + _routing_routes(routing),
+    generate = GenerateEndpoints(server, max_input_size)
+    app = Starlette(routes=_routes(endpoints, files, captures) + _routing_routes(routing) + _generate_routes(generate),
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})
     return InferFirst(app, _guarded(endpoints.infer))
 
@@ -117,6 +119,12 @@ def _routes(e: Endpoints, f: FileEndpoints, c: CaptureEndpoints) -> list[BaseRou
 def _routing_routes(r: RoutingEndpoints) -> list[BaseRoute]:
     path = "/v2/repository/models/{model}/kiln/routing"
     return [Route(path, _guarded(r.status), methods=["GET"]), Route(path, _guarded(r.update), methods=["POST"])]
+
+
+def _generate_routes(g: GenerateEndpoints) -> list[BaseRoute]:
+    """Triton's generate extension (generate.py)."""
+    return [Route(base + suffix, _guarded(handler), methods=["POST"]) for base in (_MODEL, _VERSION)
+            for suffix, handler in (("/generate", g.generate), ("/generate_stream", g.generate_stream))]
 
 
 def _guarded(endpoint: Endpoint) -> Endpoint:

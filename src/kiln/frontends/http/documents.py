@@ -12,7 +12,7 @@ from kiln.errors import InvalidArgumentError
 from kiln.server.cuda_shm import CudaRegionStatus
 from kiln.server.registry import IndexEntry
 from kiln.server.shm import RegionStatus
-from kiln.server.stats import BatchStats, Duration, ModelStats
+from kiln.server.stats import BatchStats, Duration, ModelStats, ResponseStats
 from kiln.v2.http_body import parse_json
 from kiln.v2.http_codec import short_json
 
@@ -33,7 +33,8 @@ def _model_stats(stats: ModelStats) -> dict[str, Any]:
         "inference_count": stats.inference_count,
         "execution_count": stats.execution_count,
         "inference_stats": {key: _duration(value) for key, value in inference.items()},
-        "response_stats": {},
+        "response_stats": {key: _response_stats(stats.response_stats[key])
+                           for key in sorted(stats.response_stats, key=int)},
         "batch_stats": [_batch_stats(stats.batch_stats[size]) for size in sorted(stats.batch_stats)],
         "memory_usage": [],
     }
@@ -42,6 +43,12 @@ def _model_stats(stats: ModelStats) -> dict[str, Any]:
 def _batch_stats(batch: BatchStats) -> dict[str, Any]:
     return {"batch_size": batch.batch_size, "compute_input": _duration(batch.compute_input),
             "compute_infer": _duration(batch.compute_infer), "compute_output": _duration(batch.compute_output)}
+
+
+def _response_stats(entry: ResponseStats) -> dict[str, Any]:
+    return {"compute_infer": _duration(entry.compute_infer), "compute_output": _duration(entry.compute_output),
+            "success": _duration(entry.success), "fail": _duration(entry.fail),
+            "empty_response": _duration(entry.empty_response), "cancel": _duration(entry.cancel)}
 
 
 def _duration(duration: Duration) -> dict[str, int]:

@@ -13,10 +13,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.config.render import config_to_json
-from kiln.errors import ModelNotReadyError
+from kiln.errors import ModelNotReadyError, UnsupportedError
 from kiln.frontends.http import documents
 from kiln.frontends.http.routing import apply_routing_header
-from kiln.server.server import Server
+from kiln.server.server import DecoupledModelError, Server
 from kiln.v2 import http_codec as codec
 from kiln.v2.http_body import read_body
 from kiln.v2.http_responses import json_response
@@ -80,7 +80,11 @@ class Endpoints:
         else:
             infer_request = codec.decode_request(name, version, body, json_size)
         apply_routing_header(self.server, request, infer_request)
-        response = await self.server.infer(infer_request)
+        try:
+            response = await self.server.infer(infer_request)
+        except DecoupledModelError:  # Triton's words (its generate_stream route serves such models)
+            raise UnsupportedError("HTTP end point doesn't support models with decoupled transaction policy") \
+                from None
         content, header_size = codec.encode_response(response, infer_request)
         if header_size is None:
             return Response(content, media_type=codec.JSON_TYPE)

@@ -9,8 +9,12 @@ from kiln.server.scheduler.direct import DirectScheduler
 
 def make_scheduler(model: LoadedModel) -> Scheduler:
     """The sequence batcher for sequence_batching, the dynamic batcher for dynamic_batching, else one request at
-    a time per instance."""
+    a time per instance; decoupled models have their own (server/decoupled.py)."""
+    from kiln.server.decoupled import DecoupledScheduler
     from kiln.server.scheduler.sequence import SequenceBatcher
+
+    if model.spec.config.model_transaction_policy.decoupled:
+        return DecoupledScheduler(model)
 
     choice = model.spec.config.WhichOneof("scheduling_choice")  # ensembles get theirs in ensemble/loading.py
     if choice == "sequence_batching":

@@ -63,11 +63,11 @@ def test_request_accessors_and_lookups() -> None:
     assert not request.is_cancelled()
 
 
-def test_decoupled_calls_are_unsupported() -> None:
+def test_response_senders_are_for_decoupled_models() -> None:
     request = pb_utils.InferenceRequest(model_name="other", requested_output_names=["Y"], inputs=[])
-    with pytest.raises(UnsupportedError, match="not supported by kiln's in-process Python backend"):
+    with pytest.raises(UnsupportedError, match=r"model 'other': get_response_sender\(\) is for decoupled models"):
         request.get_response_sender()
-    with pytest.raises(UnsupportedError, match="decoupled=True"):
+    with pytest.raises(UnsupportedError, match="calling model 'other' from execute \\(BLS\\) needs a kiln server"):
         request.exec(decoupled=True)
 
 

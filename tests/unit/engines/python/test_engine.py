@@ -191,7 +191,8 @@ def test_triton_error_defaults_to_internal(write_model: WriteModel) -> None:
     ("return reply(Y=x(requests[0]))", InternalError, "must return a list with one InferenceResponse per request"),
     ("return []", InternalError, r"returned 0 responses for 1 request\(s\)"),
     ("return [{'Y': x(requests[0])}]", InternalError, "must return pb_utils.InferenceResponse objects; found dict"),
-    ("return None", UnsupportedError, "decoupled models"),
+    ("return None", InternalError, "returned None; return one response per request, or set "
+     "model_transaction_policy"),
     ("return [reply(Y=x(requests[0]), W=x(requests[0]))]", InternalError,
      "returned output 'W', which the config does not declare"),
     ("return [reply(Z=x(requests[0]))]", InternalError, "did not return output 'Y', which the request asked for"),
@@ -298,11 +299,18 @@ def test_missing_model_file(write_model: WriteModel) -> None:
         create_engine(spec, folder / "2" / "model.py")
 
 
-def test_decoupled_models_are_unsupported(add_sub: Path) -> None:
+def test_a_decoupled_model_refuses_one_response_calls(add_sub: Path) -> None:
     (add_sub / "config.pbtxt").write_text((add_sub / "config.pbtxt").read_text()
                                           + "model_transaction_policy { decoupled: true }\n")
-    with pytest.raises(UnsupportedError, match="model 'add_sub': model_transaction_policy decoupled: true"):
-        _engine(add_sub)
+    with _engine(add_sub) as engine, pytest.raises(UnsupportedError, match="model 'add_sub' is decoupled"):
+        engine.infer({"INPUT0": np.ones((1, 4), np.float32), "INPUT1": np.ones((1, 4), np.float32)})
+
+
+def test_a_decoupled_model_needs_tritons_api(write_model: WriteModel) -> None:
+    folder = write_model("m", "class KilnModel:\n    def execute(self, requests):\n        return []\n",
+                         ONE_IN_ONE_OUT + "model_transaction_policy { decoupled: true }\n")
+    with pytest.raises(UnsupportedError, match="model 'm': a decoupled model .* TritonPythonModel"):
+        _engine(folder)
 
 
 def test_execution_environments_are_ignored_with_a_warning(add_sub: Path, caplog: pytest.LogCaptureFixture) -> None:
