@@ -69,6 +69,16 @@ def test_direct_bench_sweeps_concurrency(repo: Path) -> None:
     assert result.machine["cpu_count"] >= 1
 
 
+def test_direct_bench_with_asyncio_calls_awaits_one_shared_engine(repo: Path) -> None:
+    result = run(BenchOptions(model="simple", target="direct", model_repository=repo, concurrency=(1, 4),
+                              direct_calls="asyncio", **QUICK))
+    assert [level.concurrency for level in result.results] == [1, 4]
+    for level in result.results:
+        check_level(level)
+    with pytest.raises(InvalidArgumentError, match="--direct-calls"):
+        BenchOptions(model="simple", target="direct", model_repository=repo, direct_calls="fibers")
+
+
 def test_a_latency_threshold_stops_the_sweep_after_the_first_level_over_it(repo: Path) -> None:
     stopped = run(BenchOptions(model="simple", target="direct", model_repository=repo, concurrency=(1, 2, 4),
                                latency_threshold_ms=1e-6, **QUICK))  # every level is slower than a nanosecond

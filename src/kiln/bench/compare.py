@@ -96,6 +96,9 @@ class CompareOptions:
     device: str = field(default="cpu", metadata=flag(
         "--device", choices=("config", "cpu", "gpu"), default="config", group=MEASUREMENT,
         help="direct: where the engine runs (config: where its instance group puts it)"))
+    direct_calls: str = field(default="threads", metadata=flag(
+        "--direct-calls", choices=("threads", "asyncio"), group=MEASUREMENT,
+        help="direct: N threads calling engine.infer (default) or N tasks awaiting engine.ainfer on one loop"))
     # Served scenarios: processes sending the measured model's requests, and each peer's.
     client_processes: int = field(default=1, metadata=flag(
         "--client-processes", metavar="N", group=MEASUREMENT,
@@ -321,10 +324,10 @@ class Comparison:
 
     def _direct(self, work: Path) -> dict[str, Any]:
         opts = self.options
-        self.note(f"direct: kiln.load in a child process, concurrency {list(opts.concurrency)}")
+        self.note(f"direct: kiln.load in a child process, {opts.direct_calls}, concurrency {list(opts.concurrency)}")
         out = work / "direct.json"
         bench = {"model": opts.model, "model_repository": str(opts.model_repository.resolve()),
-                 "concurrency": list(opts.concurrency), "device": opts.device}
+                 "concurrency": list(opts.concurrency), "device": opts.device, "direct_calls": opts.direct_calls}
         with self._processes(work / "logs") as processes:
             child = processes.start("direct", _module_command("direct", json.dumps(bench), str(out),
                                                                json.dumps(self._settings())))
@@ -454,7 +457,8 @@ def memory_summary(scenarios: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def _direct_main(bench: dict[str, Any], out: Path, settings: dict[str, Any]) -> int:
     options = BenchOptions(model=bench["model"], target="direct", model_repository=Path(bench["model_repository"]),
-                           concurrency=tuple(bench["concurrency"]), device=bench["device"], **settings)
+                           concurrency=tuple(bench["concurrency"]), device=bench["device"],
+                           direct_calls=bench.get("direct_calls", "threads"), **settings)
     run(options).write_json(out)
     return 0
 

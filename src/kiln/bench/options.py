@@ -11,6 +11,7 @@ from kiln._flags import flag
 from kiln.errors import InvalidArgumentError
 
 TARGETS = ("direct", "inprocess", "http", "grpc")
+DIRECT_CALLS = ("threads", "asyncio")
 DISTRIBUTIONS = ("constant", "poisson")
 TENSOR_FORMATS = ("binary", "json")
 DEFAULT_URLS = {"http": "localhost:8000", "grpc": "localhost:8001"}
@@ -115,6 +116,10 @@ class BenchOptions:
         help="where the engine runs (config: where the model's instance group puts it)"))
     intra_op_threads: int | None = field(default=None, metadata=flag(  # direct: EngineOptions.intra_op_threads
         "--intra-op-threads", group="direct target", help="engine threads per request"))
+    direct_calls: str = field(default="threads", metadata=flag(
+        "--direct-calls", choices=DIRECT_CALLS, group="direct target",
+        help="how the application calls the engine: threads (N threads calling engine.infer, default) or asyncio "
+             "(N tasks awaiting engine.ainfer on one event loop)"))
     # http, grpc: processes that share each level's concurrency (targets/processes.py)
     client_processes: int = field(default=1, metadata=flag(
         "--client-processes", metavar="N", group="load",
@@ -129,6 +134,7 @@ class BenchOptions:
 
     def __post_init__(self) -> None:
         _check_choice("--target", self.target, TARGETS)
+        _check_choice("--direct-calls", self.direct_calls, DIRECT_CALLS)
         _check_choice("--request-distribution", self.request_distribution, DISTRIBUTIONS)
         _check_choice("--input-tensor-format", self.input_tensor_format, TENSOR_FORMATS)
         _check_choice("--output-tensor-format", self.output_tensor_format, TENSOR_FORMATS)

@@ -8,7 +8,7 @@ from kiln.bench.options import BenchOptions
 from kiln.bench.targets.base import RequestFailedError, Target
 
 _TARGETS = {
-    "direct": "kiln.bench.targets.direct:DirectTarget",
+    "direct": "kiln.bench.targets.direct:direct_target",
     "inprocess": "kiln.bench.targets.inprocess:InProcessTarget",
     "http": "kiln.bench.targets.kserve_http:HttpTarget",
     "grpc": "kiln.bench.targets.kserve_grpc:GrpcTarget",

@@ -1,4 +1,5 @@
-"""The direct target: ``kiln.load`` in this process and N threads calling ``engine.infer``.
+"""The direct target: ``kiln.load`` in this process and N threads calling ``engine.infer`` (``--direct-calls
+asyncio``: N tasks on one event loop awaiting ``engine.ainfer``, as an asyncio application calls it).
 
 An engine that may run on several threads at once (``thread_safe``: onnxruntime, eager torch) is shared by every
 thread; any other engine (TensorRT, compiled torch, Python models) is loaded once per request slot, as an
@@ -15,12 +16,18 @@ from typing import Any
 from kiln.bench.data import ModelInputs, Request
 from kiln.bench.options import BenchOptions
 from kiln.bench.records import ClientTimes
+from kiln.bench.targets.aio import AsyncTarget
+from kiln.bench.targets.base import Target
 from kiln.bench.targets.threaded import ThreadedTarget
 from kiln.direct import load
 from kiln.engines.base import Engine
 from kiln.errors import InvalidArgumentError
 
 log = logging.getLogger("kiln.bench")
+
+
+def direct_target(options: BenchOptions) -> Target:
+    return DirectAsyncTarget(options) if options.direct_calls == "asyncio" else DirectTarget(options)
 
 
 class DirectTarget(ThreadedTarget):
@@ -67,6 +74,37 @@ class DirectTarget(ThreadedTarget):
         engines, self._engines = self._engines, []
         for engine in engines:
             engine.close()
+
+
+class DirectAsyncTarget(AsyncTarget):
+    """One engine shared by N tasks of one event loop; the engine's own batching (if on) coalesces them."""
+
+    kind = "direct"
+    in_process = True
+
+    def __init__(self, options: BenchOptions) -> None:
+        super().__init__(options.model)
+        self._threads = DirectTarget(options)  # the same model path, version and load options
+        self.model_name = self._threads.model_name
+        self._engine: Engine | None = None
+
+    async def aopen(self) -> ModelInputs:
+        threads = self._threads
+        self._engine = load(threads.path, version=threads._version, **threads._load_options)
+        return ModelInputs(self.model_name, self._engine.spec.inputs, self._engine.spec.max_batch_size)
+
+    async def ainfer(self, slot: int, request: Request) -> ClientTimes | None:
+        assert self._engine is not None
+        await self._engine.ainfer(request)
+        return None
+
+    async def aclose(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    def process_id(self) -> int | None:
+        return os.getpid()
 
 
 def _version(text: str) -> int | None:
