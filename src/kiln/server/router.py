@@ -27,6 +27,8 @@ from kiln.server.shadow import ShadowStats, mirror_request, uses_shared_memory
 from kiln.server.validate import validate_request
 from kiln.v2.types import InferRequest, InferResponse
 
+_ROUTE_ATTEMPTS = 3
+
 
 class Router:
     """The server's A/B routing table over the catalog's models."""
@@ -48,17 +50,22 @@ class Router:
     def route(self, request: InferRequest) -> VersionRecord:
         """The version a request that names none goes to: by the model's weights, else the newest ready one."""
         record = self._catalog.record(request.model_name)
-        if record.spec is not None:
+        chosen = None
+        # A version swap may retire the chosen version between reading the ready list and taking the version:
+        # read again, so a request during the swap goes to the version that replaced it.
+        for _ in range(_ROUTE_ATTEMPTS):
+            if record.spec is None:
+                break
             ready = record.ready_versions()
             chosen = self._routing_of(record).choose(ready, request.parameters)
             if chosen is None and ready:
                 chosen = ready[-1]
-            if chosen is not None:
-                found = record.versions.get(chosen)
-                if found is not None and found.state is ModelState.READY:
-                    return found
-                return self._catalog.resolve(request.model_name, str(chosen))
-        return self._catalog.resolve(request.model_name, "")
+            if chosen is None:
+                break
+            found = record.versions.get(chosen)
+            if found is not None and found.state is ModelState.READY:
+                return found
+        return self._catalog.resolve(request.model_name, "" if chosen is None else str(chosen))
 
     def after_answer(self, request: InferRequest, response: InferResponse, started_ns: int, sync: bool) -> None:
         """Count a successful answer for the routing status, then mirror the request to the shadow version if the
