@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import shutil
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -330,3 +333,27 @@ async def test_sigterm_drains_a_request_in_flight_in_a_worker(tmp_path: Path) ->
     assert not alive, "workers outlived the server"
     with pytest.raises(httpx.ConnectError):  # nothing listens any more
         httpx.get(f"{url}/v2/health/live")
+
+
+def _self_signed(folder: Path, name: str) -> tuple[Path, Path]:
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1", "-subj", f"/CN={name}",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], cwd=folder, check=True, capture_output=True)
+    return folder / f"{name}.pem", folder / f"{name}.key"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command line makes the certificates")
+def test_workers_terminate_tls_and_require_client_certificates(repo: Path, tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path, "server")
+    client_cert, client_key = _self_signed(tmp_path, "client")
+    context = ssl.create_default_context(cafile=str(cert))
+    context.load_cert_chain(client_cert, client_key)
+    with kiln_serve([repo], "--http-workers", "2", "--allow-grpc", "false", "--https-certfile", str(cert),
+                    "--https-keyfile", str(key), "--https-client-ca", str(client_cert), context=context) as served:
+        url = f"https://{served.http_url}/v2/models/simple/infer"
+        answer = httpx.post(url, content=_json(_SIMPLE), verify=context, timeout=30)
+        assert answer.status_code == 200
+        assert answer.json()["outputs"][0]["data"] == [2 * i for i in range(16)]
+        with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake fails in the worker
+            httpx.get(f"https://{served.http_url}/v2/health/ready",
+                      verify=ssl.create_default_context(cafile=str(cert)), timeout=10)
