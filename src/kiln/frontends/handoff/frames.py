@@ -29,7 +29,7 @@ BODY_END = 14  # its last chunk
 # both ways, call 0: offsets of arena slots the receiver may reuse
 RELEASE = 20
 
-OFFSETS = struct.Struct("<Q")
+FLUSH_DELAY_S = 0.002  # how long released slots wait for a frame to ride along with
 
 FrameHandler = Callable[[int, int, bytes], None]  # (call, kind, payload)
 
@@ -53,6 +53,8 @@ class FrameProtocol(asyncio.Protocol):
     def __init__(self, on_frame: FrameHandler) -> None:
         self._on_frame = on_frame
         self._buffer = bytearray()
+        self._outgoing: list[bytes] = []
+        self._corked = False
         self.transport: asyncio.Transport | None = None
         self.closed = asyncio.get_running_loop().create_future()
 
@@ -78,13 +80,32 @@ class FrameProtocol(asyncio.Protocol):
             self.closed.set_result(None)
 
     def send(self, data: bytes) -> None:
+        """The first frame of an event-loop turn leaves at once; those that follow in the same turn (the rest of a
+        batch's answers, of a burst's requests) leave together after it: each write is a system call that wakes
+        the peer."""
+        if self._corked:
+            self._outgoing.append(data)
+            return
+        self._corked = True
+        asyncio.get_running_loop().call_soon(self._uncork)
+        self._write(data)
+
+    def _uncork(self) -> None:
+        self._corked = False
+        if self._outgoing:
+            data = b"".join(self._outgoing)
+            self._outgoing.clear()
+            self._write(data)
+
+    def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
 
 class Releases:
-    """Slot offsets to hand back to the peer, sent as one RELEASE frame per event-loop turn. ``add`` may be called
-    from any thread (the last numpy view of an input can die on an engine's thread)."""
+    """Slot offsets to hand back to the peer. They ride along with the next frame that goes out anyway
+    (``take``), or leave on their own ``FLUSH_DELAY_S`` after the first was added. ``add`` may be called from any
+    thread (the last numpy view of an input can die on an engine's thread)."""
 
     def __init__(self, protocol: FrameProtocol) -> None:
         self._protocol = protocol
@@ -101,14 +122,19 @@ class Releases:
             except RuntimeError:
                 running = False
             if running:
-                self._loop.call_soon(self._flush)
+                self._loop.call_later(FLUSH_DELAY_S, self._flush)
             elif not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._flush)
+                self._loop.call_soon_threadsafe(self._loop.call_later, FLUSH_DELAY_S, self._flush)
 
-    def _flush(self) -> None:
-        self._scheduled = False  # before draining: an offset added from now on schedules another flush
+    def take(self) -> bytes:
+        """A RELEASE frame of the offsets pending (empty when none are), to send before another frame."""
         pending = []
         while self._pending:
             pending.append(self._pending.popleft())
-        if pending:
-            self._protocol.send(frame(0, RELEASE, pack_offsets(pending)))
+        return frame(0, RELEASE, pack_offsets(pending)) if pending else b""
+
+    def _flush(self) -> None:
+        self._scheduled = False  # before draining: an offset added from now on schedules another flush
+        data = self.take()
+        if data:
+            self._protocol.send(data)

@@ -61,7 +61,7 @@ def decode_request(payload: bytes, arena: Arena | None,
     codec's views on a request body are), and the routing key header it carried."""
     header, inline = _split(payload)
     model = header["model"]
-    data = _Data(header["slot"], header["inputs"], inline, arena, release)
+    data = _Data(header["slot"], inline, arena, release)
     inputs: list[InputTensor] = []
     for item in header["inputs"]:
         at = item["at"]
@@ -99,7 +99,7 @@ def encode_response(response: InferResponse, arena: Arena | None) -> bytes:
 def decode_response(payload: bytes, arena: Arena | None) -> tuple[InferResponse, int | None]:
     """The answer a descriptor stands for, with views on ``arena``, and the slot to free once it is encoded."""
     header, inline = _split(payload)
-    data = _Data(header["slot"], header["outputs"], inline, arena, None)
+    data = _Data(header["slot"], inline, arena, None)
     outputs: list[OutputTensor] = []
     for item in header["outputs"]:
         datatype = DataType.from_wire(item["datatype"])
@@ -113,28 +113,29 @@ def decode_response(payload: bytes, arena: Arena | None) -> tuple[InferResponse,
                                         item["parameters"]))
     response = InferResponse(model_name=header["model"], model_version=header["version"], outputs=outputs,
                              id=header["id"], parameters=header["parameters"])
-    return response, header["slot"]
+    return response, None if header["slot"] is None else header["slot"][0]
 
 
-def _place(blobs: Sequence[Blob | None], arena: Arena | None) -> tuple[int | None, list[list[int] | None],
+def _place(blobs: Sequence[Blob | None], arena: Arena | None) -> tuple[list[int] | None, list[list[int] | None],
                                                                         list[Blob]]:
-    """Where each blob goes: (the arena slot or None, each blob's ``at``, the blobs that go inline)."""
+    """Where each blob goes: (the arena slot as [offset, size] or None, each blob's ``at``, the blobs that go
+    inline)."""
     total = sum(align(len(b)) for b in blobs if b is not None)
-    slot = arena.allocate(total) if arena is not None and total else None
+    offset = arena.allocate(total) if arena is not None and total else None
     places: list[list[int] | None] = []
     inline: list[Blob] = []
     cursor = 0
     for blob in blobs:
         if blob is None:
             places.append(None)
-        elif slot is None or arena is None:
+        elif offset is None or arena is None:
             places.append([INLINE, len(blob)])
             inline.append(blob)
         else:
-            arena.write(slot + cursor, blob)
-            places.append([slot + cursor, len(blob)])
+            arena.write(offset + cursor, blob)
+            places.append([offset + cursor, len(blob)])
             cursor += align(len(blob))
-    return slot, places, inline
+    return None if offset is None else [offset, cursor], places, inline
 
 
 def _message(header: dict[str, Any], inline: list[Blob]) -> bytes:
@@ -148,10 +149,25 @@ def _split(payload: bytes) -> tuple[dict[str, Any], memoryview]:
     return header, memoryview(payload)[_LENGTH.size + length:]
 
 
+_WATCHED: dict[int, weakref.ref[npt.NDArray[np.uint8]]] = {}
+
+
+def _watch(array: npt.NDArray[np.uint8], offset: int, release: Callable[[int], None]) -> None:
+    """Call ``release(offset)`` once ``array`` and every view of it are gone (a weak reference's callback:
+    cheaper than weakref.finalize, which a request per 100 us notices)."""
+    key = id(array)
+
+    def gone(_: object) -> None:
+        _WATCHED.pop(key, None)
+        release(offset)
+
+    _WATCHED[key] = weakref.ref(array, gone)
+
+
 class _Data:
     """Tensor bytes of one message: views on its arena slot or on the inline part."""
 
-    def __init__(self, slot: int | None, items: list[dict[str, Any]], inline: memoryview, arena: Arena | None,
+    def __init__(self, slot: list[int] | None, inline: memoryview, arena: Arena | None,
                  release: Callable[[int], None] | None) -> None:
         self._inline = inline
         self._cursor = 0
@@ -160,12 +176,11 @@ class _Data:
         if slot is not None:
             if arena is None:
                 raise ValueError("the descriptor names an arena slot but this side has no arena")
-            end = max(at[0] + at[1] for at in (i["at"] for i in items) if at is not None and at[0] != INLINE)
+            self._start, size = slot
             # Every tensor is a view of this one array, so it lives as long as any of them.
-            self._slot = np.frombuffer(arena.view(slot, end - slot), dtype=np.uint8)
-            self._start = slot
+            self._slot = np.frombuffer(arena.view(self._start, size), dtype=np.uint8)
             if release is not None:
-                weakref.finalize(self._slot, release, slot)
+                _watch(self._slot, self._start, release)
 
     def array(self, datatype: DataType, shape: tuple[int, ...], at: list[int]) -> npt.NDArray[Any]:
         where, size = at

@@ -101,17 +101,22 @@ class CoreLink:
                 arena.close()
 
     async def _infer(self, call: int, payload: bytes) -> None:
+        answer = await self._answer(call, payload)
+        # The request is gone with _answer's frame: its inputs' slot is released already, unless a mirrored
+        # request still reads them, and the release leaves with the answer.
+        self.protocol.send(self._releases.take() + answer)
+
+    async def _answer(self, call: int, payload: bytes) -> bytes:
         try:
             request, routing_key = decode_request(payload, self._request_arena, self._releases.add)
             if routing_key is not None:
                 headers = [(ROUTING_KEY_HEADER.encode(), routing_key.encode("latin-1"))]
                 apply_routing_header(self._server, Request({"type": "http", "headers": headers}), request)
             response = await self._server.infer(request)
-            answer = frame(call, frames.ANSWER, encode_response(response, self._response_arena))
+            return frame(call, frames.ANSWER, encode_response(response, self._response_arena))
         except Exception as exc:  # every failure is the client's answer, rendered by the worker
             error = as_kiln_error(exc)
-            answer = frame(call, frames.ERROR, orjson.dumps([error.code.value, error.message]))
-        self.protocol.send(answer)
+            return frame(call, frames.ERROR, orjson.dumps([error.code.value, error.message]))
 
     async def _forward(self, call: int, payload: bytes) -> None:
         state = self._forwarded[call]

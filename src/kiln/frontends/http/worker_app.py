@@ -80,7 +80,8 @@ class CoreClient:
         call = next(self._ids)
         answer: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
         self._answers[call] = answer
-        self.send(call, frames.INFER, encode_request(request, self._request_arena, routing_key))
+        payload = encode_request(request, self._request_arena, routing_key)
+        self.protocol.send(self._releases.take() + frame(call, frames.INFER, payload))
         try:
             kind, payload = await answer
         finally:
