@@ -9,6 +9,7 @@ average batch the server formed (from its statistics): requests that reach the s
 still leave as batches.
 
     python benchmarks/served_ceiling.py --output benchmarks/results/served_ceiling-<date>.json
+    python benchmarks/served_ceiling.py --http-workers 1,4 --rows "http:request body"   # 1 vs 4 HTTP processes
 
 The server runs as ``python benchmarks/served_ceiling.py --serve-child KILN_SERVE_ARGS...``, which registers the
 stand-in backend and then runs `kiln serve`.
@@ -57,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--base-ms", type=float, default=1.0, help="stand-in device time per batch")
     parser.add_argument("--per-row-us", type=float, default=30.0, help="stand-in device time per image")
+    parser.add_argument("--http-workers", default="1",
+                        help="`kiln serve --http-workers` values, comma-separated: every row runs against each")
     parser.add_argument("--serve-args", default="", help="more `kiln serve` arguments, e.g. '--grpc-workers 2'")
     parser.add_argument("--output", type=Path, default=None, help="JSON results; a .txt beside it gets the table")
     args = parser.parse_args(argv)
@@ -68,20 +71,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         (repo / MODEL / "config.pbtxt").write_text(CONFIG.format(model=MODEL, backend=BACKEND,
                                                                  instances=args.instances, batching=preferred))
         settings = [f"--stand-in-ms={args.base_ms}", f"--stand-in-row-us={args.per_row_us}"]
-        with _served(repo, settings, args.serve_args.split(), Path(tmp) / "serve.log") as (http_url, grpc_url):
-            for row in args.rows.split(","):
-                protocol, tensors = row.split(":")
-                for concurrency in int_list(args.concurrency):
-                    rows.append(_row(protocol, tensors, http_url, grpc_url if protocol == "grpc" else http_url,
-                                     concurrency, args.client_processes, args.seconds))
-                    print(rows[-1], flush=True)
+        for workers in int_list(args.http_workers):
+            serve_args = ["--http-workers", str(workers), *args.serve_args.split()]
+            with _served(repo, settings, serve_args, Path(tmp) / "serve.log") as (http_url, grpc_url):
+                for row in args.rows.split(","):
+                    protocol, tensors = row.split(":")
+                    for concurrency in int_list(args.concurrency):
+                        rows.append({"http_workers": workers, **_row(
+                            protocol, tensors, http_url, grpc_url if protocol == "grpc" else http_url, concurrency,
+                            args.client_processes, args.seconds)})
+                        print(rows[-1], flush=True)
     info = describe("kiln served ceiling: kiln serve against a device stand-in",
                     stand_in=f"{args.base_ms:g} ms per batch + {args.per_row_us:g} us per image; {args.instances} "
                              f"instance(s), preferred [{args.preferred}]; {args.client_processes} client processes; "
                              f"{args.seconds:g} s per row; serve arguments: {args.serve_args or '-'}")
-    text = header(info) + "\n" + table(["protocol", "tensors", "conc", "req/s", "avg batch"],
-                                       [[r["protocol"], r["tensors"], r["concurrency"], r["requests_per_s"],
-                                         f"{r['average_batch']:.2f}"] for r in rows], numeric_from=2)
+    text = header(info) + "\n" + table(["protocol", "tensors", "http workers", "conc", "req/s", "avg batch"],
+                                       [[r["protocol"], r["tensors"], r["http_workers"], r["concurrency"],
+                                         r["requests_per_s"], f"{r['average_batch']:.2f}"] for r in rows],
+                                       numeric_from=2)
     print(text)
     write_outputs(args.output, {**info, "rows": rows}, text)
     return 0

@@ -7,18 +7,13 @@ models, exit 0. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import os
 import signal
-import socket
-import ssl
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -26,40 +21,17 @@ from starlette.routing import Route
 
 from kiln.frontends.grpc.server import start_grpc_server
 from kiln.frontends.grpc.workers import start_grpc_workers
-from kiln.frontends.http import listener
 from kiln.frontends.http.app import build_app
 from kiln.frontends.http.capture import CaptureOptions
 from kiln.frontends.http.files import DownloadOptions
+from kiln.frontends.http.server import HttpServer, http_config
+from kiln.frontends.http.workers import HttpWorkers, WorkerSettings
 from kiln.frontends.metrics import METRICS_CONTENT_TYPE, MetricsOptions, metrics_registry, render_metrics
 from kiln.server.capture import CaptureStore
 from kiln.server.server import Server
 from kiln.service_options import ServiceOptions
 
 log = logging.getLogger("kiln.service")
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling (the service owns signals for all its frontends) and with kiln's
-    listener, which accepts connections in bursts (frontends/http/listener.py)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        config = self.config
-        try:
-            bound = listener.bind(config.host, config.port, config.backlog)
-        except OSError as exc:
-            log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
-            raise SystemExit(1) from None
-        await super().startup(sockets=[])  # uvicorn's state, without a server of its own
-        self.servers.append(listener.Listener(bound, self._protocol, config.ssl,  # type: ignore[arg-type]
-                                              burst=config.backlog))
-
-    def _protocol(self) -> asyncio.Protocol:
-        return self.config.http_protocol_class(config=self.config, server_state=self.server_state,  # type: ignore[call-arg]
-                                               app_state=self.lifespan.state)
 
 
 class Service:
@@ -86,11 +58,8 @@ class Service:
             return 1
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        http = self._uvicorn(build_app(self.server, max_input_size=self.options.http_max_input_size,
-                                       downloads=DownloadOptions(self.options.allow_model_download,
-                                                                 self.options.api_key),
-                                       capture=self._capture_options()),
-                             self.options.http_port, tls=True) if self.options.allow_http else None
+        in_process_http = self.options.allow_http and self.options.http_workers <= 1
+        http = self._uvicorn(self._http_app(), self.options.http_port, tls=True) if in_process_http else None
         metrics = self._uvicorn(_metrics_app(self.server, self.options.metrics), self.options.metrics_port) \
             if self.options.allow_metrics else None
         grpc_server = None
@@ -107,12 +76,13 @@ class Service:
         tasks = [asyncio.create_task(u.serve()) for u in (http, metrics) if u is not None]
         await _wait_started([u for u in (http, metrics) if u is not None], tasks)
         self._record_ports(http, metrics)
+        http_workers = await self._start_http_workers() if self.options.allow_http and not in_process_http else None
         self._log_startup(time.monotonic() - started)
         watcher = asyncio.create_task(self._poll()) if self.options.server.control_mode == "poll" else None
         await self._stop.wait()
         if watcher is not None:
             watcher.cancel()
-        await self._drain(http, metrics, grpc_server, tasks)
+        await self._drain(http, metrics, [w for w in (grpc_server, http_workers) if w is not None], tasks)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         return 0
@@ -134,23 +104,32 @@ class Service:
             if changed:
                 log.info("repository poll applied changes to: %s", ", ".join(changed))
 
-    def _uvicorn(self, app: Any, port: int, *, tls: bool = False) -> _Uvicorn:
-        config = uvicorn.Config(app, host=self.options.host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", http="httptools", loop="none",
-                                timeout_graceful_shutdown=int(self.options.exit_timeout_s),
-                                **(self._tls_settings() if tls else {}))
-        return _Uvicorn(config)
+    def _http_app(self) -> Any:
+        return build_app(self.server, max_input_size=self.options.http_max_input_size,
+                         downloads=DownloadOptions(self.options.allow_model_download, self.options.api_key),
+                         capture=self._capture_options())
 
-    def _tls_settings(self) -> dict[str, Any]:
-        """uvicorn's TLS settings for the HTTP frontend: none without a certificate."""
+    def _uvicorn(self, app: Any, port: int, *, tls: bool = False) -> HttpServer:
         options = self.options
-        if options.https_certfile is None:
-            return {}
-        settings: dict[str, Any] = {"ssl_certfile": str(options.https_certfile),
-                                    "ssl_keyfile": str(options.https_keyfile) if options.https_keyfile else None}
-        if options.https_client_ca is not None:
-            settings |= {"ssl_ca_certs": str(options.https_client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        return settings
+        if not tls:
+            return HttpServer(http_config(app, options.host, port, options.exit_timeout_s))
+        return HttpServer(http_config(app, options.host, port, options.exit_timeout_s,
+                                      certfile=options.https_certfile, keyfile=options.https_keyfile,
+                                      client_ca=options.https_client_ca))
+
+    async def _start_http_workers(self) -> HttpWorkers:
+        """HTTP from worker processes (--http-workers N > 1); they serve the same app through this process."""
+        options = self.options
+        settings = WorkerSettings(options.host, options.http_port, options.http_workers, options.http_max_input_size,
+                                  options.exit_timeout_s, options.https_certfile, options.https_keyfile,
+                                  options.https_client_ca, log_level="DEBUG" if options.log_verbose else "INFO")
+        workers = HttpWorkers(self.server, self._http_app(), settings)
+        try:
+            self.bound["http"] = await workers.start()
+        except OSError as exc:
+            log.error("cannot serve HTTP on %s:%d: %s", options.host, options.http_port, exc)
+            raise SystemExit(1) from None
+        return workers
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
@@ -161,14 +140,14 @@ class Service:
                  self.options.exit_timeout_s)
         self._stop.set()
 
-    async def _drain(self, http: _Uvicorn | None, metrics: _Uvicorn | None, grpc_server: Any,
+    async def _drain(self, http: HttpServer | None, metrics: HttpServer | None, workers: list[Any],
                      tasks: list[asyncio.Task[None]]) -> None:
         self.server.begin_shutdown()
         for frontend in (http, metrics):
             if frontend is not None:
                 frontend.should_exit = True
-        if grpc_server is not None:
-            await grpc_server.stop(grace=self.options.exit_timeout_s)
+        # Worker processes (gRPC, HTTP) drain together; this process answers their requests meanwhile.
+        await asyncio.gather(*(w.stop(grace=self.options.exit_timeout_s) for w in workers))
         deadline = time.monotonic() + self.options.exit_timeout_s
         while self.server.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -177,7 +156,7 @@ class Service:
         await asyncio.get_running_loop().run_in_executor(None, self.server.close, remaining)
         log.info("stopped")
 
-    def _record_ports(self, http: _Uvicorn | None, metrics: _Uvicorn | None) -> None:
+    def _record_ports(self, http: HttpServer | None, metrics: HttpServer | None) -> None:
         for name, frontend in (("http", http), ("metrics", metrics)):
             if frontend is not None and frontend.servers:
                 self.bound[name] = frontend.servers[0].sockets[0].getsockname()[1]
@@ -201,16 +180,19 @@ class Service:
         self._log_models()
         host = self.options.host
         http_scheme = "https" if self.options.https_certfile is not None else "http"
-        workers = self.options.grpc_workers
-        notes = {"metrics": "/metrics", "grpc": f" ({workers} worker process{'es' if workers > 1 else ''})"
-                 if workers else ""}
+        notes = {"metrics": "/metrics", "grpc": _workers_note(self.options.grpc_workers),
+                 "http": _workers_note(self.options.http_workers if self.options.http_workers > 1 else 0)}
         for name, scheme in (("http", http_scheme), ("grpc", "grpc"), ("metrics", "http")):
             if name in self.bound:
                 log.info("%s: %s://%s:%d%s", name, scheme, host, self.bound[name], notes.get(name, ""))
         log.info("ready in %.2fs", elapsed_s)
 
 
-async def _wait_started(servers: list[_Uvicorn], tasks: list[asyncio.Task[None]]) -> None:
+def _workers_note(count: int) -> str:
+    return f" ({count} worker process{'es' if count > 1 else ''})" if count else ""
+
+
+async def _wait_started(servers: list[HttpServer], tasks: list[asyncio.Task[None]]) -> None:
     while not all(s.started for s in servers):
         for task in tasks:
             if task.done():

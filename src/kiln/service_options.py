@@ -8,6 +8,7 @@ hands the one object to :func:`kiln.service.run_service`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,17 @@ from kiln.server.server import ServerOptions
 
 if TYPE_CHECKING:
     from kiln.frontends.metrics import MetricsOptions
+
+
+def default_http_workers() -> int:
+    """`kiln serve`'s --http-workers: 1 (HTTP in the server process) with fewer than 8 usable CPUs, else a quarter
+    of them, at most 4. One event loop carries HTTP up to a few thousand requests/s; the server process keeps the
+    other cores for its engines, and a worker past four rarely finds a core idle."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return 1 if cpus < 8 else min(4, cpus // 4)
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,12 @@ class ServiceOptions:
         "--grpc-workers", parse=non_negative, metavar="N",
         help="serve gRPC from N worker processes sharing the port, which forward each call to this process (0, the "
              "default: gRPC runs in this process)"))
+    # The API's default is today's one process; `kiln serve`'s depends on the host (default_http_workers).
+    http_workers: int = field(default=1, metadata=flag(
+        "--http-workers", parse=non_negative, metavar="N", default=default_http_workers(),
+        help="serve HTTP from N worker processes sharing the port, which decode infer requests and hand their "
+             "tensors to this process in shared memory (0 or 1: HTTP runs in this process; default: 1 on hosts "
+             "with fewer than 8 usable CPUs, else min(4, CPUs / 4))"))
     exit_timeout_s: float = field(default=30.0, metadata=flag(
         "--exit-timeout-secs", help="how long shutdown waits for in-flight requests (default 30)"))
     metrics_config: tuple[str, ...] = field(default=(), metadata=flag(

@@ -46,6 +46,17 @@ def test_served_ceiling(tmp_path: Path) -> None:
     assert all(row["requests_per_s"] > 0 and row["average_batch"] >= 1 for row in rows), rows
 
 
+@needs_torch
+def test_served_ceiling_compares_http_worker_counts(tmp_path: Path) -> None:
+    output = tmp_path / "served.json"
+    assert run_main("served_ceiling", "--rows", "http:request body", "--http-workers", "1,2", "--concurrency", "2",
+                    "--client-processes", "1", "--seconds", "0.3", "--instances", "1", "--preferred", "",
+                    "--serve-args", "--allow-grpc false", "--output", str(output)) == 0
+    rows = read_json(output)["rows"]
+    assert [(row["http_workers"], row["protocol"]) for row in rows] == [(1, "http"), (2, "http")]
+    assert all(row["requests_per_s"] > 0 and row["average_batch"] >= 1 for row in rows), rows
+
+
 def test_shm_gpu_served_rows_on_a_cpu_model(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     write_model(repo, "resnet50", build_resnet50(0, base_channels=8, image_size=32, num_classes=10), _TINY_RESNET)

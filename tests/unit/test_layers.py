@@ -38,8 +38,10 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "batching": (PROTOCOL | {"config", "engines"}, {"numpy"}),
     "direct": (PROTOCOL | {"config", "engines", "batching"}, {"numpy"}),
     "server": (MODELS | {"kiln"}, {"numpy", "google", "torch"}),
+    # uvicorn: the HTTP worker processes run it; orjson: their descriptors (frontends/http/worker.py, handoff/).
     "frontends": (PROTOCOL | {"config", "server", "kiln"}, {"numpy", "starlette", "grpc", "grpc_health",
-                                                             "prometheus_client", "psutil", "uvloop", "pynvml"}),
+                                                             "prometheus_client", "psutil", "uvloop", "pynvml",
+                                                             "uvicorn", "orjson"}),
     "service": (PROTOCOL | {"config", "server", "frontends", "service_options", "kiln"},
                 {"starlette", "uvicorn", "uvloop"}),
     "service_options": (PROTOCOL | {"_flags", "server", "frontends"}, set()),

@@ -25,8 +25,9 @@ _RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ProtocolFactory = Callable[[], asyncio.Protocol]
 
 
-def bind(host: str | None, port: int, backlog: int) -> list[socket.socket]:
-    """Listening sockets for ``host`` (every address it resolves to; None or '' for all interfaces) and ``port``."""
+def bind(host: str | None, port: int, backlog: int, *, reuse_port: bool = False) -> list[socket.socket]:
+    """Listening sockets for ``host`` (every address it resolves to; None or '' for all interfaces) and ``port``;
+    ``reuse_port``: with SO_REUSEPORT, so that several sockets share the port (HTTP workers)."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     sockets: list[socket.socket] = []
     try:
@@ -34,6 +35,8 @@ def bind(host: str | None, port: int, backlog: int) -> list[socket.socket]:
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # its IPv4 twin binds separately
             sock.bind(address)

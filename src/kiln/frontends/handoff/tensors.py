@@ -1,0 +1,197 @@
+"""Infer requests and answers as compact descriptors: a JSON header naming every tensor (name, datatype, shape,
+parameters, where its bytes are) followed by the bytes of the tensors that travel inline.
+
+A tensor's bytes are in the raw layout (kiln.v2.layout) and lie either in the sender's arena (``at: [offset,
+size]``) or inline after the header (``at: [-1, size]``, in order); a tensor in a client's shared-memory region
+has none (``at: null``). One arena slot holds all of a message's tensors; when the arena has no room for them the
+whole message goes inline.
+
+The receiver of a request builds numpy views on the arena (no copy) and hands the slot back, through ``release``,
+once the last view is gone, which may be after the answer (a shadow version's mirrored request keeps the inputs).
+"""
+
+from __future__ import annotations
+
+import struct
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from kiln.frontends.handoff.arena import Arena, align
+from kiln.tensor import DataType, decode_bytes, element_count
+from kiln.v2.layout import raw_view
+from kiln.v2.types import (
+    InferRequest,
+    InferResponse,
+    InputTensor,
+    OutputTensor,
+    RequestedOutput,
+    SharedMemoryRef,
+    shared_memory_ref,
+)
+
+_LENGTH = struct.Struct("<I")
+INLINE = -1
+
+Blob = bytes | memoryview
+
+
+def encode_request(request: InferRequest, arena: Arena | None, routing_key: str | None = None) -> bytes:
+    """The descriptor of a decoded request, its input bytes written into ``arena`` where they fit."""
+    blobs = [None if t.shared_memory is not None else raw_view(t.data, t.datatype) for t in request.inputs]
+    slot, places, inline = _place(blobs, arena)
+    inputs = [{"name": t.name, "datatype": t.datatype.wire_name, "shape": list(t.shape),
+               "parameters": dict(t.parameters), "at": at} for t, at in zip(request.inputs, places, strict=True)]
+    outputs = [{"name": o.name, "classification": o.classification, "parameters": dict(o.parameters)}
+               for o in request.outputs]
+    header = {"model": request.model_name, "version": request.model_version, "id": request.id,
+              "parameters": dict(request.parameters), "inputs": inputs, "outputs": outputs, "slot": slot}
+    if routing_key is not None:
+        header["routing_key"] = routing_key
+    return _message(header, inline)
+
+
+def decode_request(payload: bytes, arena: Arena | None,
+                   release: Callable[[int], None]) -> tuple[InferRequest, str | None]:
+    """The request a descriptor stands for, its inputs numpy views on ``arena`` (read-only, as the in-process
+    codec's views on a request body are), and the routing key header it carried."""
+    header, inline = _split(payload)
+    model = header["model"]
+    data = _Data(header["slot"], inline, arena, release)
+    inputs: list[InputTensor] = []
+    for item in header["inputs"]:
+        at = item["at"]
+        datatype = DataType.from_wire(item["datatype"])
+        shape = tuple(item["shape"])
+        parameters = item["parameters"]
+        if at is None:
+            shm = shared_memory_ref(parameters, f"model '{model}': input '{item['name']}'")
+            inputs.append(InputTensor(item["name"], datatype, shape, np.empty(0, datatype.numpy_dtype), parameters,
+                                      shm))
+        else:
+            inputs.append(InputTensor(item["name"], datatype, shape, data.array(datatype, shape, at), parameters))
+    outputs = [RequestedOutput(o["name"], o["classification"], o["parameters"],
+                               shared_memory_ref(o["parameters"], f"model '{model}': output '{o['name']}'"))
+               for o in header["outputs"]]
+    request = InferRequest(model_name=model, model_version=header["version"], inputs=inputs, id=header["id"],
+                           outputs=outputs, parameters=header["parameters"])
+    return request, header.get("routing_key")
+
+
+def encode_response(response: InferResponse, arena: Arena | None) -> bytes:
+    """The descriptor of an answer, its output bytes written into ``arena`` where they fit."""
+    blobs = [None if o.shared_memory is not None else raw_view(o.data, o.datatype) for o in response.outputs]
+    slot, places, inline = _place(blobs, arena)
+    outputs = [{"name": o.name, "datatype": o.datatype.wire_name, "shape": [int(d) for d in o.shape],
+                "parameters": dict(o.parameters), "at": at,
+                "shm": None if o.shared_memory is None else
+                [o.shared_memory.region, o.shared_memory.byte_size, o.shared_memory.offset]}
+               for o, at in zip(response.outputs, places, strict=True)]
+    header = {"model": response.model_name, "version": response.model_version, "id": response.id,
+              "parameters": dict(response.parameters), "outputs": outputs, "slot": slot}
+    return _message(header, inline)
+
+
+def decode_response(payload: bytes, arena: Arena | None) -> tuple[InferResponse, int | None]:
+    """The answer a descriptor stands for, with views on ``arena``, and the slot to free once it is encoded."""
+    header, inline = _split(payload)
+    data = _Data(header["slot"], inline, arena, None)
+    outputs: list[OutputTensor] = []
+    for item in header["outputs"]:
+        datatype = DataType.from_wire(item["datatype"])
+        shape = tuple(item["shape"])
+        if item["shm"] is not None:
+            region, byte_size, offset = item["shm"]
+            outputs.append(OutputTensor(item["name"], datatype, shape, np.empty(0, datatype.numpy_dtype),
+                                        item["parameters"], SharedMemoryRef(region, byte_size, offset)))
+        else:
+            outputs.append(OutputTensor(item["name"], datatype, shape, data.array(datatype, shape, item["at"]),
+                                        item["parameters"]))
+    response = InferResponse(model_name=header["model"], model_version=header["version"], outputs=outputs,
+                             id=header["id"], parameters=header["parameters"])
+    return response, None if header["slot"] is None else header["slot"][0]
+
+
+def _place(blobs: Sequence[Blob | None], arena: Arena | None) -> tuple[list[int] | None, list[list[int] | None],
+                                                                        list[Blob]]:
+    """Where each blob goes: (the arena slot as [offset, size] or None, each blob's ``at``, the blobs that go
+    inline)."""
+    total = sum(align(len(b)) for b in blobs if b is not None)
+    offset = arena.allocate(total) if arena is not None and total else None
+    places: list[list[int] | None] = []
+    inline: list[Blob] = []
+    cursor = 0
+    for blob in blobs:
+        if blob is None:
+            places.append(None)
+        elif offset is None or arena is None:
+            places.append([INLINE, len(blob)])
+            inline.append(blob)
+        else:
+            arena.write(offset + cursor, blob)
+            places.append([offset + cursor, len(blob)])
+            cursor += align(len(blob))
+    return None if offset is None else [offset, cursor], places, inline
+
+
+def _message(header: dict[str, Any], inline: list[Blob]) -> bytes:
+    encoded = orjson.dumps(header)
+    return b"".join([_LENGTH.pack(len(encoded)), encoded, *inline])
+
+
+def _split(payload: bytes) -> tuple[dict[str, Any], memoryview]:
+    (length,) = _LENGTH.unpack_from(payload)
+    header: dict[str, Any] = orjson.loads(memoryview(payload)[_LENGTH.size:_LENGTH.size + length])
+    return header, memoryview(payload)[_LENGTH.size + length:]
+
+
+_WATCHED: dict[int, weakref.ref[npt.NDArray[np.uint8]]] = {}
+
+
+def _watch(array: npt.NDArray[np.uint8], offset: int, release: Callable[[int], None]) -> None:
+    """Call ``release(offset)`` once ``array`` and every view of it are gone (a weak reference's callback:
+    cheaper than weakref.finalize, which a request per 100 us notices)."""
+    key = id(array)
+
+    def gone(_: object) -> None:
+        _WATCHED.pop(key, None)
+        release(offset)
+
+    _WATCHED[key] = weakref.ref(array, gone)
+
+
+class _Data:
+    """Tensor bytes of one message: views on its arena slot or on the inline part."""
+
+    def __init__(self, slot: list[int] | None, inline: memoryview, arena: Arena | None,
+                 release: Callable[[int], None] | None) -> None:
+        self._inline = inline
+        self._cursor = 0
+        self._slot: npt.NDArray[np.uint8] | None = None
+        self._start = 0
+        if slot is not None:
+            if arena is None:
+                raise ValueError("the descriptor names an arena slot but this side has no arena")
+            self._start, size = slot
+            # Every tensor is a view of this one array, so it lives as long as any of them.
+            self._slot = np.frombuffer(arena.view(self._start, size), dtype=np.uint8)
+            if release is not None:
+                _watch(self._slot, self._start, release)
+
+    def array(self, datatype: DataType, shape: tuple[int, ...], at: list[int]) -> npt.NDArray[Any]:
+        where, size = at
+        if where == INLINE:
+            raw: Any = self._inline[self._cursor:self._cursor + size]
+            self._cursor += size
+            if datatype is DataType.BYTES:
+                return decode_bytes(raw, element_count(shape)).reshape(shape)
+            return np.frombuffer(raw, dtype=datatype.numpy_dtype).reshape(shape)
+        assert self._slot is not None
+        chunk = self._slot[where - self._start:where - self._start + size]
+        if datatype is DataType.BYTES:
+            return decode_bytes(chunk.data, element_count(shape)).reshape(shape)
+        return chunk.view(datatype.numpy_dtype).reshape(shape)

@@ -1,0 +1,178 @@
+"""The server process's end of an HTTP worker's link: infer descriptors run on the Server, every other request
+runs through the same ASGI app the in-process frontend serves.
+
+An infer request arrives decoded (tensors.py): its inputs become numpy views on the worker's arena, the Server
+answers, and the outputs go into this side's arena for the worker to encode. Anything else arrives whole (method,
+path, query, headers, body) and is answered by calling the app with a synthesized scope, so each route has one
+implementation and its checks (API keys, body limits, errors) hold as they do in one process. A forwarded
+response is streamed back chunk by chunk, at most ``WINDOW`` chunks ahead of what the worker has delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message
+
+from kiln.frontends.handoff import frames
+from kiln.frontends.handoff.arena import Arena
+from kiln.frontends.handoff.frames import FrameProtocol, Releases, frame
+from kiln.frontends.handoff.tensors import decode_request, encode_response
+from kiln.frontends.http.routing import ROUTING_KEY_HEADER, apply_routing_header
+from kiln.server.server import Server
+from kiln.v2.http_responses import error_response
+from kiln.v2.status import as_kiln_error
+
+log = logging.getLogger("kiln.http.workers")
+
+WINDOW = 8  # streamed chunks in flight per forwarded response
+_LENGTH = struct.Struct("<I")
+
+
+def forward_payload(request: dict[str, Any], body: bytes) -> bytes:
+    """A FORWARD frame's payload: the request's scope document, then its body."""
+    encoded = orjson.dumps(request)
+    return _LENGTH.pack(len(encoded)) + encoded + body
+
+
+def split_forward(payload: bytes) -> tuple[dict[str, Any], bytes]:
+    (length,) = _LENGTH.unpack_from(payload)
+    return orjson.loads(payload[_LENGTH.size:_LENGTH.size + length]), payload[_LENGTH.size + length:]
+
+
+class _Forwarded:
+    """What the worker may still say about one forwarded request: chunks delivered, client gone."""
+
+    def __init__(self) -> None:
+        self.credits = asyncio.Semaphore(WINDOW)
+        self.disconnected = asyncio.Event()
+
+
+class CoreLink:
+    """One worker's link. ``arenas``: the worker's (its requests' inputs) and this side's (answers' outputs);
+    None where the platform gave none, and tensors then travel inline."""
+
+    def __init__(self, server: Server, app: ASGIApp, request_arena: Arena | None, response_arena: Arena | None,
+                 on_hello: Callable[[], None]) -> None:
+        self._server = server
+        self._app = app
+        self._request_arena = request_arena
+        self._response_arena = response_arena
+        self._on_hello = on_hello
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._forwarded: dict[int, _Forwarded] = {}
+        self.protocol = FrameProtocol(self._on_frame)
+        self._releases = Releases(self.protocol)
+        self.protocol.closed.add_done_callback(self._lost)
+
+    def _on_frame(self, call: int, kind: int, payload: bytes) -> None:
+        if kind == frames.INFER:
+            self._track(call, self._infer(call, payload))
+        elif kind == frames.FORWARD:
+            self._forwarded[call] = _Forwarded()
+            self._track(call, self._forward(call, payload))
+        elif kind == frames.ACK and call in self._forwarded:
+            self._forwarded[call].credits.release()
+        elif kind == frames.DISCONNECT and call in self._forwarded:
+            self._forwarded[call].disconnected.set()
+        elif kind == frames.RELEASE and self._response_arena is not None:
+            for offset in frames.unpack_offsets(payload):
+                self._response_arena.free(offset)
+        elif kind == frames.HELLO:
+            self._on_hello()
+
+    def _track(self, call: int, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks[call] = task
+        task.add_done_callback(lambda _: self._tasks.pop(call, None))
+
+    def _lost(self, _: object) -> None:
+        """The worker is gone: its requests' answers have nowhere to go."""
+        for task in list(self._tasks.values()):
+            task.cancel()
+        for arena in (self._request_arena, self._response_arena):
+            if arena is not None:
+                arena.close()
+
+    async def _infer(self, call: int, payload: bytes) -> None:
+        answer = await self._answer(call, payload)
+        # The request is gone with _answer's frame: its inputs' slot is released already, unless a mirrored
+        # request still reads them, and the release leaves with the answer.
+        self.protocol.send(self._releases.take() + answer)
+
+    async def _answer(self, call: int, payload: bytes) -> bytes:
+        try:
+            request, routing_key = decode_request(payload, self._request_arena, self._releases.add)
+            if routing_key is not None:
+                headers = [(ROUTING_KEY_HEADER.encode(), routing_key.encode("latin-1"))]
+                apply_routing_header(self._server, Request({"type": "http", "headers": headers}), request)
+            response = await self._server.infer(request)
+            return frame(call, frames.ANSWER, encode_response(response, self._response_arena))
+        except Exception as exc:  # every failure is the client's answer, rendered by the worker
+            error = as_kiln_error(exc)
+            return frame(call, frames.ERROR, orjson.dumps([error.code.value, error.message]))
+
+    async def _forward(self, call: int, payload: bytes) -> None:
+        state = self._forwarded[call]
+        request, body = split_forward(payload)
+        scope = _scope(request)
+        pending = [body]
+        started = ended = False
+
+        async def receive() -> Message:
+            if pending:
+                return {"type": "http.request", "body": pending.pop(), "more_body": False}
+            await state.disconnected.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            nonlocal started, ended
+            if message["type"] == "http.response.start":
+                started = True
+                headers = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in message.get("headers", [])]
+                self.protocol.send(frame(call, frames.START, orjson.dumps(
+                    {"status": message["status"], "headers": headers})))
+            elif message["type"] == "http.response.body" and not ended:
+                if message.get("more_body", False):
+                    await state.credits.acquire()
+                    self.protocol.send(frame(call, frames.BODY, bytes(message.get("body", b""))))
+                else:
+                    ended = True
+                    self.protocol.send(frame(call, frames.BODY_END, bytes(message.get("body", b""))))
+
+        try:
+            await self._app(scope, receive, send)
+        except Exception as exc:  # the app answers its own errors; this is a failure past its handlers
+            log.exception("HTTP %s %s failed", scope["method"], scope["path"])
+            if not started:
+                await error_response(exc)(scope, receive, send)
+        finally:
+            self._forwarded.pop(call, None)
+        if not ended:  # an app that sent no (complete) answer: end what the worker has
+            self.protocol.send(frame(call, frames.BODY_END))
+
+
+def _scope(request: dict[str, Any]) -> dict[str, Any]:
+    """An ASGI HTTP scope from a worker's description of the request it received."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": request["http_version"],
+        "method": request["method"],
+        "scheme": request["scheme"],
+        "path": request["path"],
+        "raw_path": request["raw_path"].encode("latin-1"),
+        "query_string": request["query_string"].encode("latin-1"),
+        "root_path": "",
+        "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in request["headers"]],
+        "client": tuple(request["client"]) if request["client"] else None,
+        "server": tuple(request["server"]) if request["server"] else None,
+        "state": {},
+        "extensions": {},
+    }

@@ -1,0 +1,62 @@
+"""uvicorn as kiln's HTTP frontends run it, in the server process and in HTTP worker processes alike."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from kiln.frontends.http import listener
+
+log = logging.getLogger("kiln.service")
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling (the process owns signals for all its frontends) and with kiln's
+    listener, which accepts connections in bursts (listener.py). ``sockets``: listening sockets bound already
+    (an HTTP worker's); None binds the config's host and port."""
+
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket] | None = None) -> None:
+        super().__init__(config)
+        self._sockets = sockets
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        config = self.config
+        bound = self._sockets
+        if bound is None:
+            try:
+                bound = listener.bind(config.host, config.port, config.backlog)
+            except OSError as exc:
+                log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+                raise SystemExit(1) from None
+        await super().startup(sockets=[])  # uvicorn's state, without a server of its own
+        self.servers.append(listener.Listener(bound, self._protocol, config.ssl,  # type: ignore[arg-type]
+                                              burst=config.backlog))
+
+    def _protocol(self) -> asyncio.Protocol:
+        return self.config.http_protocol_class(config=self.config, server_state=self.server_state,  # type: ignore[call-arg]
+                                               app_state=self.lifespan.state)
+
+
+def http_config(app: Any, host: str, port: int, exit_timeout_s: float, *, certfile: Path | None = None,
+                keyfile: Path | None = None, client_ca: Path | None = None) -> uvicorn.Config:
+    """uvicorn's settings for a kiln frontend; with ``certfile`` it serves TLS, with ``client_ca`` it requires
+    client certificates signed by that CA (mTLS)."""
+    tls: dict[str, Any] = {}
+    if certfile is not None:
+        tls = {"ssl_certfile": str(certfile), "ssl_keyfile": str(keyfile) if keyfile else None}
+        if client_ca is not None:
+            tls |= {"ssl_ca_certs": str(client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                          http="httptools", loop="none", timeout_graceful_shutdown=int(exit_timeout_s), **tls)

@@ -1,0 +1,84 @@
+"""One HTTP worker process: uvicorn on listening sockets the server process bound, serving worker_app.py.
+
+Started by :mod:`kiln.frontends.http.workers` as ``python -m kiln.frontends.http.worker`` with the descriptors
+it inherits: the link to the server process (one end of a socket pair), its listening sockets and the two arenas.
+SIGTERM stops accepting and lets requests in flight finish for ``--grace`` seconds; losing the link ends the
+process, since no request could be answered any more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from kiln.frontends.handoff import frames
+from kiln.frontends.handoff.arena import Arena
+from kiln.frontends.http.server import HttpServer, http_config
+from kiln.frontends.http.worker_app import CoreClient, WorkerApp
+
+
+def _arena(fd: int) -> Arena | None:
+    if fd < 0:
+        return None
+    arena = Arena.from_fd(fd)
+    os.close(fd)  # the mapping stays
+    return arena
+
+
+async def run(args: argparse.Namespace) -> int:
+    loop = asyncio.get_running_loop()
+    core = CoreClient(_arena(args.request_arena_fd), _arena(args.response_arena_fd))
+    await loop.create_unix_connection(lambda: core.protocol, sock=socket.socket(fileno=args.link_fd))
+    sockets = [socket.socket(fileno=int(fd)) for fd in args.listen_fds.split(",")]
+    for sock in sockets:
+        sock.setblocking(False)
+    config = http_config(WorkerApp(core, args.max_input_size), "", 0, args.grace, certfile=args.certfile,
+                         keyfile=args.keyfile, client_ca=args.client_ca)
+    server = HttpServer(config, sockets)
+    loop.add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
+
+    def lost(_: object) -> None:
+        server.should_exit = server.force_exit = True
+
+    core.protocol.closed.add_done_callback(lost)
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.01)
+    if server.started:
+        core.send(0, frames.HELLO)
+    await serving
+    return 1 if core.protocol.closed.done() else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="kiln HTTP worker (started by kiln serve --http-workers)")
+    parser.add_argument("--link-fd", type=int, required=True, help="the socket to the server process")
+    parser.add_argument("--listen-fds", required=True, help="listening sockets, comma-separated")
+    parser.add_argument("--request-arena-fd", type=int, default=-1)
+    parser.add_argument("--response-arena-fd", type=int, default=-1)
+    parser.add_argument("--max-input-size", type=int, required=True)
+    parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    parser.add_argument("--certfile", type=Path)
+    parser.add_argument("--keyfile", type=Path)
+    parser.add_argument("--client-ca", type=Path)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname).1s %(name)s] %(message)s",
+                        datefmt="%H:%M:%S")
+    # A Ctrl-C reaches the whole process group; the server process answers it by stopping the workers in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(run(args))
+    return uvloop.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

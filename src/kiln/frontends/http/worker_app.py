@@ -1,0 +1,229 @@
+"""What an HTTP worker process serves: infer requests decoded here and handed to the server process as
+descriptors, every other request forwarded whole (core.py is the other end).
+
+The infer path reads and decodes the body with the in-process frontend's own functions (size limit, gzip, JSON
+and binary tensors) and encodes the answer with them too, so bodies, status codes and error messages are the
+same bytes. A raw single-input body (``Inference-Header-Content-Length: 0``) needs the model's metadata, which
+lives in the server process: it is forwarded, already read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from kiln.errors import ErrorCode, UnavailableError, error_for_code
+from kiln.frontends.handoff import frames
+from kiln.frontends.handoff.arena import Arena
+from kiln.frontends.handoff.frames import FrameProtocol, Releases, frame
+from kiln.frontends.handoff.tensors import decode_response, encode_request
+from kiln.frontends.http.app import _infer_params
+from kiln.frontends.http.core import forward_payload
+from kiln.frontends.http.routing import ROUTING_KEY_HEADER
+from kiln.v2 import http_codec as codec
+from kiln.v2.http_body import read_body
+from kiln.v2.http_responses import error_response
+from kiln.v2.types import InferRequest, InferResponse
+
+LOST = 0  # not a frame kind: the link to the server process closed
+GONE = "the server process is not answering (it is shutting down or has stopped)"
+_DROPPED_WHEN_DECODED = (b"content-encoding", b"content-length")
+
+
+class CoreClient:
+    """The worker's end of the link: requests out, answers matched to them by call id."""
+
+    def __init__(self, request_arena: Arena | None, response_arena: Arena | None) -> None:
+        self._request_arena = request_arena
+        self._response_arena = response_arena
+        self._ids = itertools.count(1)
+        self._answers: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self._streams: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
+        self.protocol = FrameProtocol(self._on_frame)
+        self._releases = Releases(self.protocol)
+        self.protocol.closed.add_done_callback(self._lost)
+
+    def _on_frame(self, call: int, kind: int, payload: bytes) -> None:
+        if kind == frames.RELEASE:
+            if self._request_arena is not None:
+                for offset in frames.unpack_offsets(payload):
+                    self._request_arena.free(offset)
+            return
+        answer = self._answers.pop(call, None)
+        if answer is not None:
+            if not answer.done():
+                answer.set_result((kind, payload))
+        elif call in self._streams:
+            self._streams[call].put_nowait((kind, payload))
+
+    def _lost(self, _: object) -> None:
+        for answer in self._answers.values():
+            if not answer.done():
+                answer.set_result((LOST, b""))
+        for stream in self._streams.values():
+            stream.put_nowait((LOST, b""))
+
+    def send(self, call: int, kind: int, payload: bytes = b"") -> None:
+        self.protocol.send(frame(call, kind, payload))
+
+    async def infer(self, request: InferRequest, routing_key: str | None) -> tuple[InferResponse, int | None]:
+        """The Server's answer and the arena slot its outputs lie in (``release`` it once they are encoded);
+        raises the Server's error as the typed error."""
+        if self.protocol.closed.done():
+            raise UnavailableError(GONE)
+        call = next(self._ids)
+        answer: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        self._answers[call] = answer
+        payload = encode_request(request, self._request_arena, routing_key)
+        self.protocol.send(self._releases.take() + frame(call, frames.INFER, payload))
+        try:
+            kind, payload = await answer
+        finally:
+            self._answers.pop(call, None)
+        if kind == frames.ERROR:
+            code, message = orjson.loads(payload)
+            raise error_for_code(ErrorCode(code), message)
+        if kind != frames.ANSWER:
+            raise UnavailableError(GONE)
+        return decode_response(payload, self._response_arena)
+
+    def release(self, slot: int | None) -> None:
+        if slot is not None:
+            self._releases.add(slot)
+
+    def open(self, payload: bytes) -> tuple[int, asyncio.Queue[tuple[int, bytes]]]:
+        call = next(self._ids)
+        queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+        self._streams[call] = queue
+        if self.protocol.closed.done():
+            queue.put_nowait((LOST, b""))
+        else:
+            self.send(call, frames.FORWARD, payload)
+        return call, queue
+
+    def forget(self, call: int) -> None:
+        self._streams.pop(call, None)
+
+
+class WorkerApp:
+    """The worker's ASGI app; ``max_input_size`` is the server's --http-max-input-size."""
+
+    def __init__(self, core: CoreClient, max_input_size: int) -> None:
+        self.core = core
+        self.max_input_size = max_input_size
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # lifespan is off; websockets are no route of the protocol
+        params = _infer_params(scope) if scope["method"] == "POST" else None
+        if params is None:
+            await self._forward(scope, receive, send, await self._read_raw(scope, receive), decoded=False)
+            return
+        request = Request(scope, receive)
+        try:
+            body = await read_body(request, self.max_input_size)
+            json_size = codec.header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
+            if json_size == 0:  # raw body: decoding needs the model's metadata, which the server process has
+                await self._forward(scope, receive, send, body, decoded=True)
+                return
+            infer_request = codec.decode_request(params["model"], params.get("version", ""), body, json_size)
+            response = await self._infer(infer_request, request.headers.get(ROUTING_KEY_HEADER))
+        except Exception as exc:  # as the in-process endpoint's guard (app.py) answers it
+            response = error_response(exc)
+        await response(scope, receive, send)
+
+    async def _infer(self, request: InferRequest, routing_key: str | None) -> Response:
+        """As Endpoints.infer from the Server call on."""
+        answer, slot = await self.core.infer(request, routing_key)
+        try:
+            content, header_size = codec.encode_response(answer, request)
+        finally:
+            self.core.release(slot)  # the body holds a copy of every output now
+        if header_size is None:
+            return Response(content, media_type=codec.JSON_TYPE)
+        return Response(content, media_type=codec.BINARY_TYPE, headers={codec.HEADER_LENGTH: str(header_size)})
+
+    async def _read_raw(self, scope: Scope, receive: Receive) -> bytes:
+        """The body as received, cut after the limit: the server process's route applies the limit itself (its
+        message then reads as in one process) and must not wait for a body it will refuse."""
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_input_size:
+            return b""
+        chunks: list[bytes] = []
+        total = 0
+        more = True
+        while more and total <= self.max_input_size:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk: bytes = message.get("body", b"")
+            chunks.append(chunk)
+            total += len(chunk)
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send, body: bytes, *, decoded: bool) -> None:
+        """Have the server process answer the request; ``decoded``: ``body`` is already decompressed."""
+        headers = [(k, v) for k, v in scope["headers"] if not (decoded and k in _DROPPED_WHEN_DECODED)]
+        if decoded:
+            headers.append((b"content-length", str(len(body)).encode()))
+        call, answers = self.core.open(forward_payload(_describe(scope, headers), body))
+        watcher = asyncio.create_task(self._watch_disconnect(receive, call))
+        try:
+            await self._relay(answers, call, send)
+        finally:
+            watcher.cancel()
+            self.core.forget(call)
+
+    async def _relay(self, answers: asyncio.Queue[tuple[int, bytes]], call: int, send: Send) -> None:
+        started = False
+        while True:
+            kind, payload = await answers.get()
+            if kind == frames.START:
+                started = True
+                head = orjson.loads(payload)
+                await send({"type": "http.response.start", "status": head["status"],
+                            "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"]]})
+            elif kind == frames.BODY and started:
+                await send({"type": "http.response.body", "body": payload, "more_body": True})
+                self.core.send(call, frames.ACK)
+            elif kind in (frames.BODY_END, LOST) and started:
+                await send({"type": "http.response.body", "body": payload, "more_body": False})
+                return
+            else:  # the server process went away (or answered nothing) before the response started
+                await _send(error_response(UnavailableError(GONE)), send)
+                return
+
+    async def _watch_disconnect(self, receive: Receive, call: int) -> None:
+        """Tell the server process when the client goes away (a streamed download then stops there)."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.core.send(call, frames.DISCONNECT)
+
+
+def _describe(scope: Scope, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    """The parts of a scope the server process's app reads, as JSON (core._scope rebuilds it)."""
+    return {
+        "http_version": scope.get("http_version", "1.1"),
+        "method": scope["method"],
+        "scheme": scope.get("scheme", "http"),
+        "path": scope["path"],
+        "raw_path": (scope.get("raw_path") or scope["path"].encode()).decode("latin-1"),
+        "query_string": scope.get("query_string", b"").decode("latin-1"),
+        "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers],
+        "client": list(scope["client"]) if scope.get("client") else None,
+        "server": list(scope["server"]) if scope.get("server") else None,
+    }
+
+
+async def _send(response: Response, send: Send) -> None:
+    async def nothing() -> Message:
+        return {"type": "http.disconnect"}
+
+    await response({"type": "http"}, nothing, send)

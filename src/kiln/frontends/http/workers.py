@@ -1,0 +1,115 @@
+"""``kiln serve --http-workers N``: the HTTP frontend in N worker processes, tensors handed over in shared memory.
+
+The server process binds the port once per worker (``SO_REUSEPORT``: the kernel spreads new connections over the
+sockets) and keeps the sockets, so a worker that dies leaves its queue of waiting connections to its replacement
+rather than resetting them. For each worker it makes a socket pair (the link) and two arenas, and passes all of
+them down as inherited descriptors: nothing is named in the file system. Workers decode infer requests
+themselves (worker_app.py) and the server process answers them (core.py); see docs/serving.md, "HTTP workers".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.types import ASGIApp
+
+from kiln.frontends.handoff.arena import Arena, create_arena_file
+from kiln.frontends.handoff.supervisor import WorkerPool
+from kiln.frontends.http import listener
+from kiln.frontends.http.core import CoreLink
+from kiln.server.server import Server
+
+log = logging.getLogger("kiln.http.workers")
+
+ARENA_BYTES = 64 * 2**20
+"""Each worker's request arena and response arena. Pages are taken as they are first written, so this bounds the
+memory a worker's tensors in flight may use; a request or answer that finds no room travels inline."""
+BACKLOG = 2048
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    host: str
+    port: int
+    count: int
+    max_input_size: int
+    grace_s: float
+    certfile: Path | None = None
+    keyfile: Path | None = None
+    client_ca: Path | None = None
+    arena_bytes: int = ARENA_BYTES
+    log_level: str = "INFO"
+
+
+class HttpWorkers:
+    """The running workers; ``stop(grace)`` drains them, as the gRPC workers' does."""
+
+    def __init__(self, server: Server, app: ASGIApp, settings: WorkerSettings) -> None:
+        self._server = server
+        self._app = app
+        self.settings = settings
+        self._sockets: list[list[socket.socket]] = []
+        self.pool = WorkerPool("HTTP worker", settings.count, self._spawn)
+
+    async def start(self) -> int:
+        """Bind, start the workers, return the port once every worker listens."""
+        settings = self.settings
+        first = listener.bind(settings.host, settings.port, BACKLOG, reuse_port=True)
+        port = int(first[0].getsockname()[1])
+        self._sockets = [first]
+        try:
+            self._sockets += [listener.bind(settings.host, port, BACKLOG, reuse_port=True)
+                              for _ in range(settings.count - 1)]
+        except OSError:
+            self._close_sockets()
+            raise
+        try:
+            await self.pool.start(f"{settings.host}:{port}")
+        except OSError:
+            self._close_sockets()
+            raise
+        return port
+
+    async def _spawn(self, index: int) -> asyncio.subprocess.Process:
+        settings = self.settings
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        arena_fds = [create_arena_file(settings.arena_bytes), create_arena_file(settings.arena_bytes)]
+        request_arena, response_arena = (Arena.from_fd(fd) if fd is not None else None for fd in arena_fds)
+        link = CoreLink(self._server, self._app, request_arena, response_arena, self.pool.hello)
+        await asyncio.get_running_loop().create_unix_connection(lambda: link.protocol, sock=ours)
+        listen_fds = [s.fileno() for s in self._sockets[index]]
+        request_fd, response_fd = (-1 if fd is None else fd for fd in arena_fds)
+        command = [sys.executable, "-m", "kiln.frontends.http.worker", "--link-fd", str(theirs.fileno()),
+                   "--listen-fds", ",".join(map(str, listen_fds)), "--request-arena-fd", str(request_fd),
+                   "--response-arena-fd", str(response_fd), "--max-input-size", str(settings.max_input_size),
+                   "--grace", str(settings.grace_s), "--log-level", settings.log_level]
+        for name, path in (("--certfile", settings.certfile), ("--keyfile", settings.keyfile),
+                           ("--client-ca", settings.client_ca)):
+            if path is not None:
+                command += [name, str(path)]
+        passed = [theirs.fileno(), *listen_fds, *(fd for fd in arena_fds if fd is not None)]
+        try:
+            return await asyncio.create_subprocess_exec(*command, pass_fds=passed)
+        finally:
+            theirs.close()  # the child has its copies; the mappings stay in this process
+            for fd in arena_fds:
+                if fd is not None:
+                    os.close(fd)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting here, SIGTERM the workers, and wait for them to drain (then kill what is left)."""
+        self._close_sockets()
+        await self.pool.stop((grace if grace is not None else self.settings.grace_s) + 5.0)
+
+    def _close_sockets(self) -> None:
+        for group in self._sockets:
+            for sock in group:
+                with contextlib.suppress(OSError):
+                    sock.close()
