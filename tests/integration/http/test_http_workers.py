@@ -12,6 +12,7 @@ import ssl
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -357,3 +358,14 @@ def test_workers_terminate_tls_and_require_client_certificates(repo: Path, tmp_p
         with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake fails in the worker
             httpx.get(f"https://{served.http_url}/v2/health/ready",
                       verify=ssl.create_default_context(cafile=str(cert)), timeout=10)
+
+
+def test_generate_stream_events_come_through_the_workers_one_by_one(served: KilnProcess) -> None:
+    # A decoupled model's server-sent events are forwarded from the server process as they are produced.
+    body = json.dumps({"IN": [4, 5, 6], "DELAY": [1, 1, 1], "WAIT": 1}).encode()
+    with urllib.request.urlopen(urllib.request.Request(
+            f"http://{served.http_url}/v2/models/repeat_int32/generate_stream", data=body, method="POST"),
+            timeout=30) as answer:
+        assert answer.headers["Content-Type"].startswith("text/event-stream")
+        events = [json.loads(line[len(b"data: "):]) for line in answer.read().splitlines() if line]
+    assert [(e["OUT"], e["IDX"]) for e in events] == [(4, 0), (5, 1), (6, 2)]
