@@ -14,6 +14,7 @@ as if there were no cache, never in a failed load.
 
 from __future__ import annotations
 
+import copyreg
 import json
 import logging
 from collections.abc import Iterator
@@ -29,6 +30,21 @@ log = logging.getLogger("kiln.engines.torch")
 
 CACHE_FILENAME = "compile_cache.bin"
 _MAGIC = b"kiln compile cache 1\n"
+
+
+def _memory_format(name: str) -> torch.memory_format:
+    """``torch.channels_last`` for ``"torch.channels_last"``: how a memory format is pickled in a kiln process."""
+    value = getattr(torch, name.removeprefix("torch."))
+    assert isinstance(value, torch.memory_format)
+    return value
+
+
+# Inductor's cache keys are hashes of pickled graph inputs, and pickle finds a memory format (whose reduce gives
+# only "torch.contiguous_format") in the first module of sys.modules with a global named torch: a module that
+# differs between processes (the build's, a server's, a test runner's), so the same graph missed the cache of
+# another process. Pickled by name through this module instead, as torch pickles its layouts, the key is the same
+# in every process that loads kiln's PyTorch engine.
+copyreg.pickle(torch.memory_format, lambda value: (_memory_format, (str(value),)))
 
 
 @dataclass(frozen=True)
@@ -116,7 +132,10 @@ def _read(path: Path) -> tuple[dict[str, str], bytes]:
     if not data.startswith(_MAGIC):
         raise ValueError("it is not a kiln compile cache (its first line is wrong)")
     header, newline, artifacts = data[len(_MAGIC):].partition(b"\n")
-    stamp = json.loads(header) if newline else None
+    try:
+        stamp = json.loads(header) if newline else None
+    except ValueError:
+        stamp = None
     if not isinstance(stamp, dict):
         raise ValueError("its header line is not a JSON object")
     return {str(key): str(value) for key, value in stamp.items()}, artifacts
