@@ -35,16 +35,6 @@ from kiln.engines.torch.compile_cache import CACHE_FILENAME  # noqa: E402
 X = np.random.default_rng(4).standard_normal((3, 64)).astype(np.float32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def inductor_imported() -> None:
-    """torch 2.13's inductor imports torch.utils.mkldnn, which warns that `torch.jit.script_method` is deprecated;
-    imported once here with that silenced, nothing below warns about it again."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
-                                category=DeprecationWarning)
-        import torch._inductor.compile_fx  # noqa: F401
-
-
 @pytest.fixture(scope="module")
 def mlp_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("source") / "mlp.onnx"

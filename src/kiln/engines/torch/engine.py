@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import threading
 import time
@@ -43,7 +44,7 @@ from kiln.engines.torch.compile_cache import (
 )
 from kiln.engines.torch.cuda_graphs import CudaGraphs, SharedStream, shared_compute_stream
 from kiln.engines.torch.lanes import LanePool
-from kiln.engines.torch.loading import LoadedModel, ModelFormat, detect_format, load_model
+from kiln.engines.torch.loading import LoadedModel, ModelFormat, detect_format, ignoring, load_model
 from kiln.engines.torch.naming import input_positions, output_positions, select_outputs
 from kiln.engines.torch.options import (
     CHANNELS_LAST,
@@ -570,5 +571,9 @@ def _prepare(loaded: LoadedModel, settings: TorchSettings) -> Callable[..., Any]
         # Module.to accepts memory_format at run time; torch's overloads do not list it.
         module = module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     if settings.compile_mode != "none":
+        # Inductor, imported by the first compiled call otherwise, imports torch.utils.mkldnn, whose TorchScript
+        # classes warn that `torch.jit.script_method` is deprecated: nothing about this model.
+        with ignoring(r"`torch\.jit\.script_method` is deprecated", DeprecationWarning):
+            importlib.import_module("torch._inductor.compile_fx")
         return torch.compile(module, mode=settings.compile_mode)
     return module
