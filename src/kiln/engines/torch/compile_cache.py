@@ -84,9 +84,17 @@ def cache_stamp(device: torch.device, compile_mode: str) -> dict[str, str]:
     return {"torch": torch.__version__, "device": device_name(device), "compile_mode": compile_mode}
 
 
+def supported() -> bool:
+    """Whether this torch saves and loads compile caches (torch 2.7 and later)."""
+    return hasattr(torch.compiler, "save_cache_artifacts") and hasattr(torch.compiler, "load_cache_artifacts")
+
+
 @contextmanager
 def recording() -> Iterator[None]:
     """Collect only what torch.compile records inside the block (other compiles of the process stay out)."""
+    if not supported():
+        yield
+        return
     from torch.compiler._cache import CacheArtifactManager
 
     with CacheArtifactManager.with_fresh_cache():
@@ -96,7 +104,7 @@ def recording() -> Iterator[None]:
 def save_compile_cache(path: Path, device: torch.device, compile_mode: str) -> int:
     """Write what was recorded (call inside :func:`recording`, after compiling) to ``path``; return its size in
     bytes, 0 when torch recorded nothing (no file is written then)."""
-    saved = torch.compiler.save_cache_artifacts()
+    saved = torch.compiler.save_cache_artifacts() if supported() else None
     if saved is None:
         return 0
     artifacts, _ = saved
@@ -109,6 +117,9 @@ def load_compile_cache(model: str, path: Path, device: torch.device, compile_mod
     """Put the cache at ``path`` into torch's compile caches, or log why not (the caller compiles either way)."""
     if not path.is_file():
         return CacheLoad("absent")
+    if not supported():
+        return _unusable(model, path, "unreadable", f"torch {torch.__version__} cannot load compile caches; 2.7 "
+                                                    f"and later can")
     try:
         stamp, artifacts = _read(path)
     except (OSError, ValueError) as exc:
