@@ -107,10 +107,11 @@ def build(model: str | Path | torch.nn.Module, output_dir: str | Path, options: 
         version_dir.mkdir(parents=True)
         report = BuildReport(model=model_dir.name, source=source.description, output=str(model_dir / str(version)),
                              version=version, backend=options.backend, precision=options.precision)
+        existing = _existing_parameters(model_dir)
         context = BuildContext(source=source, version_dir=version_dir, options=options, file_io=file_io,
                                samples=samples, max_batch_size=max_batch, progress=progress, report=report,
-                               existing_parameters=_existing_parameters(model_dir))
-        with compiler_scope(options):
+                               existing_parameters=existing)
+        with compiler_scope(options, existing):
             result = _run_builder(builder, context, model_dir.name)
             _stage_config(model_dir, staging, result)
             footprint, load_s = _verify(source, staging, version, samples, options, progress, report)

@@ -139,18 +139,22 @@ def gpu_limit(run: Callable[[Sequence[torch.Tensor]], object], make_inputs: Call
 
 def engine_gpu_limit(engine: Any, batch_sizes: Sequence[int], seconds: float = SECONDS) -> dict[str, Any]:
     """The report's ``gpu_limit``: a PyTorch engine's graph body (inputs in the config's dtypes, casts and model
-    in the graph) measured in ``copies`` mode from 1 and 2 streams; or why it was not measured."""
+    in the graph) measured in ``copies`` mode from 1 and 2 streams (1 for an AOTInductor package); or why it was not
+    measured."""
     from kiln.engines.torch import TorchEngine
+    from kiln.engines.torch.loading import ModelFormat
     from kiln.errors import KilnError
 
     engine = getattr(engine, "engine", engine)  # a batching engine wraps the one that runs
     if not isinstance(engine, TorchEngine):
         return {"skipped": "measured for the torch backend's engines only"}
     if engine.device.type != "cuda":
-        return {"skipped": "a CPU build: there is no GPU to measure"}
+        return {"skipped": "the engine runs on the CPU"}
     sizes = list(batch_sizes) if engine.spec.batching else [0]
+    # An AOTInductor package may keep buffers between runs, so the engine never replays it on two streams at once.
+    streams = (1,) if engine.format is ModelFormat.AOTI else STREAMS
     try:
-        figures = gpu_limit(engine.graph_body, engine.zero_inputs, sizes, seconds=seconds)
+        figures = gpu_limit(engine.graph_body, engine.zero_inputs, sizes, streams, seconds)
     except (RuntimeError, KilnError) as exc:  # a model CUDA graphs cannot capture (it syncs with the host, say)
         return {"skipped": f"its graphs could not be captured: {exc}"}
     return {"mode": f"{REPORTED_MODE}: inputs in, graph replay, outputs out, on each stream; no server",

@@ -53,12 +53,19 @@ def decided_without_measuring(options: BuildOptions, existing: Mapping[str, str]
     return None
 
 
+def may_compile(options: BuildOptions, existing: Mapping[str, str] | None) -> bool:
+    if options.backend != "torch" or options.compile_mode == "none":
+        return False
+    decided = decided_without_measuring(options, existing) if options.compile_mode == AUTO else None
+    return decided is None or decided[0] != "none"
+
+
 @contextlib.contextmanager
-def compiler_scope(options: BuildOptions) -> Iterator[None]:
+def compiler_scope(options: BuildOptions, existing: Mapping[str, str] | None) -> Iterator[None]:
     """Around a torch build that may compile: an empty Inductor cache of its own (so the first compile is a cold
     one, as on a fresh machine), and torch's recording of the compile caches' entries, which only this build's
-    compiles feed (:func:`save_cache`)."""
-    if options.backend != "torch" or options.compile_mode == "none":
+    compiles feed (:func:`keep_cache` saves them)."""
+    if not may_compile(options, existing):
         yield
         return
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
