@@ -235,9 +235,10 @@ def _verify(source: Source, staging: Path, version: int, samples: calibration.Sa
     kind = "gpu" if options.device == "cuda" else "cpu"
     with source.reference() as reference, contextlib.ExitStack() as loaded:
         with measure_footprint(options.device) as footprint:  # the GPU limit's own graphs stay out of it
-            started = time.perf_counter()
-            built = loaded.enter_context(load(staging, version=version, kind=kind))
-            load_s = time.perf_counter() - started
+            with progress.step("load", "loading the built engine (compiling it, for a compiled build)"):
+                started = time.perf_counter()
+                built = loaded.enter_context(load(staging, version=version, kind=kind))
+                load_s = time.perf_counter() - started
             max_batch = built.spec.max_batch_size  # the config the server will use, which may be an existing one
             batch = max(1, min(max_batch, 8))
             with progress.step("verify", f"verifying against the FP32 reference on "

@@ -72,7 +72,7 @@ class VerificationError(InvalidArgumentError):
         self.report = report
 
 
-_LOADS = {"eager": "eager", "compiled_cold": "compiled, cold", "compiled_cached": "compiled, from its compile cache "
+_LOADS = {"eager": "eager", "compiled_cold": "compiled, cold", "compiled_cached": "compiled, from compile_cache.bin "
           "in a fresh process"}
 
 
@@ -87,7 +87,7 @@ def _compile_lines(details: dict[str, Any] | None) -> list[str]:
                      f"{timing['compiled_ms']:.3f} ms ({timing['speedup']:.2f}x)")
     loads = details.get("load_s", {})
     if loads:
-        lines.append("  load: " + ", ".join(f"{_LOADS.get(k, k)} {v:.1f} s" for k, v in loads.items()))
+        lines.append("  load: " + "; ".join(f"{_LOADS.get(k, k)} {v:.1f} s" for k, v in loads.items()))
     return lines
 
 

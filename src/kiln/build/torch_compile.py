@@ -101,32 +101,13 @@ class CandidateTiming:
 def choose(context: BuildContext, model_file: Path, eager: BuildResult) -> str:
     """Load the eager and the compiled engine from ``model_file``, time both, record it all in the report under
     ``compile``, and return the mode to build with."""
-    from kiln.direct import load
-
-    name = context.version_dir.parent.name
-    compiled = replace(eager, parameters={**eager.parameters, COMPILE_MODE: CANDIDATE})
-    kind = "gpu" if eager.gpu else "cpu"
-    progress = context.progress
-    with tempfile.TemporaryDirectory(prefix="kiln-build-candidates-") as scratch, contextlib.ExitStack() as stack:
-        engines: dict[str, Engine] = {}
-        load_s: dict[str, float] = {}
-        for label, result, title in (("eager", eager, "loading the eager engine"),
-                                     ("compiled_cold", compiled, f"compiling (torch.compile mode {CANDIDATE})")):
-            folder = _candidate_folder(Path(scratch) / label / name, model_file, result)
-            with progress.step(f"load_{label}", title):
-                started = time.perf_counter()
-                engines[label] = stack.enter_context(load(folder, version=1, kind=kind, batching=False))
-                load_s[label] = time.perf_counter() - started
-        sizes = _preferred_sizes(engines["eager"])
-        with progress.step("choose", f"timing the eager and the compiled engine at batch {_listed(sizes)}"):
-            timed = [time_both(engines["eager"], engines["compiled_cold"], context.samples, size) for size in sizes]
-    timings = [CandidateTiming(t.batch_size, t.reference_ms, t.built_ms) for t in timed]
+    timings, load_s = _time_candidates(context, model_file, eager)
     eager_total, compiled_total = sum(t.eager_ms for t in timings), sum(t.compiled_ms for t in timings)
     mode = CANDIDATE if timings and compiled_total <= (1 - MIN_GAIN) * eager_total else "none"
     if timings:
         speed = f"{eager_total / compiled_total:.2f}x"
-        why = (f"measured: at batch {_listed(sizes)} the compiled engine ran at {speed} the eager one's speed; "
-               f"compiled is kept from {1 / (1 - MIN_GAIN):.2f}x on")
+        why = (f"measured: at batch {_listed([t.batch_size for t in timings])} the compiled engine ran at {speed} "
+               f"the eager one's speed; compiled is kept from {1 / (1 - MIN_GAIN):.2f}x on")
     else:
         speed, why = "untimed", "nothing could be timed (the inputs' first dimension is fixed to another size)"
     context.report.details["compile"] = {
@@ -138,6 +119,31 @@ def choose(context: BuildContext, model_file: Path, eager: BuildResult) -> str:
     context.report.steps.append(f"--compile-mode auto: {kept} kept; the compiled engine ran at {speed} the eager "
                                 f"one's speed")
     return mode
+
+
+def _time_candidates(context: BuildContext, model_file: Path,
+                     eager: BuildResult) -> tuple[list[CandidateTiming], dict[str, float]]:
+    """Both candidates' timings at the preferred batch sizes, and the seconds each took to load."""
+    from kiln.direct import load
+
+    name = context.version_dir.parent.name
+    compiled = replace(eager, parameters={**eager.parameters, COMPILE_MODE: CANDIDATE})
+    kind = "gpu" if eager.gpu else "cpu"
+    progress = context.progress
+    engines: dict[str, Engine] = {}
+    load_s: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="kiln-build-candidates-") as scratch, contextlib.ExitStack() as stack:
+        for label, result, title in (("eager", eager, "loading the eager engine"),
+                                     ("compiled_cold", compiled, f"compiling (torch.compile mode {CANDIDATE})")):
+            folder = _candidate_folder(Path(scratch) / label / name, model_file, result)
+            with progress.step(f"load_{label}", title):
+                started = time.perf_counter()
+                engines[label] = stack.enter_context(load(folder, version=1, kind=kind, batching=False))
+                load_s[label] = time.perf_counter() - started
+        sizes = _preferred_sizes(engines["eager"])
+        with progress.step("choose", f"timing the eager and the compiled engine at batch {_listed(sizes)}"):
+            timed = [time_both(engines["eager"], engines["compiled_cold"], context.samples, size) for size in sizes]
+    return [CandidateTiming(t.batch_size, t.reference_ms, t.built_ms) for t in timed], load_s
 
 
 def record_decision(report: BuildReport, mode: str, why: str) -> None:

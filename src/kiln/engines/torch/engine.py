@@ -60,6 +60,9 @@ from kiln.errors import ConfigError, InternalError, KilnError, UnavailableError
 log = logging.getLogger("kiln.engines.torch")
 
 _COMPILED_CALLS = threading.Lock()
+# The largest batch a compiled module warms up with: Inductor tunes its dynamic-batch graph for this size (or the
+# max batch size when smaller), and a larger one would only cost memory at load.
+WARM_UP_BATCH = 64
 
 Tensors = Sequence[torch.Tensor | None]
 
@@ -386,7 +389,8 @@ class TorchEngine(Engine):
         inputs = [self.spec.input(name) for name in self._order]
         if any(t.optional or any(d < 1 for d in _model_dims(t)) for t in inputs):
             return
-        sizes = sorted({max(self.spec.max_batch_size, 1), 1}, reverse=True) if self.spec.batching else [0]
+        largest = min(max(self.spec.max_batch_size, 1), WARM_UP_BATCH)
+        sizes = sorted({largest, 1}, reverse=True) if self.spec.batching else [0]
         try:
             with torch.inference_mode(), self._on_device():
                 for batch in sizes:
