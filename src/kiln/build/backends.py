@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -36,6 +37,7 @@ class BuildContext:
     max_batch_size: int
     progress: Progress
     report: BuildReport
+    existing_parameters: Mapping[str, str] | None = None  # the model folder's config.pbtxt's, if it has one
 
 
 @dataclass(frozen=True)

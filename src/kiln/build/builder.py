@@ -7,8 +7,10 @@ version.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shutil
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ from kiln.build.gpu_memory import GpuFootprint, instances_that_fit, measure_foot
 from kiln.build.progress import Progress
 from kiln.build.report import REPORT_FILENAME, BuildReport, VerificationError
 from kiln.build.sources import ModuleSource, OnnxSource
+from kiln.build.torch_compile import compiler_scope, keep_cache
 from kiln.build.verify import DEFAULT_TOLERANCES, Tolerances, compare, time_both
 from kiln.config.model_dir import open_model_dir, version_folders
 from kiln.config.onnx_io import FileIO
@@ -58,7 +61,7 @@ class BuildOptions:
     torch_format: str = "export"
     channels_last: bool = False
     cuda_graphs: bool | None = None
-    compile_mode: str = "none"
+    compile_mode: str = "auto"
     atol: float | None = None
     rtol: float | None = None
     min_top1: float | None = None
@@ -104,11 +107,16 @@ def build(model: str | Path | torch.nn.Module, output_dir: str | Path, options: 
         version_dir.mkdir(parents=True)
         report = BuildReport(model=model_dir.name, source=source.description, output=str(model_dir / str(version)),
                              version=version, backend=options.backend, precision=options.precision)
+        existing = _existing_parameters(model_dir)
         context = BuildContext(source=source, version_dir=version_dir, options=options, file_io=file_io,
-                               samples=samples, max_batch_size=max_batch, progress=progress, report=report)
-        result = _run_builder(builder, context, model_dir.name)
-        _stage_config(model_dir, staging, result)
-        footprint = _verify(source, staging, version, samples, options, progress, report)
+                               samples=samples, max_batch_size=max_batch, progress=progress, report=report,
+                               existing_parameters=existing)
+        with compiler_scope(options, existing):
+            result = _run_builder(builder, context, model_dir.name)
+            _stage_config(model_dir, staging, result)
+            footprint, load_s = _verify(source, staging, version, samples, options, progress, report)
+            if options.backend == "torch" and report.passed:
+                keep_cache(result, staging, version, load_s, progress, report)
         if not (model_dir / CONFIG_FILENAME).is_file():  # a generated config: fit its instances to the GPU
             _fit_instances(staging / CONFIG_FILENAME, footprint, report)
         report.timings_s = dict(progress.timings)
@@ -221,20 +229,53 @@ def _stage_config(model_dir: Path, staging: Path, result: BuildResult) -> None:
 
 
 def _verify(source: Source, staging: Path, version: int, samples: calibration.Samples, options: BuildOptions,
-            progress: Progress, report: BuildReport) -> GpuFootprint:
-    """Compare and time the built engine against the reference; return the GPU memory the built engine took."""
+            progress: Progress, report: BuildReport) -> tuple[GpuFootprint, float]:
+    """Compare and time the built engine against the reference, and measure the GPU's limit for it; return the
+    GPU memory the built engine took and the seconds its load took."""
     kind = "gpu" if options.device == "cuda" else "cpu"
-    with source.reference() as reference, measure_footprint(options.device) as footprint, \
-            load(staging, version=version, kind=kind) as built:
-        max_batch = built.spec.max_batch_size  # the config the server will use, which may be an existing one
-        batch = max(1, min(max_batch, 8))
-        with progress.step("verify", f"verifying against the FP32 reference on {calibration.sample_count(samples)} "
-                                     f"samples"):
-            report.accuracy = compare(reference, built, samples, batch, options.tolerances())
-        with progress.step("time", "timing reference and built engine"):
-            sizes = sorted({1, max_batch} - {0})
-            report.speed = [time_both(reference, built, samples, size) for size in sizes if _fits(reference, size)]
-    return footprint
+    with source.reference() as reference, contextlib.ExitStack() as loaded:
+        with measure_footprint(options.device) as footprint:  # the GPU limit's own graphs stay out of it
+            with progress.step("load", "loading the built engine (compiling it, for a compiled build)"):
+                started = time.perf_counter()
+                built = loaded.enter_context(load(staging, version=version, kind=kind))
+                load_s = time.perf_counter() - started
+            max_batch = built.spec.max_batch_size  # the config the server will use, which may be an existing one
+            batch = max(1, min(max_batch, 8))
+            with progress.step("verify", f"verifying against the FP32 reference on "
+                                         f"{calibration.sample_count(samples)} samples"):
+                report.accuracy = compare(reference, built, samples, batch, options.tolerances())
+            with progress.step("time", "timing reference and built engine"):
+                sizes = sorted({1, max_batch} - {0})
+                report.speed = [time_both(reference, built, samples, size) for size in sizes
+                                if _fits(reference, size)]
+        report.details["gpu_limit"] = _gpu_limit(built, options, progress)
+    return footprint, load_s
+
+
+def _gpu_limit(built: Engine, options: BuildOptions, progress: Progress) -> dict[str, Any]:
+    """The GPU's own rows/s for the built engine at the config's preferred batch sizes (gpu_limit.py)."""
+    if options.device != "cuda":
+        return {"skipped": "a CPU build: there is no GPU to measure"}
+    from kiln.build.gpu_limit import engine_gpu_limit
+
+    spec = built.spec
+    sizes = sorted(spec.config.dynamic_batching.preferred_batch_size) or [max(spec.max_batch_size, 1)]
+    with progress.step("gpu_limit", f"measuring the GPU's limit at batch {', '.join(map(str, sizes))} from 1 and "
+                                    f"2 CUDA streams"):
+        return engine_gpu_limit(built, sizes)
+
+
+def _existing_parameters(model_dir: Path) -> dict[str, str] | None:
+    """The parameters of the model folder's config.pbtxt, if it has one that parses (_stage_config reports a
+    broken one)."""
+    path = model_dir / CONFIG_FILENAME
+    if not path.is_file():
+        return None
+    try:
+        config = parse_config_text(path.read_text(), str(path))
+    except KilnError:
+        return None
+    return {key: value.string_value for key, value in config.parameters.items()}
 
 
 def _fit_instances(config_path: Path, footprint: GpuFootprint, report: BuildReport) -> None:

@@ -58,6 +58,8 @@ class BuildReport:
         for timing in self.speed:
             lines.append(f"  batch {timing.batch_size}: reference {timing.reference_ms:.3f} ms, built "
                          f"{timing.built_ms:.3f} ms ({timing.speedup:.2f}x)")
+        lines += _compile_lines(self.details.get("compile"))
+        lines += _gpu_limit_lines(self.details.get("gpu_limit"))
         lines += [f"  warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
 
@@ -68,3 +70,36 @@ class VerificationError(InvalidArgumentError):
     def __init__(self, message: str, report: BuildReport) -> None:
         super().__init__(message)
         self.report = report
+
+
+_LOADS = {"eager": "eager", "compiled_cold": "compiled, cold", "compiled_cached": "compiled, from compile_cache.bin "
+          "in a fresh process"}
+
+
+def _compile_lines(details: dict[str, Any] | None) -> list[str]:
+    """torch.compile's part (torch backend): the mode, why, the candidates' timings and the load times."""
+    if not details:
+        return []
+    why = f" ({details['requested']}: {details['decided_by']})" if "decided_by" in details else ""
+    lines = [f"  compile mode: {details['mode']}{why}"]
+    for timing in details.get("timings", []):
+        lines.append(f"    batch {timing['batch_size']}: eager {timing['eager_ms']:.3f} ms, compiled "
+                     f"{timing['compiled_ms']:.3f} ms ({timing['speedup']:.2f}x)")
+    loads = details.get("load_s", {})
+    if loads:
+        lines.append("  load: " + "; ".join(f"{_LOADS.get(k, k)} {v:.1f} s" for k, v in loads.items()))
+    return lines
+
+
+def _gpu_limit_lines(details: dict[str, Any] | None) -> list[str]:
+    if not details:
+        return []
+    if "skipped" in details:  # said in the report; on the terminal only for GPU builds
+        return [] if details["skipped"].startswith("a CPU build") else [f"  GPU limit: not measured "
+                                                                        f"({details['skipped']})"]
+    by_batch: dict[int, list[str]] = {}
+    for figure in details["figures"]:
+        streams = f"{figure['streams']} stream{'s' if figure['streams'] > 1 else ''}"
+        by_batch.setdefault(figure["batch_size"], []).append(f"{streams} {figure['rows_per_s']:,.0f}")
+    listed = "; ".join(f"batch {batch}: {', '.join(parts)}" for batch, parts in by_batch.items())
+    return [f"  GPU limit (rows/s, graphs with their copies, no server): {listed}"]

@@ -2,7 +2,8 @@
 
 Precision, memory layout, CUDA graphs and torch.compile are applied by the PyTorch engine at load time from the
 config parameters the build writes, so the saved file stays FP32 and one file serves CPU and GPU instances; only
-an AOTInductor package is compiled for its device and precision up front.
+an AOTInductor package is compiled for its device and precision up front. Whether to compile (``--compile-mode
+auto``) and what a compiled build keeps is torch_compile.py's part.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import copy
 import importlib.util
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +23,7 @@ from kiln.build.calibration import Samples
 from kiln.build.output import io_as
 from kiln.build.preflight import UnsupportedNode, raise_if_unsupported
 from kiln.build.sources import ModuleSource, OnnxSource
+from kiln.build.torch_compile import AUTO, choose, decided_without_measuring, record_decision
 from kiln.errors import InvalidArgumentError, UnavailableError, UnsupportedError
 
 if TYPE_CHECKING:
@@ -94,11 +97,15 @@ class TorchBuilder:
                                                "PyTorch backend, prefer --torch-format export for kiln")
             else:
                 self._export(context, module, example, dynamic_first, target, origin)
-        parameters = _engine_parameters(options, context.max_batch_size)
+        result = BuildResult(backend="pytorch", platform=platform, file_io=io_as(context.file_io, options.io_dtype),
+                             max_batch_size=context.max_batch_size, gpu=options.device == "cuda",
+                             parameters=_engine_parameters(options, context.max_batch_size))
+        mode = _compile_mode(context, target, result)
+        if mode != "none":
+            result = replace(result, parameters={**result.parameters, "compile_mode": mode})
         context.report.details["torch"] = {"format": options.torch_format, "torch_version": torch.__version__,
-                                           "parameters": parameters}
-        return BuildResult(backend="pytorch", platform=platform, file_io=io_as(context.file_io, options.io_dtype),
-                           max_batch_size=context.max_batch_size, gpu=options.device == "cuda", parameters=parameters)
+                                           "parameters": result.parameters}
+        return result
 
     def _export(self, context: BuildContext, module: torch.nn.Module, example: tuple[torch.Tensor, ...],
                 dynamic_batch: bool, target: Path, origin: str) -> None:
@@ -125,17 +132,30 @@ class TorchBuilder:
                                     f"{options.device}, {options.precision}")
 
 
+def _compile_mode(context: BuildContext, model_file: Path, eager: BuildResult) -> str:
+    """The compile mode the config gets: the one asked for, or what ``auto`` stands for (torch_compile.py)."""
+    options = context.options
+    if options.compile_mode != AUTO:
+        return options.compile_mode
+    decided = decided_without_measuring(options, context.existing_parameters)
+    if decided is not None:
+        record_decision(context.report, *decided)
+        return decided[0]
+    return choose(context, model_file, eager)
+
+
 def _check_format_options(options: BuildOptions) -> None:
     """What the PyTorch engine would refuse at load time, refused before a (possibly long) build."""
     from kiln.engines.torch.options import COMPILE_MODES, GRAPH_CAPTURING_MODES
 
-    if options.compile_mode not in COMPILE_MODES:
+    if options.compile_mode not in (AUTO, *COMPILE_MODES):
         raise InvalidArgumentError(f"--compile-mode is '{options.compile_mode}'; expected one of "
-                                   f"{', '.join(COMPILE_MODES)}")
-    if options.torch_format == "aoti" and (options.compile_mode != "none" or options.channels_last):
+                                   f"{', '.join((AUTO, *COMPILE_MODES))}")
+    compiles = options.compile_mode not in ("none", AUTO)  # auto stands for none where compiling cannot apply
+    if options.torch_format == "aoti" and (compiles or options.channels_last):
         raise UnsupportedError("--torch-format aoti compiles the model ahead of time: --compile-mode and "
                                "--channels-last do not apply to it; use --torch-format export for them")
-    if options.torch_format == "torchscript" and options.compile_mode != "none":
+    if options.torch_format == "torchscript" and compiles:
         raise UnsupportedError("torch.compile does not take TorchScript: use --torch-format export with "
                                "--compile-mode")
     graphs = options.cuda_graphs if options.cuda_graphs is not None else options.device == "cuda"
@@ -188,7 +208,8 @@ GRAPHS_AT_LOAD = 64  # batch sizes up to this are captured when the model loads;
 
 
 def _engine_parameters(options: BuildOptions, max_batch_size: int) -> dict[str, str]:
-    """Config parameters for kiln's PyTorch engine (docs/pytorch-backend.md). With CUDA graphs and batching, every
+    """Config parameters for kiln's PyTorch engine (docs/pytorch-backend.md), but the compile mode
+    (_compile_mode adds it). With CUDA graphs and batching, every
     batch size the dynamic batcher may form (up to GRAPHS_AT_LOAD) is captured at load, so that no request waits
     behind a capture while the model serves."""
     parameters: dict[str, str] = {}
@@ -201,6 +222,4 @@ def _engine_parameters(options: BuildOptions, max_batch_size: int) -> dict[str, 
         parameters["cuda_graphs"] = "true"
         if max_batch_size > 0:
             parameters["cuda_graph_batch_sizes"] = f"1-{min(max_batch_size, GRAPHS_AT_LOAD)}"
-    if options.compile_mode != "none":
-        parameters["compile_mode"] = options.compile_mode
     return parameters

@@ -42,9 +42,12 @@ def add_arguments(build: argparse.ArgumentParser) -> None:
     build.add_argument("--channels-last", action="store_true", help="torch backend: NHWC memory layout (GPU convs)")
     build.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                        help="torch backend: one CUDA graph per batch size (default: on with --device cuda)")
-    build.add_argument("--compile-mode", default="none",
-                       choices=["none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
-                       help="torch backend: torch.compile mode applied when the engine loads")
+    build.add_argument("--compile-mode", default="auto",
+                       choices=["auto", "none", "default", "reduce-overhead", "max-autotune",
+                                "max-autotune-no-cudagraphs"],
+                       help="torch backend: torch.compile mode applied when the engine loads (default auto: on "
+                            "--device cuda, the eager and the compiled engine are timed and the faster kept; none "
+                            "on the CPU); a compiled build keeps compile_cache.bin so that loading skips compiling")
     build.add_argument("--max-batch-size", type=int, default=None, help="default: 8 when the model has a dynamic "
                        "batch dimension, else 0")
     build.add_argument("--shapes", default=None, metavar="NAME:MIN/OPT/MAX,...",

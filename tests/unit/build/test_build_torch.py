@@ -147,6 +147,37 @@ def test_fp16_cuda_graph_build_on_gpu(cnn_file: Path, tmp_path: Path) -> None:
     assert parameters == {"precision": "fp16", "channels_last": "true", "cuda_graphs": "true",
                           "cuda_graph_batch_sizes": "1-16", "compile_mode": "default"}
     assert {t.batch_size for t in report.speed} == {1, 16}
+    compiled = report.details["compile"]
+    assert (out / "1" / compiled["cache"]["file"]).is_file()
+    fresh = compiled["cache"]["fresh_process"]  # an empty Inductor cache: every graph from compile_cache.bin
+    assert fresh["cache"] == "loaded" and fresh["fx_graph_hits"] == 2 and fresh["fx_graph_misses"] == 0
+    assert compiled["load_s"]["compiled_cold"] > 0 and compiled["load_s"]["compiled_cached"] > 0
+    assert_gpu_limit(report.details["gpu_limit"], [2, 8])  # the preferred batch sizes of max 16
+
+
+def assert_gpu_limit(limit: dict[str, object], batch_sizes: list[int]) -> None:
+    figures = limit["figures"]
+    assert isinstance(figures, list)
+    assert [(f["batch_size"], f["streams"]) for f in figures] == [(b, s) for b in batch_sizes for s in (1, 2)]
+    assert all(f["rows_per_s"] > 0 and f["ms_per_batch"] > 0 for f in figures)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_auto_on_gpu_times_eager_and_compiled_and_keeps_the_faster(cnn_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cnn"
+    report = build(cnn_file, out, quiet(precision="fp16", device="cuda", channels_last=True, max_batch_size=16))
+    assert report.passed
+    compiled = report.details["compile"]
+    assert compiled["requested"] == "auto" and compiled["decided_by"].startswith("measured")
+    timings = compiled["timings"]
+    assert [t["batch_size"] for t in timings] == [2, 8]  # the config's preferred batch sizes
+    faster = sum(t["compiled_ms"] for t in timings) <= 0.95 * sum(t["eager_ms"] for t in timings)
+    assert compiled["mode"] == ("default" if faster else "none")
+    assert report.details["torch"]["parameters"].get("compile_mode", "none") == compiled["mode"]
+    assert (out / "1" / "compile_cache.bin").is_file() == faster
+    assert_gpu_limit(report.details["gpu_limit"], [2, 8])
+    assert "GPU limit (rows/s" in report.summary()
 
 
 @pytest.mark.gpu

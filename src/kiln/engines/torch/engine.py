@@ -5,9 +5,14 @@ CUDA graph per batch size. See docs/pytorch-backend.md.
 Thread safety: a plain module runs on several threads at once (torch releases the GIL, and a forward pass keeps no
 state). A compiled module does not (``thread_safe`` is False unless CUDA graphs replay it): dynamo and inductor are
 not thread-safe (pytorch/pytorch#118260, #123177), so calls into any compiled module of the process also take one
-process-wide lock. CUDA graphs replay static buffers, so each concurrent caller takes a lane (lanes.py): a CUDA
-stream with its own graphs and pinned staging buffers, up to ``cuda_streams`` of them, so that several callers'
-copies and kernels overlap on the GPU instead of taking turns under one lock. A lane can also be launched from the
+process-wide lock. A compiled module's batch dimension is dynamic (one graph serves every batch size but 1, which
+torch specialises), and the version's compile cache (compile_cache.py), when there is one, is loaded before the
+first compiled call. The engine compiles while it loads: a warm-up runs the largest batch and a batch of 1, so the
+CUDA graph captures that follow, and the calls, find both graphs compiled.
+
+CUDA graphs replay static buffers, so each concurrent caller takes a lane (lanes.py): a CUDA stream with its own
+graphs and pinned staging buffers, up to ``cuda_streams`` of them, so that several callers' copies and kernels
+overlap on the GPU instead of taking turns under one lock. A lane can also be launched from the
 event loop (``launch_parts``) and collected when its stream is done. Large batches (``cuda_shared_stream_from_batch``
 rows or more) replay on one stream shared by the model's instances, so the GPU runs them one at a time.
 """
@@ -16,7 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +35,16 @@ import torch
 
 from kiln.config.spec import ModelSpec, TensorSpec
 from kiln.engines.base import Array, Engine, EngineOptions, LaunchedBatch
+from kiln.engines.torch.compile_cache import (
+    CACHE_FILENAME,
+    CacheLoad,
+    CompileCounts,
+    compile_counts,
+    load_compile_cache,
+)
 from kiln.engines.torch.cuda_graphs import CudaGraphs, SharedStream, shared_compute_stream
 from kiln.engines.torch.lanes import LanePool
-from kiln.engines.torch.loading import LoadedModel, ModelFormat, detect_format, load_model
+from kiln.engines.torch.loading import LoadedModel, ModelFormat, detect_format, ignoring, load_model
 from kiln.engines.torch.naming import input_positions, output_positions, select_outputs
 from kiln.engines.torch.options import (
     CHANNELS_LAST,
@@ -42,7 +57,12 @@ from kiln.engines.torch.staging import RowStaging, numpy_view
 from kiln.engines.torch.tensors import checked_output, host_tensor, to_device, to_numpy, torch_dtype
 from kiln.errors import ConfigError, InternalError, KilnError, UnavailableError
 
+log = logging.getLogger("kiln.engines.torch")
+
 _COMPILED_CALLS = threading.Lock()
+# The largest batch a compiled module warms up with: Inductor tunes its dynamic-batch graph for this size (or the
+# max batch size when smaller), and a larger one would only cost memory at load.
+WARM_UP_BATCH = 64
 
 Tensors = Sequence[torch.Tensor | None]
 
@@ -86,12 +106,23 @@ class TorchEngine(Engine):
         self._compiled = self.settings.compile_mode != "none"
         # With CUDA graphs a call replays graphs; only captures run the compiled module, under the process lock.
         self.thread_safe = not self._compiled or self.settings.cuda_graphs
+        # What became of the version's compile cache, and the graphs found in torch's caches or compiled while
+        # loading (both None for a module that is not compiled).
+        self.compile_cache: CacheLoad | None = None
+        self.compile_counts: CompileCounts | None = None
+        if self._compiled:
+            self.compile_cache = load_compile_cache(spec.name, model_file.parent / CACHE_FILENAME, self.device,
+                                                    self.settings.compile_mode)
+        counted_from = compile_counts() if self._compiled else None
+        started = time.perf_counter()
         self._function: Callable[..., Any] | None = _prepare(loaded, self.settings)
         self._lanes: LanePool[GraphLane] | None = None
         self._shared_stream: SharedStream | None = None
         self._shared_from = self.settings.cuda_shared_stream_from_batch or 0
         if self.settings.cuda_graphs and self._shared_from and spec.batching:
             self._shared_stream = shared_compute_stream(spec.name, self.device)
+        if self._compiled:
+            self._warm_up()
         if self.settings.cuda_graphs:
             # An AOTInductor package runs single-threaded for capture and may keep buffers between runs, so its
             # graphs are not replayed on several streams at once.
@@ -99,6 +130,8 @@ class TorchEngine(Engine):
             self._lanes = LanePool(self._new_lane, streams)
             self._capture_listed()
             self.launches = True
+        if counted_from is not None:
+            self._check_compile_counts(counted_from, time.perf_counter() - started)
 
     @property
     def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
@@ -165,6 +198,13 @@ class TorchEngine(Engine):
         if function is None:
             raise UnavailableError(f"model '{self.spec.name}': the engine is closed")
         lock = _COMPILED_CALLS if self._compiled else contextlib.nullcontext()
+        if self._compiled and self.spec.batching:
+            # One graph for every batch size (but 1, which torch specialises): with a graph per size, the
+            # recompile limit (8) would leave larger models' other sizes running uncompiled, and each size would
+            # be compiled (or found in the cache) at load.
+            for tensor in tensors:
+                if tensor is not None:
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
         with lock:
             if self._dict_input:
                 return function({name: t for name, t in zip(self._order, tensors, strict=True) if t is not None})
@@ -326,6 +366,48 @@ class TorchEngine(Engine):
                 lane.static_inputs[name] = buffer
             tensors.append(buffer[:batch] if self.spec.batching else buffer)
         return tensors
+
+    @property
+    def graph_body(self) -> Callable[[Tensors], dict[str, torch.Tensor]]:
+        """What each lane's CUDA graph records: inputs in the config's dtypes (from :meth:`zero_inputs`) in, the
+        model, outputs in the config's dtypes out. For measuring what the GPU does with the engine's graphs."""
+        return self._graph_body
+
+    def zero_inputs(self, batch: int) -> list[torch.Tensor]:
+        """Zeros for every input, in forward()'s order, the config's dtypes and the model's dims, on the engine's
+        device: ``batch`` rows (ignored by a model without a batch dimension)."""
+        tensors: list[torch.Tensor] = []
+        for name in self._order:
+            shape = _model_dims(self.spec.input(name))
+            full = (batch, *shape) if self.spec.batching else shape
+            tensors.append(torch.zeros(full, dtype=self._input_dtypes[name], device=self.device))
+        return tensors
+
+    def _warm_up(self) -> None:
+        """Compile at load what calls will need (the largest batch's dynamic graph and batch 1's), so no request
+        waits minutes for it. Skipped for inputs without fixed dims, which zeros cannot stand for."""
+        inputs = [self.spec.input(name) for name in self._order]
+        if any(t.optional or any(d < 1 for d in _model_dims(t)) for t in inputs):
+            return
+        largest = min(max(self.spec.max_batch_size, 1), WARM_UP_BATCH)
+        sizes = sorted({largest, 1}, reverse=True) if self.spec.batching else [0]
+        try:
+            with torch.inference_mode(), self._on_device():
+                for batch in sizes:
+                    self._call([self._convert(tensor) for tensor in self.zero_inputs(batch)])
+        except Exception as exc:  # a model that zeros upset still runs on real inputs, compiled on first use
+            log.warning("model '%s': warming up the compiled model on zeros failed (%s: %s); it compiles on its "
+                        "first calls instead", self.spec.name, type(exc).__name__, exc)
+
+    def _check_compile_counts(self, before: CompileCounts, seconds: float) -> None:
+        """Record what loading compiled; warn when a loaded cache left graphs to compile. Torch counts for the
+        whole process, so a model compiling on another thread meanwhile is counted too."""
+        self.compile_counts = compile_counts().since(before)
+        cache = self.compile_cache
+        if cache is not None and cache.status == "loaded" and self.compile_counts.misses:
+            log.warning("model '%s': the compile cache did not hold %d of the graphs torch.compile needed (made by "
+                        "another build of the model?); they were compiled anew (load took %.1f s)", self.spec.name,
+                        self.compile_counts.misses, seconds)
 
     def _capture_listed(self) -> None:
         """Capture the listed batch sizes on the first lane at load, largest first; other lanes capture on first
@@ -493,5 +575,9 @@ def _prepare(loaded: LoadedModel, settings: TorchSettings) -> Callable[..., Any]
         # Module.to accepts memory_format at run time; torch's overloads do not list it.
         module = module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     if settings.compile_mode != "none":
+        # Inductor, imported by the first compiled call otherwise, imports torch.utils.mkldnn, whose TorchScript
+        # classes warn that `torch.jit.script_method` is deprecated: nothing about this model.
+        with ignoring(r"`torch\.jit\.script_method` is deprecated", DeprecationWarning):
+            importlib.import_module("torch._inductor.compile_fx")
         return torch.compile(module, mode=settings.compile_mode)
     return module

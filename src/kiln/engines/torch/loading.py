@@ -120,7 +120,7 @@ def load_model(spec: ModelSpec, path: Path, found: ModelFormat, device: torch.de
 def _load_torchscript(spec: ModelSpec, path: Path, device: torch.device) -> LoadedModel:
     # torch 2.13 warns "`torch.jit.load` is deprecated" on every load. TorchScript is the format of Triton's
     # pytorch_libtorch platform, so kiln loads it on purpose; the warning says nothing about this model.
-    with _ignoring(r"`torch\.jit\.load` is deprecated", DeprecationWarning):
+    with ignoring(r"`torch\.jit\.load` is deprecated", DeprecationWarning):
         module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]  # unannotated
     module.eval()
     arguments = list(module.forward.schema.arguments)
@@ -142,7 +142,7 @@ def _load_torchscript(spec: ModelSpec, path: Path, device: torch.device) -> Load
 def _load_exported(spec: ModelSpec, path: Path, device: torch.device) -> LoadedModel:
     # torch 2.11 warns once that "the given buffer is not writable" from a torch.frombuffer call inside
     # torch.export.load, over the archive's own weight bytes: nothing the caller can act on.
-    with _ignoring(r"The given buffer is not writable", UserWarning):
+    with ignoring(r"The given buffer is not writable", UserWarning):
         program = torch.export.load(str(path))
     if device.type != "cpu":
         # Moves constants baked into the graph too, which module.to(device) would miss.
@@ -169,7 +169,7 @@ def _load_aoti(path: Path, device: torch.device, single_threaded: bool) -> Loade
 
 
 @contextlib.contextmanager
-def _ignoring(message: str, category: type[Warning]) -> Iterator[None]:
+def ignoring(message: str, category: type[Warning]) -> Iterator[None]:
     """Silence one known, harmless torch warning around a call (matched by message and category)."""
     with _WARNINGS_LOCK, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=message, category=category)

@@ -81,3 +81,23 @@ def test_torch_compile_of_an_exported_program(tmp_path: Path, files: dict[str, P
     assert not engine.thread_safe  # dynamo and inductor are not thread-safe
     out = engine.infer({"x": X, "y": Y})
     np.testing.assert_allclose(out["OUTPUT__1"], eager(X, Y)[1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_engine_compiles_while_loading_and_not_per_batch_size(tmp_path: Path,
+                                                                         files: dict[str, Path]) -> None:
+    from kiln.engines.torch.compile_cache import compile_counts
+
+    text = config("torch_aoti", *TWO_HEADS_IO, parameters={"compile_mode": "default"})
+    engine = kiln.load(write_model_folder(tmp_path, "m", text, files["export"]))
+    assert isinstance(engine, TorchEngine) and engine.compile_cache is not None
+    assert engine.compile_cache.status == "absent"  # no compile_cache.bin beside the file
+    assert engine.compile_counts is not None
+    # The warm-up made two graphs: one with a dynamic batch dimension, and batch 1's (torch specialises 1).
+    assert engine.compile_counts.hits + engine.compile_counts.misses == 2
+    before = compile_counts()
+    for rows in (3, 1, 2, 8):
+        out = engine.infer({"x": np.resize(X, (rows, 4)), "y": np.resize(Y, (rows, 3))})
+        np.testing.assert_allclose(out["OUTPUT__1"], eager(np.resize(X, (rows, 4)), np.resize(Y, (rows, 3)))[1],
+                                   rtol=1e-5, atol=1e-6)
+    after = compile_counts().since(before)
+    assert (after.hits, after.misses) == (0, 0), "every batch size ran a graph compiled at load"

@@ -101,6 +101,23 @@ def test_concurrent_callers_share_the_graphs_safely(tmp_path: Path, files: dict[
     engine.close()
 
 
+def test_a_compiled_module_under_cuda_graphs_and_lanes(tmp_path: Path, files: dict[str, Path]) -> None:
+    """torch.compile (one graph with a dynamic batch dimension, and batch 1's) compiled at load, captured in every
+    lane's CUDA graphs: threads on several lanes, and a batch size first seen after load, compile nothing more."""
+    from kiln.engines.torch.compile_cache import compile_counts
+
+    engine = load_gpu(tmp_path, files["conv_export"], {**GPU_PARAMETERS, "compile_mode": "default"})
+    assert engine.thread_safe and engine.compile_counts is not None
+    assert engine.compile_counts.hits + engine.compile_counts.misses == 2
+    assert engine.cuda_graph_batch_sizes == (1, 4)
+    before = compile_counts()
+    assert calls_from_threads(engine, [images(3) for _ in range(4)], rounds=10) == []
+    assert engine.cuda_streams_in_use > 1 and 3 in engine.cuda_graph_batch_sizes
+    after = compile_counts().since(before)
+    assert (after.hits, after.misses) == (0, 0)
+    engine.close()
+
+
 def calls_from_threads(engine: TorchEngine, inputs: list[np.ndarray], rounds: int) -> list[str]:
     """Each input from its own thread, ``rounds`` times, all threads starting together; the threads that got
     another call's result."""
