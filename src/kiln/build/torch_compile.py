@@ -183,7 +183,9 @@ def _fresh_process_load(model_dir: Path, version: int, kind: str) -> dict[str, A
     """What ``kiln.build.load_probe`` says after loading the version in a new interpreter with an empty Inductor
     cache (and Triton's inside it), or the error that kept it from saying."""
     with tempfile.TemporaryDirectory(prefix="kiln-build-fresh-inductor-") as folder:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": folder}
+        source = str(Path(__file__).resolve().parents[2])  # this kiln, also when it is not installed
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": folder,
+               "PYTHONPATH": os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)}
         env.pop("TRITON_CACHE_DIR", None)
         command = [sys.executable, "-m", "kiln.build.load_probe", str(model_dir), str(version), kind]
         try:
