@@ -64,7 +64,8 @@ def gpu_repo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     onnx.save(build_resnet50(0, base_channels=8, image_size=32, num_classes=10), str(source))
     build(source, root / "repo" / "resnet50", BuildOptions(backend="torch", device="cuda", precision="fp16",
                                                            channels_last=True, max_batch_size=8, samples=4,
-                                                           min_top1=0.0))  # random, shrunken: classes nearly tie
+                                                           min_top1=0.0,  # random, shrunken: classes nearly tie
+                                                           compile_mode="none"))  # eager graphs: quick to load
     yield root / "repo"
 
 
