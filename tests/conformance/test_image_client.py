@@ -4,14 +4,17 @@ makes of the metadata and configuration, its preprocessing, and classification a
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
+import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.model_config_pb2 as mc
 import tritonclient.http as httpclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from kiln.demo.image_classifier import LABELS, NAME, build_image_classifier
 from kiln.testing.serve import KilnProcess
@@ -77,3 +80,49 @@ def test_image_client_classifies_an_image(kiln_server: KilnProcess, protocol: st
         assert [label for _, _, label in parts] == [LABELS[i] for i in top3]
         assert np.allclose([float(score) for score, _, _ in parts], scores[top3], atol=1e-5)
     client.close()
+
+
+def _classes(raw: bytes) -> list[list[str]]:
+    """A BYTES tensor as grpc_image_client.py reads it: 4-byte little-endian lengths, each entry 'score:index:label'."""
+    entries, offset = [], 0
+    while offset < len(raw):
+        (size,) = struct.unpack_from("<I", raw, offset)
+        entries.append(raw[offset + 4:offset + 4 + size].decode().split(":"))
+        offset += 4 + size
+    return entries
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_grpc_image_client_flow_over_the_raw_stubs(kiln_server: KilnProcess, streaming: bool) -> None:
+    """grpc_image_client.py: metadata and config from the generated stubs, the image as raw_input_contents, the
+    classification answer as one raw BYTES content reshaped by the output's shape; with --streaming, the same
+    request over ModelStreamInfer."""
+    channel = grpc.insecure_channel(kiln_server.grpc_url)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    metadata = stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=NAME, version=""))
+    config = stub.ModelConfig(service_pb2.ModelConfigRequest(name=NAME, version="")).config
+    assert len(metadata.inputs) == len(metadata.outputs) == len(config.input) == 1
+    assert metadata.outputs[0].datatype == "FP32" and config.input[0].format == mc.ModelInput.FORMAT_NCHW
+    c, h, w = (int(d) for d in metadata.inputs[0].shape[1:])
+    image = np.random.default_rng(11).integers(0, 256, (h, w, c), dtype=np.uint8)
+    batch = inception(image, config.input[0].format)[np.newaxis]
+    request = service_pb2.ModelInferRequest(model_name=NAME, model_version="")
+    output = request.outputs.add(name=metadata.outputs[0].name)
+    output.parameters["classification"].int64_param = 2
+    request.inputs.add(name=metadata.inputs[0].name, datatype=metadata.inputs[0].datatype, shape=[1, c, h, w])
+    request.raw_input_contents.append(batch.astype(np.float32).tobytes())
+    if streaming:
+        (reply,) = list(stub.ModelStreamInfer(iter([request])))
+        assert reply.error_message == ""
+        response = reply.infer_response
+    else:
+        response = stub.ModelInfer(request)
+    assert len(response.outputs) == 1 and len(response.raw_output_contents) == 1
+    assert list(response.outputs[0].shape) == [1, 2]
+    rows = np.reshape(np.array(_classes(response.raw_output_contents[0]), dtype=object), (1, 2, 3))
+    scores = ort.InferenceSession(build_image_classifier().SerializeToString(),
+                                  providers=["CPUExecutionProvider"]).run(None, {"INPUT": batch})[0][0]
+    top2 = np.argsort(-scores, kind="stable")[:2]
+    assert [int(index) for _, index, _ in rows[0]] == top2.tolist()
+    assert [label for _, _, label in rows[0]] == [LABELS[i] for i in top2]
+    channel.close()
