@@ -18,11 +18,12 @@ import logging
 import struct
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]  # no type info
 
+from kiln.frontends.handoff.frames import FrameProtocol
 from kiln.v2._generated import grpc_service_pb2 as pb
 
 log = logging.getLogger("kiln.grpc.bridge")
@@ -62,43 +63,9 @@ def end_payload(code: grpc.StatusCode, details: str) -> bytes:
     return bytes([code.value[0]]) + details.encode()
 
 
-FrameHandler = Callable[[int, int, int, bytes], None]  # (call, kind, method, payload)
-
-
-class FrameProtocol(asyncio.Protocol):
-    """Frames in and out of one Unix connection. A protocol rather than stream reads: at thousands of calls per
-    second the per-read cost of ``StreamReader.readexactly`` shows."""
-
-    def __init__(self, on_frame: FrameHandler) -> None:
-        self._on_frame = on_frame
-        self._buffer = bytearray()
-        self.transport: asyncio.Transport | None = None
-        self.closed = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
-
-    def data_received(self, data: bytes) -> None:
-        buffer = self._buffer
-        buffer += data
-        start = 0
-        end = len(buffer)
-        while end - start >= HEADER.size:
-            size, call, kind, method = HEADER.unpack_from(buffer, start)
-            stop = start + HEADER.size + size
-            if stop > end:
-                break
-            self._on_frame(call, kind, method, bytes(buffer[start + HEADER.size:stop]))
-            start = stop
-        del buffer[:start]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-    def send(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+def frame_protocol(on_frame: Callable[[int, int, int, bytes], None]) -> FrameProtocol:
+    """A connection's framing, with the method index in each header."""
+    return FrameProtocol(on_frame, HEADER)
 
 
 class _Aborted(Exception):
@@ -147,7 +114,7 @@ class BridgeCore:
             elif kind == HELLO:
                 self._on_hello()
 
-        protocol = FrameProtocol(on_frame)
+        protocol = frame_protocol(on_frame)
         # The worker went away: its calls' answers have nowhere to go.
         protocol.closed.add_done_callback(lambda _: [task.cancel() for task in list(tasks.values())])
         return protocol

@@ -31,8 +31,8 @@ from kiln.frontends.grpc.bridge import (
     OPEN,
     REPLY,
     STATUS_CODES,
-    FrameProtocol,
     frame,
+    frame_protocol,
     method_index,
 )
 
@@ -46,7 +46,7 @@ class BridgeClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self._streams: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
-        self.protocol = FrameProtocol(self._on_frame)
+        self.protocol = frame_protocol(self._on_frame)
 
     def _on_frame(self, call: int, kind: int, method: int, payload: bytes) -> None:
         future = self._pending.pop(call, None)

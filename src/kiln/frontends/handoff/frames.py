@@ -31,7 +31,8 @@ RELEASE = 20
 
 FLUSH_DELAY_S = 0.002  # how long released slots wait for a frame to ride along with
 
-FrameHandler = Callable[[int, int, bytes], None]  # (call, kind, payload)
+# Called with the header's fields after the payload size (here call id and kind), then the payload.
+FrameHandler = Callable[..., None]
 
 
 def frame(call: int, kind: int, payload: bytes = b"") -> bytes:
@@ -48,10 +49,12 @@ def unpack_offsets(payload: bytes) -> tuple[int, ...]:
 
 class FrameProtocol(asyncio.Protocol):
     """Frames in and out of one Unix connection. A protocol rather than stream reads: at thousands of requests
-    per second the per-read cost of ``StreamReader.readexactly`` shows."""
+    per second the per-read cost of ``StreamReader.readexactly`` shows. ``header`` starts with the payload size;
+    the gRPC bridge's frames carry one more field (the method index)."""
 
-    def __init__(self, on_frame: FrameHandler) -> None:
+    def __init__(self, on_frame: FrameHandler, header: struct.Struct = HEADER) -> None:
         self._on_frame = on_frame
+        self._header = header
         self._buffer = bytearray()
         self._outgoing: list[bytes] = []
         self._corked = False
@@ -64,14 +67,15 @@ class FrameProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
         buffer += data
+        header = self._header
         start = 0
         end = len(buffer)
-        while end - start >= HEADER.size:
-            size, call, kind = HEADER.unpack_from(buffer, start)
-            stop = start + HEADER.size + size
+        while end - start >= header.size:
+            size, *fields = header.unpack_from(buffer, start)
+            stop = start + header.size + size
             if stop > end:
                 break
-            self._on_frame(call, kind, bytes(buffer[start + HEADER.size:stop]))
+            self._on_frame(*fields, bytes(buffer[start + header.size:stop]))
             start = stop
         del buffer[:start]
 
