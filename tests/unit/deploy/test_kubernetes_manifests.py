@@ -5,6 +5,7 @@ flags, answers the probe paths and exports the series the HPA scales on."""
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -28,7 +29,8 @@ DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes"
 K8S_VERSIONS = ("1.30", "1.37")
 CRD_GROUPS = ("monitoring.coreos.com/", "ray.io/")
 KUSTOMIZE_FILES = {"kustomization.yaml"}
-NOT_OBJECTS = {Path("components/gpu/gpu-patch.yaml"), Path("prometheus-adapter/values.yaml")}
+NOT_OBJECTS = {Path("components/gpu/gpu-patch.yaml"), Path("components/monitoring/hpa-owns-replicas.yaml"),
+               Path("prometheus-adapter/values.yaml")}
 DIRECTORIES = ("base", "overlays/monitoring", "overlays/gpu", "rayservice")
 
 
@@ -172,10 +174,15 @@ def kustomize(directory: str) -> list[dict[str, Any]]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed: the kustomize builds are not rendered")
+    return [doc for doc in yaml.safe_load_all(kustomize_output(kubectl, directory)) if doc is not None]
+
+
+@functools.cache
+def kustomize_output(kubectl: str, directory: str) -> str:
     result = subprocess.run([kubectl, "kustomize", str(DEPLOY / directory)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc is not None]
+    return result.stdout
 
 
 @pytest.mark.parametrize("directory", DIRECTORIES)
@@ -194,6 +201,13 @@ def test_the_gpu_overlay_renders_the_gpu_image_and_resources() -> None:
     assert spec["resources"]["limits"]["nvidia.com/gpu"] == 1
     kinds = {o["kind"] for o in kustomize("overlays/gpu")}
     assert {"Deployment", "Service", "PersistentVolumeClaim", "ServiceMonitor", "HorizontalPodAutoscaler"} <= kinds
+
+
+@pytest.mark.parametrize("directory", ["overlays/monitoring", "overlays/gpu"])
+def test_with_the_hpa_the_deployment_leaves_the_replica_count_to_it(directory: str) -> None:
+    (deployment,) = [o for o in kustomize(directory) if o["kind"] == "Deployment"]
+    assert "replicas" not in deployment["spec"]
+    assert one("Deployment")["spec"]["replicas"] == 1  # the base alone keeps one
 
 
 # -- cross-checks ------------------------------------------------------------------------------------------------
