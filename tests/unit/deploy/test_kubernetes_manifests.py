@@ -6,6 +6,7 @@ flags, answers the probe paths and exports the series the HPA scales on."""
 from __future__ import annotations
 
 import functools
+import json
 import re
 import shutil
 import subprocess
@@ -224,6 +225,25 @@ def test_the_deployment_runs_kiln_serve_on_its_default_ports_reachable_from_outs
     assert options.host == "0.0.0.0"
     # The grace period covers kiln's drain and the preStop pause.
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > options.exit_timeout_s + 5
+
+
+def dockerfile_instructions(path: Path) -> dict[str, str]:
+    """The last argument text of each instruction (continuation lines joined)."""
+    text = path.read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return {line.split(None, 1)[0]: line.split(None, 1)[1] for line in lines}
+
+
+def test_the_image_runs_what_the_deployment_runs() -> None:
+    """The Dockerfile's own command works without the manifests too: same program, flags, ports, user."""
+    instructions = dockerfile_instructions(DEPLOY.parent / "docker" / "Dockerfile")
+    deployment = one("Deployment")
+    assert json.loads(instructions["ENTRYPOINT"]) == container(deployment)["command"]
+    options = build(ServiceOptions, make_parser().parse_args(json.loads(instructions["CMD"])))
+    assert options.host == "0.0.0.0"
+    assert options.server.repositories == serve_options(deployment).server.repositories
+    assert sorted(int(port) for port in instructions["EXPOSE"].split()) == sorted(container_ports(deployment).values())
+    assert int(instructions["USER"]) == deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
 
 
 def test_the_model_repository_comes_from_the_claim() -> None:
