@@ -8,7 +8,7 @@ import asyncio
 import mmap
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +16,19 @@ import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc as tc
+import tritonclient.grpc.aio as tc_aio
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
+from kiln.config.spec import ModelSpec
 from kiln.demo import build_demo_repository
+from kiln.engines import Engine, EngineOptions, register_backend
+from kiln.engines.base import Array
 from kiln.frontends.grpc import server as grpc_frontend
 from kiln.frontends.grpc import start_grpc_server
 from kiln.frontends.grpc.workers import start_grpc_workers
 from kiln.server.server import Server, ServerOptions
+from kiln.service import Service, ServiceOptions
 from kiln.v2.types import InferRequest
 
 HOST = "127.0.0.1"
@@ -255,3 +260,54 @@ async def test_many_concurrent_requests_get_their_own_answers(urls: tuple[str, s
 
     await asyncio.to_thread(all_threads)
     assert failures == []
+
+
+GATE = threading.Event()
+ENTERED = threading.Event()
+
+
+class SlowEngine(Engine):
+    """Answers once the test opens the gate."""
+
+    def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
+        super().__init__(spec)
+
+    def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
+        ENTERED.set()
+        GATE.wait(30)
+        return {outputs[0]: inputs["x"] + 1}
+
+
+SLOW = """
+backend: "slow_for_grpc_workers_test" max_batch_size: 4
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 2 ] } ]
+"""
+
+
+async def test_sigterm_drains_a_model_infer_in_flight_in_a_worker(tmp_path: Path) -> None:
+    register_backend("slow_for_grpc_workers_test", SlowEngine)
+    (tmp_path / "slow" / "1").mkdir(parents=True)
+    (tmp_path / "slow" / "config.pbtxt").write_text(SLOW)
+    service = Service(ServiceOptions(ServerOptions(repositories=[tmp_path]), http_port=0, grpc_port=0,
+                                     metrics_port=0, grpc_workers=2, exit_timeout_s=20))
+    GATE.clear()
+    ENTERED.clear()
+    run = asyncio.create_task(service.run())
+    while "grpc" not in service.bound:
+        await asyncio.sleep(0.01)
+    client = tc_aio.InferenceServerClient(f"{HOST}:{service.bound['grpc']}")
+    in_flight = asyncio.create_task(client.infer("slow", [_tensor("x", np.array([[1, 2]], np.float32), "FP32")]))
+    await asyncio.to_thread(ENTERED.wait, 10)
+    workers = _worker_processes()
+    assert len(workers) == 2
+    service.request_stop()
+    await asyncio.sleep(0.3)
+    assert not run.done()  # still draining
+    GATE.set()
+    result = await in_flight
+    await client.close()
+    assert result.as_numpy("y").tolist() == [[2.0, 3.0]]
+    assert await asyncio.wait_for(run, 20) == 0
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, "workers outlived the server"
