@@ -27,6 +27,7 @@ from kiln.engines.base import Array
 from kiln.frontends.grpc import server as grpc_frontend
 from kiln.frontends.grpc import start_grpc_server
 from kiln.frontends.grpc.workers import start_grpc_workers
+from kiln.frontends.handoff.arena import Arena
 from kiln.server.server import Server, ServerOptions
 from kiln.service import Service, ServiceOptions
 from kiln.v2.types import InferRequest
@@ -311,3 +312,40 @@ async def test_sigterm_drains_a_model_infer_in_flight_in_a_worker(tmp_path: Path
     assert await asyncio.wait_for(run, 20) == 0
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, "workers outlived the server"
+
+
+async def test_a_call_the_client_gave_up_on_hands_its_output_slot_back(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    register_backend("slow_for_grpc_workers_test", SlowEngine)
+    (tmp_path / "slow" / "1").mkdir(parents=True)
+    (tmp_path / "slow" / "config.pbtxt").write_text(SLOW)
+    freed: list[int] = []
+    free = Arena.free
+
+    def noting(arena: Arena, offset: int) -> None:
+        freed.append(offset)
+        free(arena, offset)
+
+    monkeypatch.setattr(Arena, "free", noting)  # in this process: the server side's response arenas only
+    server = Server(ServerOptions(repositories=[tmp_path]))
+    server.start()
+    GATE.clear()
+    ENTERED.clear()
+    try:
+        async for workers, _ in _serve(server):
+            client = tc_aio.InferenceServerClient(workers)
+            x = np.array([[1, 2]], np.float32)
+            with pytest.raises(InferenceServerException, match="Deadline"):
+                await client.infer("slow", [_tensor("x", x, "FP32")], client_timeout=0.3)
+            assert ENTERED.is_set() and freed == []
+            GATE.set()  # the server process answers now, into its arena, for a call nobody waits for
+            deadline = time.monotonic() + 10
+            while not freed and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert freed, "the answer's slot was never handed back"
+            result = await client.infer("slow", [_tensor("x", x, "FP32")])
+            assert result.as_numpy("y").tolist() == [[2.0, 3.0]]
+            await client.close()
+    finally:
+        GATE.set()
+        server.close()

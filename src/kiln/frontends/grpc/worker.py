@@ -47,7 +47,7 @@ from kiln.frontends.grpc.bridge import (
 from kiln.frontends.grpc.servicer import abort_with
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import unpack_offsets
-from kiln.frontends.handoff.tensors import decode_response, encode_request
+from kiln.frontends.handoff.tensors import decode_response, encode_request, response_slot
 from kiln.v2 import grpc_codec as codec
 from kiln.v2._generated import grpc_service_pb2 as pb
 from kiln.v2.types import InferRequest, InferResponse
@@ -55,6 +55,15 @@ from kiln.v2.types import InferRequest, InferResponse
 HEALTH_POLL_S = 1.0  # how often an open health Watch asks the server process again
 GONE = "the server process is not answering (it is shutting down or has stopped)"
 MODEL_INFER = method_index(SERVICE.full_name, "ModelInfer")
+
+
+class CallFailed(Exception):
+    """The server process answered a call with a gRPC status (or cannot answer: UNAVAILABLE)."""
+
+    def __init__(self, code: int, details: bytes) -> None:
+        super().__init__(details.decode(errors="replace"))
+        self.code = code
+        self.details = details
 
 
 class BridgeClient:
@@ -77,17 +86,18 @@ class BridgeClient:
                     self._request_arena.free(offset)
             return
         future = self._pending.pop(call, None)
-        if future is not None:
-            if not future.done():
-                future.set_result((0, payload) if kind in (REPLY, ANSWER) else (payload[0], payload[1:]))
+        if future is not None and not future.done():
+            future.set_result((0, payload) if kind in (REPLY, ANSWER) else (payload[0], payload[1:]))
         elif call in self._streams:
             self._streams[call].put_nowait((kind, payload))
+        elif kind == ANSWER:  # its call was cancelled (client gone, deadline passed): nobody reads the outputs
+            self.release(response_slot(payload))
 
-    async def infer(self, request: InferRequest) -> tuple[int, bytes, InferResponse | None, int | None]:
-        """(0, b"", the answer with views on the response arena, the slot to ``release`` once it is encoded), or
-        (status code, details, None, None)."""
+    async def infer(self, request: InferRequest) -> tuple[InferResponse, int | None]:
+        """The answer, its outputs views on the response arena, and the slot to ``release`` once it is encoded;
+        :class:`CallFailed` with the status the server process answered instead."""
         if self.protocol.closed.done():
-            return grpc.StatusCode.UNAVAILABLE.value[0], GONE.encode(), None, None
+            raise CallFailed(grpc.StatusCode.UNAVAILABLE.value[0], GONE.encode())
         call = next(self._ids)
         future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
         self._pending[call] = future
@@ -95,12 +105,15 @@ class BridgeClient:
         self.protocol.send(self._releases.take() + frame(call, INFER, payload))
         try:
             code, payload = await future
+        except asyncio.CancelledError:  # an answer that came just before still holds its outputs' slot
+            if future.done() and not future.cancelled() and future.result()[0] == 0:
+                self.release(response_slot(future.result()[1]))
+            raise
         finally:
             self._pending.pop(call, None)
         if code:
-            return code, payload, None, None
-        response, slot = decode_response(payload, self._response_arena)
-        return 0, b"", response, slot
+            raise CallFailed(code, payload)
+        return decode_response(payload, self._response_arena)
 
     def release(self, slot: int | None) -> None:
         if slot is not None:
@@ -170,9 +183,10 @@ def _infer_handler(bridge: BridgeClient) -> Any:
             request = codec.decode_request(message)
         except Exception as exc:  # the client's mistake, reported as the servicer's rpc wrapper does
             await abort_with(context, exc)
-        code, details, response, slot = await bridge.infer(request)
-        if response is None:
-            await _abort(context, code, details)
+        try:
+            response, slot = await bridge.infer(request)
+        except CallFailed as failed:
+            await _abort(context, failed.code, failed.details)
         try:
             return bytes(codec.encode_response(response).SerializeToString())
         finally:
