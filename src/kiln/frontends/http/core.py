@@ -3,10 +3,10 @@ runs through the same ASGI app the in-process frontend serves.
 
 An infer request arrives decoded and is answered by the handoff the gRPC workers' link shares (handoff/infer.py):
 its inputs become numpy views on the worker's arena, the Server answers, and the outputs go into this side's arena
-for the worker to encode. Anything else arrives whole (method,
-path, query, headers, body) and is answered by calling the app with a synthesized scope, so each route has one
-implementation and its checks (API keys, body limits, errors) hold as they do in one process. A forwarded
-response is streamed back chunk by chunk, at most ``WINDOW`` chunks ahead of what the worker has delivered.
+for the worker to encode. Anything else arrives whole (method, path, query, headers, body) and is answered by
+calling the app with a synthesized scope, so each route has one implementation and its checks (API keys, body
+limits, errors) hold as they do in one process. A forwarded response is streamed back chunk by chunk, at most
+``WINDOW`` chunks ahead of what the worker has delivered.
 """
 
 from __future__ import annotations
