@@ -1,14 +1,18 @@
 """The link between gRPC worker processes and the server process: framing, and the server's side of it.
 
 With ``kiln serve --grpc-workers N`` the gRPC frontend runs in N worker processes that share the port, because one
-Python process spends most of its core in grpc.aio's per-call work (benchmarks/README.md, framework ceilings). A
-worker parses nothing: it forwards each call's serialized request over a Unix socket to the server process, where
-the same :class:`~kiln.frontends.grpc.servicer.GRPCInferenceService` handles it, and returns the serialized
-answer. So scheduling, statistics, shared-memory registries and model control stay in one place.
+Python process spends most of its core in grpc.aio's per-call work (benchmarks/README.md, framework ceilings).
+ModelInfer is decoded in the worker and handed over as the HTTP workers hand theirs (frontends/handoff): input
+tensors in the worker's shared-memory arena, a descriptor on the link, outputs answered in the server process's
+arena. Every other call's serialized request is forwarded to the server process, where the same
+:class:`~kiln.frontends.grpc.servicer.GRPCInferenceService` handles it, and the serialized answer comes back. So
+scheduling, statistics, shared-memory registries and model control stay in one place.
 
-Each frame is a header (payload size, call id, kind, method index) and a payload. Unary calls are one CALL and one
-REPLY or END; a stream is OPEN, MESSAGE..., HALF_CLOSE one way and REPLY..., END the other. END carries the gRPC
-status code (0 for a stream that finished well) and the details.
+Each frame is a header (payload size, call id, kind, method index) and a payload. A forwarded unary call is one
+CALL and one REPLY or END; a stream is OPEN, MESSAGE..., HALF_CLOSE one way and REPLY..., END the other. END
+carries the gRPC status code (0 for a stream that finished well) and the details. ModelInfer is INFER (a request
+descriptor) and ANSWER (an answer descriptor) or END; RELEASE (call 0, either way) lists arena slots the receiver
+may reuse.
 """
 
 from __future__ import annotations
@@ -23,13 +27,18 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]  # no type info
 
-from kiln.frontends.handoff.frames import FrameProtocol
+from kiln.frontends.grpc.servicer import GRPCInferenceService, model_infer_error
+from kiln.frontends.handoff.arena import Arena
+from kiln.frontends.handoff.frames import FrameProtocol, Releases
+from kiln.frontends.handoff.infer import InferHandoff
+from kiln.server.server import Server
+from kiln.v2 import status
 from kiln.v2._generated import grpc_service_pb2 as pb
 
 log = logging.getLogger("kiln.grpc.bridge")
 
 HEADER = struct.Struct("<IIBB")  # payload bytes, call id, kind, method index
-CALL, OPEN, MESSAGE, HALF_CLOSE, CANCEL, REPLY, END, HELLO = range(8)
+CALL, OPEN, MESSAGE, HALF_CLOSE, CANCEL, REPLY, END, HELLO, INFER, ANSWER, RELEASE = range(11)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -68,6 +77,11 @@ def frame_protocol(on_frame: Callable[[int, int, int, bytes], None]) -> FramePro
     return FrameProtocol(on_frame, HEADER)
 
 
+def releases(protocol: FrameProtocol) -> Releases:
+    """Arena slots to hand back over ``protocol``, in this link's RELEASE frames."""
+    return Releases(protocol, lambda payload: frame(0, RELEASE, payload))
+
+
 class _Aborted(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
@@ -88,19 +102,24 @@ Handler = Callable[[Any, Any], Any]
 class BridgeCore:
     """The server process's end: answers the workers' calls with the in-process servicers."""
 
-    def __init__(self, servicer: Any, health: Any, on_hello: Callable[[], None]) -> None:
+    def __init__(self, server: Server, servicer: GRPCInferenceService, health: Any,
+                 on_hello: Callable[[], None]) -> None:
+        self._server = server
         self._handlers: list[Handler] = [
             getattr(servicer if m.service == SERVICE.full_name else health, m.name) for m in METHODS]
         self._on_hello = on_hello
         self._context = _Context()  # stateless: one serves every call
 
-    def connection(self) -> FrameProtocol:
-        """A protocol for one worker's connection (the factory for ``loop.create_unix_server``)."""
+    def connection(self, request_arena: Arena | None, response_arena: Arena | None) -> FrameProtocol:
+        """A protocol for one worker's connection, with the worker's arena (its ModelInfer inputs) and this
+        side's (the outputs); None where the platform gave none, and tensors then travel inline."""
         tasks: dict[int, asyncio.Task[None]] = {}
         streams: dict[int, asyncio.Queue[bytes | None]] = {}
 
         def on_frame(call: int, kind: int, method: int, payload: bytes) -> None:
-            if kind == CALL:
+            if kind == INFER:
+                self._track(tasks, call, self._infer(protocol, slots, handoff, call, payload))
+            elif kind == CALL:
                 self._track(tasks, call, self._unary(protocol, call, method, payload))
             elif kind == OPEN:
                 queue = streams[call] = asyncio.Queue()
@@ -111,13 +130,33 @@ class BridgeCore:
                 streams[call].put_nowait(None)
             elif kind == CANCEL and call in tasks:
                 tasks[call].cancel()
+            elif kind == RELEASE:
+                handoff.free(payload)
             elif kind == HELLO:
                 self._on_hello()
 
+        def lost(_: object) -> None:
+            """The worker went away: its calls' answers have nowhere to go."""
+            for task in list(tasks.values()):
+                task.cancel()
+            handoff.close()
+
         protocol = frame_protocol(on_frame)
-        # The worker went away: its calls' answers have nowhere to go.
-        protocol.closed.add_done_callback(lambda _: [task.cancel() for task in list(tasks.values())])
+        slots = releases(protocol)
+        handoff = InferHandoff(self._server, request_arena, response_arena, slots.add, translate=model_infer_error)
+        protocol.closed.add_done_callback(lost)
         return protocol
+
+    @staticmethod
+    async def _infer(protocol: FrameProtocol, slots: Releases, handoff: InferHandoff, call: int,
+                     payload: bytes) -> None:
+        answer = await handoff.answer(payload)
+        if isinstance(answer, bytes):
+            reply = frame(call, ANSWER, answer)
+        else:
+            reply = frame(call, END, end_payload(status.grpc_code(answer), answer.message))
+        # The inputs' slot is released by now unless a mirrored request still reads it; the release rides along.
+        protocol.send(slots.take() + reply)
 
     @staticmethod
     def _track(tasks: dict[int, asyncio.Task[None]], call: int, work: Coroutine[Any, Any, None]) -> None:

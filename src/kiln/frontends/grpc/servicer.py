@@ -55,7 +55,8 @@ def error_message(exc: BaseException) -> str:
     return status.as_kiln_error(exc).message
 
 
-async def _abort(context: Context, exc: Exception) -> NoReturn:
+async def abort_with(context: Context, exc: Exception) -> NoReturn:
+    """Abort the call with the status and message :mod:`kiln.v2.status` gives ``exc``."""
     if isinstance(exc, grpc.aio.AbortError):  # the RPC is already aborted: keep its status
         raise exc
     error = status.as_kiln_error(exc)
@@ -74,7 +75,7 @@ def rpc(method: F) -> F:
                 async for response in method(self, requests, context):
                     yield response
             except Exception as exc:
-                await _abort(context, exc)
+                await abort_with(context, exc)
 
         wrapped: Callable[..., Any] = streaming
     else:
@@ -84,7 +85,7 @@ def rpc(method: F) -> F:
             try:
                 return await method(self, request, context)
             except Exception as exc:
-                await _abort(context, exc)
+                await abort_with(context, exc)
 
         wrapped = unary
     setattr(wrapped, WRAPPED_MARK, True)
@@ -142,9 +143,8 @@ class GRPCInferenceService:
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
         try:
             return codec.encode_response(await self._server.infer(codec.decode_request(request)))
-        except DecoupledModelError:
-            raise UnsupportedError("ModelInfer RPC doesn't support models with decoupled transaction policy") \
-                from None
+        except DecoupledModelError as exc:
+            raise model_infer_error(exc) from None
 
     @rpc
     async def ModelStreamInfer(self, requests: AsyncIterator[pb.ModelInferRequest],
@@ -259,6 +259,14 @@ class GRPCInferenceService:
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------
+
+
+def model_infer_error(exc: Exception) -> Exception:
+    """The error ModelInfer reports for ``exc``: Triton's words for a decoupled model, else ``exc`` itself (the
+    gRPC workers' server side reports through this too)."""
+    if isinstance(exc, DecoupledModelError):
+        return UnsupportedError("ModelInfer RPC doesn't support models with decoupled transaction policy")
+    return exc
 
 
 def _wants_final_flag(request: pb.ModelInferRequest) -> bool:

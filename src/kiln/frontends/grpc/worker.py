@@ -1,9 +1,11 @@
-"""One gRPC worker process: a grpc.aio server on the shared port that forwards every call to the server process.
+"""One gRPC worker process: a grpc.aio server on the shared port, answering calls through the server process.
 
-Started by :mod:`kiln.frontends.grpc.workers` as ``python -m kiln.frontends.grpc.worker --bridge SOCKET
---address HOST:PORT``. Requests and responses pass through as bytes (no protobuf parsing here). SIGTERM stops
-accepting calls and lets those in flight finish for ``--grace`` seconds; losing the bridge ends the process, since
-no call could be answered any more.
+Started by :mod:`kiln.frontends.grpc.workers` as ``python -m kiln.frontends.grpc.worker --link-fd FD
+--address HOST:PORT`` with the descriptors it inherits: the link to the server process (one end of a socket pair)
+and the two arenas. ModelInfer is parsed and decoded here with the in-process servicer's codec, its input tensors
+written into the request arena, and its answer encoded here from views on the response arena; every other call
+passes through as bytes. SIGTERM stops accepting calls and lets those in flight finish for ``--grace`` seconds;
+losing the link ends the process, since no call could be answered any more.
 """
 
 from __future__ import annotations
@@ -11,50 +13,111 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]  # no type info
 
 from kiln.frontends.grpc.bridge import (
+    ANSWER,
     CALL,
     CANCEL,
     END,
     HALF_CLOSE,
     HEALTH_SERVICE,
     HELLO,
+    INFER,
     MESSAGE,
     METHODS,
     OPEN,
+    RELEASE,
     REPLY,
+    SERVICE,
     STATUS_CODES,
     frame,
     frame_protocol,
     method_index,
+    releases,
 )
+from kiln.frontends.grpc.servicer import abort_with
+from kiln.frontends.handoff.arena import Arena
+from kiln.frontends.handoff.frames import unpack_offsets
+from kiln.frontends.handoff.tensors import decode_response, encode_request, response_slot
+from kiln.v2 import grpc_codec as codec
+from kiln.v2._generated import grpc_service_pb2 as pb
+from kiln.v2.types import InferRequest, InferResponse
 
 HEALTH_POLL_S = 1.0  # how often an open health Watch asks the server process again
+GONE = "the server process is not answering (it is shutting down or has stopped)"
+MODEL_INFER = method_index(SERVICE.full_name, "ModelInfer")
+
+
+class CallFailed(Exception):
+    """The server process answered a call with a gRPC status (or cannot answer: UNAVAILABLE)."""
+
+    def __init__(self, code: int, details: bytes) -> None:
+        super().__init__(details.decode(errors="replace"))
+        self.code = code
+        self.details = details
 
 
 class BridgeClient:
-    """The worker's end of the bridge: one Unix connection, calls matched to answers by call id."""
+    """The worker's end of the bridge: one Unix connection, calls matched to answers by call id. ``arenas``: this
+    side's (ModelInfer inputs) and the server process's (outputs); None where the platform gave none."""
 
-    def __init__(self) -> None:
+    def __init__(self, request_arena: Arena | None = None, response_arena: Arena | None = None) -> None:
+        self._request_arena = request_arena
+        self._response_arena = response_arena
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self._streams: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
         self.protocol = frame_protocol(self._on_frame)
+        self._releases = releases(self.protocol)
 
     def _on_frame(self, call: int, kind: int, method: int, payload: bytes) -> None:
+        if kind == RELEASE:
+            if self._request_arena is not None:
+                for offset in unpack_offsets(payload):
+                    self._request_arena.free(offset)
+            return
         future = self._pending.pop(call, None)
-        if future is not None:
-            if not future.done():
-                future.set_result((0, payload) if kind == REPLY else (payload[0], payload[1:]))
+        if future is not None and not future.done():
+            future.set_result((0, payload) if kind in (REPLY, ANSWER) else (payload[0], payload[1:]))
         elif call in self._streams:
             self._streams[call].put_nowait((kind, payload))
+        elif kind == ANSWER:  # its call was cancelled (client gone, deadline passed): nobody reads the outputs
+            self.release(response_slot(payload))
+
+    async def infer(self, request: InferRequest) -> tuple[InferResponse, int | None]:
+        """The answer, its outputs views on the response arena, and the slot to ``release`` once it is encoded;
+        :class:`CallFailed` with the status the server process answered instead."""
+        if self.protocol.closed.done():
+            raise CallFailed(grpc.StatusCode.UNAVAILABLE.value[0], GONE.encode())
+        call = next(self._ids)
+        future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        self._pending[call] = future
+        payload = encode_request(request, self._request_arena)
+        self.protocol.send(self._releases.take() + frame(call, INFER, payload))
+        try:
+            code, payload = await future
+        except asyncio.CancelledError:  # an answer that came just before still holds its outputs' slot
+            if future.done() and not future.cancelled() and future.result()[0] == 0:
+                self.release(response_slot(future.result()[1]))
+            raise
+        finally:
+            self._pending.pop(call, None)
+        if code:
+            raise CallFailed(code, payload)
+        return decode_response(payload, self._response_arena)
+
+    def release(self, slot: int | None) -> None:
+        if slot is not None:
+            self._releases.add(slot)
 
     async def unary(self, method: int, request: bytes) -> tuple[int, bytes]:
         """(status code, response bytes or error details)."""
@@ -80,14 +143,17 @@ class BridgeClient:
         self._streams.pop(call, None)
 
 
-async def _abort(context: Any, code: int, details: bytes) -> None:
+async def _abort(context: Any, code: int, details: bytes) -> NoReturn:
     await context.abort(STATUS_CODES.get(code, grpc.StatusCode.UNKNOWN), details.decode(errors="replace"))
+    raise AssertionError("context.abort() returned")  # pragma: no cover - grpc.aio's abort always raises
 
 
 def _handlers(bridge: BridgeClient) -> list[grpc.GenericRpcHandler]:
     by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
     for index, method in enumerate(METHODS):
-        if method.streaming:
+        if index == MODEL_INFER:
+            handler = grpc.unary_unary_rpc_method_handler(_infer_handler(bridge))
+        elif method.streaming:
             handler = grpc.stream_stream_rpc_method_handler(_stream_handler(bridge, index))
         else:
             handler = grpc.unary_unary_rpc_method_handler(_unary_handler(bridge, index))
@@ -103,6 +169,29 @@ def _unary_handler(bridge: BridgeClient, index: int) -> Any:
             await _abort(context, code, payload)
         return payload
     return unary
+
+
+def _infer_handler(bridge: BridgeClient) -> Any:
+    """ModelInfer, decoded and encoded here as the in-process servicer does, the tensors in the arenas."""
+    async def infer(payload: bytes, context: Any) -> bytes:
+        try:
+            message = pb.ModelInferRequest.FromString(payload)
+        except Exception as exc:  # protobuf's DecodeError: bytes that are no such message
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                         f"could not parse the ModelInfer request: {exc}".encode())
+        try:
+            request = codec.decode_request(message)
+        except Exception as exc:  # the client's mistake, reported as the servicer's rpc wrapper does
+            await abort_with(context, exc)
+        try:
+            response, slot = await bridge.infer(request)
+        except CallFailed as failed:
+            await _abort(context, failed.code, failed.details)
+        try:
+            return bytes(codec.encode_response(response).SerializeToString())
+        finally:
+            bridge.release(slot)  # the message holds a copy of every output now
+    return infer
 
 
 def _stream_handler(bridge: BridgeClient, index: int) -> Any:
@@ -154,9 +243,19 @@ def _watch_handler(bridge: BridgeClient) -> Any:
     return watch
 
 
-async def run(bridge_path: str, address: str, max_message_bytes: int, grace_s: float) -> int:
-    bridge = BridgeClient()
-    await asyncio.get_running_loop().create_unix_connection(lambda: bridge.protocol, bridge_path)
+def _arena(fd: int) -> Arena | None:
+    if fd < 0:
+        return None
+    arena = Arena.from_fd(fd)
+    os.close(fd)  # the mapping stays
+    return arena
+
+
+async def run(args: argparse.Namespace) -> int:
+    address, max_message_bytes, grace_s = args.address, args.max_message_bytes, args.grace
+    bridge = BridgeClient(_arena(args.request_arena_fd), _arena(args.response_arena_fd))
+    await asyncio.get_running_loop().create_unix_connection(lambda: bridge.protocol,
+                                                            sock=socket.socket(fileno=args.link_fd))
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -182,7 +281,9 @@ async def run(bridge_path: str, address: str, max_message_bytes: int, grace_s: f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="kiln gRPC worker (started by kiln serve --grpc-workers)")
-    parser.add_argument("--bridge", required=True, help="the server process's Unix socket")
+    parser.add_argument("--link-fd", type=int, required=True, help="the socket to the server process")
+    parser.add_argument("--request-arena-fd", type=int, default=-1)
+    parser.add_argument("--response-arena-fd", type=int, default=-1)
     parser.add_argument("--address", required=True, help="HOST:PORT to serve gRPC on")
     parser.add_argument("--max-message-bytes", type=int, required=True)
     parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight calls get after SIGTERM")
@@ -192,8 +293,8 @@ def main() -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(run(args.bridge, args.address, args.max_message_bytes, args.grace))
-    return uvloop.run(run(args.bridge, args.address, args.max_message_bytes, args.grace))
+        return asyncio.run(run(args))
+    return uvloop.run(run(args))
 
 
 if __name__ == "__main__":

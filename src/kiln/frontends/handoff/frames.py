@@ -109,10 +109,12 @@ class FrameProtocol(asyncio.Protocol):
 class Releases:
     """Slot offsets to hand back to the peer. They ride along with the next frame that goes out anyway
     (``take``), or leave on their own ``FLUSH_DELAY_S`` after the first was added. ``add`` may be called from any
-    thread (the last numpy view of an input can die on an engine's thread)."""
+    thread (the last numpy view of an input can die on an engine's thread). ``release_frame`` frames a RELEASE
+    payload where the link's header is not this module's (the gRPC bridge's)."""
 
-    def __init__(self, protocol: FrameProtocol) -> None:
+    def __init__(self, protocol: FrameProtocol, release_frame: Callable[[bytes], bytes] | None = None) -> None:
         self._protocol = protocol
+        self._release_frame = release_frame or (lambda payload: frame(0, RELEASE, payload))
         self._loop = asyncio.get_running_loop()
         self._pending: collections.deque[int] = collections.deque()  # append and popleft are thread-safe
         self._scheduled = False
@@ -135,7 +137,7 @@ class Releases:
         pending = []
         while self._pending:
             pending.append(self._pending.popleft())
-        return frame(0, RELEASE, pack_offsets(pending)) if pending else b""
+        return self._release_frame(pack_offsets(pending)) if pending else b""
 
     def _flush(self) -> None:
         self._scheduled = False  # before draining: an offset added from now on schedules another flush

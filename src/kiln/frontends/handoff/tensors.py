@@ -116,6 +116,12 @@ def decode_response(payload: bytes, arena: Arena | None) -> tuple[InferResponse,
     return response, None if header["slot"] is None else header["slot"][0]
 
 
+def response_slot(payload: bytes) -> int | None:
+    """The arena slot an answer's outputs lie in (to free it unread: its caller went away)."""
+    slot = _split(payload)[0]["slot"]
+    return None if slot is None else int(slot[0])
+
+
 def _place(blobs: Sequence[Blob | None], arena: Arena | None) -> tuple[list[int] | None, list[list[int] | None],
                                                                         list[Blob]]:
     """Where each blob goes: (the arena slot as [offset, size] or None, each blob's ``at``, the blobs that go

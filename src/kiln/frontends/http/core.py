@@ -1,11 +1,12 @@
 """The server process's end of an HTTP worker's link: infer descriptors run on the Server, every other request
 runs through the same ASGI app the in-process frontend serves.
 
-An infer request arrives decoded (tensors.py): its inputs become numpy views on the worker's arena, the Server
-answers, and the outputs go into this side's arena for the worker to encode. Anything else arrives whole (method,
-path, query, headers, body) and is answered by calling the app with a synthesized scope, so each route has one
-implementation and its checks (API keys, body limits, errors) hold as they do in one process. A forwarded
-response is streamed back chunk by chunk, at most ``WINDOW`` chunks ahead of what the worker has delivered.
+An infer request arrives decoded and is answered by the handoff the gRPC workers' link shares (handoff/infer.py):
+its inputs become numpy views on the worker's arena, the Server answers, and the outputs go into this side's arena
+for the worker to encode. Anything else arrives whole (method, path, query, headers, body) and is answered by
+calling the app with a synthesized scope, so each route has one implementation and its checks (API keys, body
+limits, errors) hold as they do in one process. A forwarded response is streamed back chunk by chunk, at most
+``WINDOW`` chunks ahead of what the worker has delivered.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from starlette.types import ASGIApp, Message
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import FrameProtocol, Releases, frame
-from kiln.frontends.handoff.tensors import decode_request, encode_response
+from kiln.frontends.handoff.infer import InferHandoff, error_payload
 from kiln.frontends.http.routing import ROUTING_KEY_HEADER, apply_routing_header
 from kiln.server.server import Server
 from kiln.v2.http_responses import error_response
-from kiln.v2.status import as_kiln_error
+from kiln.v2.types import InferRequest
 
 log = logging.getLogger("kiln.http.workers")
 
@@ -62,13 +63,12 @@ class CoreLink:
                  on_hello: Callable[[], None]) -> None:
         self._server = server
         self._app = app
-        self._request_arena = request_arena
-        self._response_arena = response_arena
         self._on_hello = on_hello
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._forwarded: dict[int, _Forwarded] = {}
         self.protocol = FrameProtocol(self._on_frame)
         self._releases = Releases(self.protocol)
+        self._handoff = InferHandoff(server, request_arena, response_arena, self._releases.add, route=self._route)
         self.protocol.closed.add_done_callback(self._lost)
 
     def _on_frame(self, call: int, kind: int, payload: bytes) -> None:
@@ -81,9 +81,8 @@ class CoreLink:
             self._forwarded[call].credits.release()
         elif kind == frames.DISCONNECT and call in self._forwarded:
             self._forwarded[call].disconnected.set()
-        elif kind == frames.RELEASE and self._response_arena is not None:
-            for offset in frames.unpack_offsets(payload):
-                self._response_arena.free(offset)
+        elif kind == frames.RELEASE:
+            self._handoff.free(payload)
         elif kind == frames.HELLO:
             self._on_hello()
 
@@ -96,27 +95,19 @@ class CoreLink:
         """The worker is gone: its requests' answers have nowhere to go."""
         for task in list(self._tasks.values()):
             task.cancel()
-        for arena in (self._request_arena, self._response_arena):
-            if arena is not None:
-                arena.close()
+        self._handoff.close()
 
     async def _infer(self, call: int, payload: bytes) -> None:
-        answer = await self._answer(call, payload)
-        # The request is gone with _answer's frame: its inputs' slot is released already, unless a mirrored
-        # request still reads them, and the release leaves with the answer.
-        self.protocol.send(self._releases.take() + answer)
+        answer = await self._handoff.answer(payload)
+        reply = frame(call, frames.ANSWER, answer) if isinstance(answer, bytes) else \
+            frame(call, frames.ERROR, error_payload(answer))
+        # The request is gone by now: its inputs' slot is released already, unless a mirrored request still reads
+        # them, and the release leaves with the answer.
+        self.protocol.send(self._releases.take() + reply)
 
-    async def _answer(self, call: int, payload: bytes) -> bytes:
-        try:
-            request, routing_key = decode_request(payload, self._request_arena, self._releases.add)
-            if routing_key is not None:
-                headers = [(ROUTING_KEY_HEADER.encode(), routing_key.encode("latin-1"))]
-                apply_routing_header(self._server, Request({"type": "http", "headers": headers}), request)
-            response = await self._server.infer(request)
-            return frame(call, frames.ANSWER, encode_response(response, self._response_arena))
-        except Exception as exc:  # every failure is the client's answer, rendered by the worker
-            error = as_kiln_error(exc)
-            return frame(call, frames.ERROR, orjson.dumps([error.code.value, error.message]))
+    def _route(self, request: InferRequest, routing_key: str) -> None:
+        headers = [(ROUTING_KEY_HEADER.encode(), routing_key.encode("latin-1"))]
+        apply_routing_header(self._server, Request({"type": "http", "headers": headers}), request)
 
     async def _forward(self, call: int, payload: bytes) -> None:
         state = self._forwarded[call]
