@@ -17,13 +17,9 @@ import sys
 from kiln.frontends.grpc.bridge import BridgeCore
 from kiln.frontends.grpc.server import ReadinessHealth
 from kiln.frontends.grpc.servicer import GRPCInferenceService
-from kiln.frontends.handoff.arena import Arena, create_arena_file
+from kiln.frontends.handoff.arena import ARENA_BYTES, Arena, create_arena_file
 from kiln.frontends.handoff.supervisor import WorkerPool
 from kiln.server.server import Server
-
-ARENA_BYTES = 64 * 2**20
-"""Each worker's request arena and response arena, as the HTTP workers' (pages are taken as first written); a
-request or answer that finds no room travels inline."""
 
 
 class GrpcWorkers:

@@ -14,6 +14,10 @@ import mmap
 import os
 
 ALIGN = 64
+ARENA_BYTES = 64 * 2**20
+"""Each worker's request arena and response arena (HTTP and gRPC workers). Pages are taken as they are first
+written, so this bounds the memory a worker's tensors in flight may use; a request or answer that finds no room
+travels inline."""
 
 
 def align(size: int) -> int:

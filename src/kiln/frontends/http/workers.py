@@ -20,7 +20,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp
 
-from kiln.frontends.handoff.arena import Arena, create_arena_file
+from kiln.frontends.handoff.arena import ARENA_BYTES, Arena, create_arena_file
 from kiln.frontends.handoff.supervisor import WorkerPool
 from kiln.frontends.http import listener
 from kiln.frontends.http.core import CoreLink
@@ -28,9 +28,6 @@ from kiln.server.server import Server
 
 log = logging.getLogger("kiln.http.workers")
 
-ARENA_BYTES = 64 * 2**20
-"""Each worker's request arena and response arena. Pages are taken as they are first written, so this bounds the
-memory a worker's tensors in flight may use; a request or answer that finds no room travels inline."""
 BACKLOG = 2048
 
 
