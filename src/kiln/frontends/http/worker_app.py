@@ -22,7 +22,7 @@ from kiln.errors import ErrorCode, UnavailableError, error_for_code
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import FrameProtocol, Releases, frame
-from kiln.frontends.handoff.tensors import decode_response, encode_request
+from kiln.frontends.handoff.tensors import decode_response, encode_request, response_slot
 from kiln.frontends.http.app import _infer_params
 from kiln.frontends.http.core import forward_payload
 from kiln.frontends.http.routing import ROUTING_KEY_HEADER
@@ -56,11 +56,12 @@ class CoreClient:
                     self._request_arena.free(offset)
             return
         answer = self._answers.pop(call, None)
-        if answer is not None:
-            if not answer.done():
-                answer.set_result((kind, payload))
+        if answer is not None and not answer.done():
+            answer.set_result((kind, payload))
         elif call in self._streams:
             self._streams[call].put_nowait((kind, payload))
+        elif kind == frames.ANSWER:  # its request was cancelled (client gone): nobody reads the outputs
+            self.release(response_slot(payload))
 
     def _lost(self, _: object) -> None:
         for answer in self._answers.values():
@@ -84,6 +85,10 @@ class CoreClient:
         self.protocol.send(self._releases.take() + frame(call, frames.INFER, payload))
         try:
             kind, payload = await answer
+        except asyncio.CancelledError:  # an answer that came just before still holds its outputs' slot
+            if answer.done() and not answer.cancelled() and answer.result()[0] == frames.ANSWER:
+                self.release(response_slot(answer.result()[1]))
+            raise
         finally:
             self._answers.pop(call, None)
         if kind == frames.ERROR:
