@@ -1,0 +1,223 @@
+"""kiln on a real two-node Ray cluster started on this machine (a head and a worker node, one CPU each), the
+application run by `kiln cluster serve` with two replicas (one lands on each node), driven by the official
+tritonclient. The cluster starts once for the module; `ray stop` always runs at the end."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+serve = pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]')")
+tritonhttp = pytest.importorskip("tritonclient.http")
+
+from kiln.cluster.stats import PUBLISH_INTERVAL_S, sum_documents  # noqa: E402
+from kiln.demo import build_demo_repository  # noqa: E402
+from kiln.serve_process import KilnProcess, free_port, kiln_serve, wait_ready  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[3] / "src"
+APP = "kiln"
+REPLICA_PREFIX = f"SERVE_REPLICA::{APP}#{APP}#"
+
+
+@dataclass(frozen=True)
+class RayCluster:
+    address: str  # the head's GCS, HOST:PORT
+    http_url: str  # Serve's proxy, as tritonclient takes it
+    repository: Path
+    process: subprocess.Popen[bytes]  # kiln cluster serve
+
+
+def _ray(*args: str, env: dict[str, str]) -> None:
+    ray_cli = Path(sys.executable).parent / "ray"
+    subprocess.run([str(ray_cli), *args], env=env, check=True, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+    repository = tmp_path_factory.mktemp("cluster") / "repository"
+    build_demo_repository(repository)
+    # Ray's socket paths must stay under the OS's limit: a short folder of its own, not pytest's deep one.
+    temp = tempfile.mkdtemp(prefix="kr", dir="/tmp")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    address, http_port = f"127.0.0.1:{free_port()}", free_port()
+    process = None
+    try:
+        _ray("start", "--head", "--port", address.split(":")[1], "--num-cpus", "1", "--resources", '{"head": 1}',
+             "--temp-dir", temp, "--include-dashboard", "false", "--disable-usage-stats", env=env)
+        _ray("start", "--address", address, "--num-cpus", "1", "--resources", '{"worker": 1}',
+             "--disable-usage-stats", env=env)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kiln.cli", "cluster", "serve", "--address", address, "--model-repository",
+             str(repository), "--replicas", "2", "--http-host", "127.0.0.1", "--http-port", str(http_port)],
+            env=env)
+        wait_ready(f"127.0.0.1:{http_port}", process, timeout_s=180)
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+        yield RayCluster(address, f"127.0.0.1:{http_port}", repository, process)
+    finally:
+        if process is not None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        ray.shutdown()
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], env=env, capture_output=True,
+                       timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: RayCluster) -> Iterator[KilnProcess]:
+    """`kiln serve` over the same repository: what the cluster must answer alike."""
+    with kiln_serve([cluster.repository]) as process:
+        yield process
+
+
+@pytest.fixture
+def client(cluster: RayCluster) -> Iterator[Any]:
+    client = tritonhttp.InferenceServerClient(cluster.http_url, network_timeout=30)
+    yield client
+    client.close()
+
+
+def _simple_inputs(binary: bool) -> tuple[list[Any], np.ndarray, np.ndarray]:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.ones((1, 16), dtype=np.int32)
+    inputs = [tritonhttp.InferInput("INPUT0", [1, 16], "INT32"), tritonhttp.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(a, binary_data=binary)
+    inputs[1].set_data_from_numpy(b, binary_data=binary)
+    return inputs, a + b, a - b
+
+
+def _infer_simple(client: Any, binary: bool = True) -> None:
+    inputs, total, difference = _simple_inputs(binary)
+    outputs = [tritonhttp.InferRequestedOutput(name, binary_data=binary) for name in ("OUTPUT0", "OUTPUT1")]
+    result = client.infer("simple", inputs, outputs=outputs)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), total)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), difference)
+
+
+def test_two_nodes_each_run_a_replica(cluster: RayCluster) -> None:
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+    replicas = [name for name in ray.util.list_named_actors(all_namespaces=True) if
+                name["name"].startswith(REPLICA_PREFIX)]
+    assert len(replicas) == 2
+    # Each replica takes one CPU and each node has one: both nodes hold a replica.
+    assert ray.available_resources().get("CPU", 0) == 0
+
+
+def test_health_metadata_and_config_as_kiln_serve(client: Any, reference: KilnProcess) -> None:
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("simple")
+    expected = tritonhttp.InferenceServerClient(reference.http_url)
+    try:
+        assert client.get_server_metadata() == expected.get_server_metadata()
+        assert client.get_model_metadata("simple") == expected.get_model_metadata("simple")
+        assert client.get_model_config("simple") == expected.get_model_config("simple")
+        assert client.get_model_repository_index() == expected.get_model_repository_index()
+    finally:
+        expected.close()
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_infer_simple(client: Any, binary: bool) -> None:
+    _infer_simple(client, binary)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v2/models/nope/infer", {"inputs": []}),
+    ("/v2/models/simple/infer", {"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "INT32",
+                                             "data": [1, 2, 3]}]}),
+    ("/v2/models/simple/infer", {"inputs": "not a list"}),
+    ("/v2/models/simple/versions/7/stats", None),
+], ids=["unknown-model", "wrong-shape", "malformed", "unknown-version-stats"])
+def test_errors_are_those_of_kiln_serve(cluster: RayCluster, reference: KilnProcess, path: str,
+                                        body: dict[str, Any] | None) -> None:
+    def ask(url: str) -> httpx.Response:
+        if body is None:
+            return httpx.get(f"http://{url}{path}", timeout=30)
+        return httpx.post(f"http://{url}{path}", json=body, timeout=30)
+
+    got, expected = ask(cluster.http_url), ask(reference.http_url)
+    assert got.status_code == expected.status_code >= 400
+    assert got.json() == expected.json()
+
+
+def test_statistics_sum_across_replicas(cluster: RayCluster, client: Any) -> None:
+    def count() -> int:
+        return int(client.get_inference_statistics("simple")["model_stats"][0]["inference_count"])
+
+    def infer_once(_: int) -> None:
+        own = tritonhttp.InferenceServerClient(cluster.http_url)  # one per thread: a client is not thread-safe
+        try:
+            _infer_simple(own)
+        finally:
+            own.close()
+
+    def settled_count() -> int:
+        # Every replica's counts published since the earlier tests' requests: reads a publish interval apart agree.
+        previous, current = -1, count()
+        while current != previous:
+            time.sleep(PUBLISH_INTERVAL_S + 0.3)
+            previous, current = current, count()
+        return current
+
+    before = settled_count()
+    # Concurrent requests spread over both replicas (Serve routes to the less loaded of two).
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(infer_once, range(80)))
+    deadline = time.monotonic() + 5  # the other replica publishes its counts every second
+    while count() != before + 80 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert count() == before + 80
+
+
+def test_sum_documents_adds_counts_and_merges_batch_sizes() -> None:
+    def entry(count: int, last: int, sizes: list[int]) -> dict[str, Any]:
+        return {"name": "m", "version": "1", "last_inference": last, "inference_count": count,
+                "inference_stats": {"success": {"count": count, "ns": 10 * count}},
+                "batch_stats": [{"batch_size": s, "compute_infer": {"count": 1, "ns": 5}} for s in sizes]}
+
+    (total,) = sum_documents([[entry(2, 100, [1])], [entry(3, 50, [1, 4])]])
+    assert total["inference_count"] == 5 and total["last_inference"] == 100
+    assert total["inference_stats"]["success"] == {"count": 5, "ns": 50}
+    assert total["batch_stats"] == [{"batch_size": 1, "compute_infer": {"count": 2, "ns": 10}},
+                                    {"batch_size": 4, "compute_infer": {"count": 1, "ns": 5}}]
+
+
+def test_a_killed_replica_is_replaced_and_requests_succeed_within_10s(client: Any) -> None:
+    victim = next(name for name in ray.util.list_named_actors(all_namespaces=True)
+                  if name["name"].startswith(REPLICA_PREFIX))
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    killed = time.monotonic()
+    consecutive = 0
+    while consecutive < 10:
+        assert time.monotonic() - killed < 10, "the cluster did not answer every request again within 10 s"
+        try:
+            _infer_simple(client)
+            consecutive += 1
+        except Exception:
+            consecutive = 0
+            time.sleep(0.1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # Serve starts a new replica in the dead one's place
+        names = {n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+                 if n["name"].startswith(REPLICA_PREFIX)}
+        if len(names) == 2 and victim["name"] not in names and client.is_server_ready():
+            return
+        time.sleep(0.5)
+    pytest.fail(f"no replica replaced {victim['name']} within 60 s")
