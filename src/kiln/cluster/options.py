@@ -14,6 +14,7 @@ from kiln.v2._generated import model_config_pb2 as pb
 
 _KNOWN = ("model_repository", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
           "num_cpus", "num_gpus", "name", "route_prefix")
+_EXPECTED = {int: "a whole number", float: "a number", str: "text"}
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def _convert(key: str, value: Any, kind: type) -> Any:
     try:
         return kind(value)
     except (TypeError, ValueError):
-        raise InvalidArgumentError(f"kiln.cluster argument {key}={value!r} is not a {kind.__name__}") from None
+        raise InvalidArgumentError(f"kiln.cluster argument {key}={value!r} is not {_EXPECTED[kind]}") from None
 
 
 def replica_gpus(repository: Path) -> float:
