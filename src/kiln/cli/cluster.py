@@ -31,6 +31,9 @@ def add_command(commands: Commands) -> None:
     serve.add_argument("--num-cpus", type=float, default=1.0, help="CPUs each replica asks Ray for (default 1)")
     serve.add_argument("--num-gpus", type=float, default=None,
                        help="GPUs each replica asks Ray for (default: as the repository's KIND_GPU groups ask)")
+    serve.add_argument("--repository-poll-secs", type=float, default=None,
+                       help="every replica applies repository changes this often, rolling new versions over "
+                            "(default: models load once, at start)")
     serve.add_argument("--name", default="kiln", help="the Ray Serve application's name (default kiln)")
     serve.add_argument("--http-host", default="0.0.0.0", help="where Serve's HTTP proxies listen (default 0.0.0.0)")
     serve.add_argument("--http-port", type=int, default=8000, help="the proxies' HTTP port (default 8000)")
@@ -45,5 +48,6 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(0, "")
     options = ClusterOptions(args.model_repository, num_replicas=args.replicas, min_replicas=args.min_replicas,
                              max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
-                             num_cpus=args.num_cpus, num_gpus=args.num_gpus, name=args.name)
+                             num_cpus=args.num_cpus, num_gpus=args.num_gpus, name=args.name,
+                             repository_poll_secs=args.repository_poll_secs)
     return serve_cluster(args.address, options, ProxyOptions(args.http_host, args.http_port))

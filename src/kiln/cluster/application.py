@@ -41,8 +41,10 @@ class KilnReplica:
     """One replica: a kiln.Server over the repository, its models loaded before the replica reports ready."""
 
     # Serve awaits an async constructor: the models load before the replica takes requests.
-    async def __init__(self, repository: str, board: DeploymentHandle[Any]) -> None:  # type: ignore[misc,unused-ignore]
-        self.server = Server(ServerOptions(repositories=[Path(repository)]))
+    async def __init__(self, repository: str, board: DeploymentHandle[Any],  # type: ignore[misc,unused-ignore]
+                       poll_secs: float | None = None) -> None:
+        self.server = Server(ServerOptions(repositories=[Path(repository)],
+                                           control_mode="none" if poll_secs is None else "poll"))
         self._board = board
         self._replica = str(serve.get_replica_context().replica_id)
         failed = await asyncio.get_running_loop().run_in_executor(None, self.server.start)
@@ -50,7 +52,9 @@ class KilnReplica:
             self.server.close()
             # As `kiln serve` exits by default: a replica missing models would answer differently from the others.
             raise UnavailableError(f"model(s) {', '.join(failed)} failed to load from {repository}")
-        self._publisher = asyncio.get_running_loop().create_task(publish_forever(self._publish, self._statistics))
+        loop = asyncio.get_running_loop()
+        self._publisher = loop.create_task(publish_forever(self._publish, self._statistics))
+        self._poller = loop.create_task(poll_forever(self.server, poll_secs)) if poll_secs is not None else None
 
     def __serve_build_asgi_app__(self) -> Any:
         return ClusterStatistics(build_app(self.server), self._publish, self._statistics)
@@ -63,6 +67,8 @@ class KilnReplica:
         publisher = getattr(self, "_publisher", None)  # absent when __init__ failed
         if publisher is not None:
             publisher.cancel()
+            if self._poller is not None:
+                self._poller.cancel()
             self.server.close()
 
     def _statistics(self) -> Document:
@@ -74,6 +80,21 @@ class KilnReplica:
         return total
 
 
+async def poll_forever(server: Server, interval_s: float) -> None:
+    """Apply repository changes every ``interval_s``, off the event loop (what `kiln serve` does in poll mode): a
+    new version loads beside the served one, which keeps answering until the new one is ready."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            changed = await loop.run_in_executor(None, server.poll)
+        except Exception:  # a scan error must not stop polling; it is retried next time
+            log.exception("repository poll failed")
+            continue
+        if changed:
+            log.info("repository poll applied changes to: %s", ", ".join(changed))
+
+
 def build_application(options: ClusterOptions) -> Application:
     board = serve.deployment(name=f"{options.name}-stats", num_replicas=1, ray_actor_options={"num_cpus": 0},
                              logging_config=LOGGING)(StatsBoard).bind()
@@ -82,7 +103,7 @@ def build_application(options: ClusterOptions) -> Application:
     ingress = serve.deployment(name=options.name, ray_actor_options=options.ray_actor_options(),
                                max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=HEALTH_CHECK_PERIOD_S,
                                logging_config=LOGGING, **scaling)(serve.ingress()(KilnReplica))
-    return ingress.bind(str(options.model_repository.resolve()), board)
+    return ingress.bind(str(options.model_repository.resolve()), board, options.repository_poll_secs)
 
 
 def app(args: dict[str, Any]) -> Application:

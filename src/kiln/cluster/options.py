@@ -13,7 +13,7 @@ from kiln.errors import InvalidArgumentError
 from kiln.v2._generated import model_config_pb2 as pb
 
 _KNOWN = ("model_repository", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
-          "num_cpus", "num_gpus", "name", "route_prefix")
+          "num_cpus", "num_gpus", "name", "route_prefix", "repository_poll_secs")
 _EXPECTED = {int: "a whole number", float: "a number", str: "text"}
 
 
@@ -30,12 +30,17 @@ class ClusterOptions:
     num_gpus: float | None = None  # None: derived from the repository's instance groups (replica_gpus)
     name: str = "kiln"
     route_prefix: str = "/"
+    # Every replica applies repository changes this often (kiln serve's --model-control-mode=poll): a new version
+    # published into the shared repository rolls over on every replica. None: models load once, at start.
+    repository_poll_secs: float | None = None
 
     def __post_init__(self) -> None:
         if not self.model_repository.is_dir():
             raise InvalidArgumentError(f"model_repository '{self.model_repository}' is not a folder")
         if self.num_replicas < 1:
             raise InvalidArgumentError(f"num_replicas must be at least 1, got {self.num_replicas}")
+        if self.repository_poll_secs is not None and self.repository_poll_secs <= 0:
+            raise InvalidArgumentError(f"repository_poll_secs must be positive, got {self.repository_poll_secs}")
         if self.max_replicas is not None and self.max_replicas < max(1, self.min_replicas or 0):
             raise InvalidArgumentError(f"max_replicas ({self.max_replicas}) must be at least 1 and at least "
                                        f"min_replicas ({self.min_replicas})")
@@ -52,7 +57,7 @@ class ClusterOptions:
         values: dict[str, Any] = {"model_repository": Path(str(args["model_repository"]))}
         for key, kind in (("num_replicas", int), ("min_replicas", int), ("max_replicas", int),
                           ("target_ongoing_requests", float), ("num_cpus", float), ("num_gpus", float),
-                          ("name", str), ("route_prefix", str)):
+                          ("name", str), ("route_prefix", str), ("repository_poll_secs", float)):
             if args.get(key) is not None:
                 values[key] = _convert(key, args[key], kind)
         return cls(**values)

@@ -66,7 +66,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
              "--disable-usage-stats", env=env)
         process = subprocess.Popen(
             [sys.executable, "-m", "kiln.cli", "cluster", "serve", "--address", address, "--model-repository",
-             str(repository), "--replicas", "2", "--http-host", "127.0.0.1", "--http-port", str(http_port)],
+             str(repository), "--replicas", "2", "--http-host", "127.0.0.1", "--http-port", str(http_port),
+             "--repository-poll-secs", "0.5"],
             env=env)
         wait_ready(f"127.0.0.1:{http_port}", process, timeout_s=180)
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
@@ -258,6 +259,37 @@ def test_a_killed_replica_under_load_fails_only_its_inflight_requests(cluster: R
             return
         time.sleep(0.5)
     pytest.fail(f"no replica replaced {victim} within 60 s")
+
+
+def _served_versions(client: Any, answers: int) -> set[tuple[str, ...]]:
+    """The `simple` versions in ``answers`` metadata answers (each from whichever replica Serve picked)."""
+    return {tuple(client.get_model_metadata("simple")["versions"]) for _ in range(answers)}
+
+
+def test_a_published_version_rolls_over_every_replica_under_load(cluster: RayCluster, client: Any) -> None:
+    # After the kill test: wait for both replicas (the replacement one included) to be serving.
+    deadline = time.monotonic() + 60
+    while len(_replicas()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    model = cluster.repository / "simple"
+    load = _Load(cluster.http_url, 2)
+    try:
+        staging = cluster.repository / ".staging-2"
+        shutil.copytree(model / "1", staging)
+        staging.rename(model / "2")  # appears whole: a replica's poll never sees half a version
+        deadline = time.monotonic() + 30
+        while _served_versions(client, 10) != {("2",)}:
+            assert time.monotonic() < deadline, "version 2 did not replace version 1 on every replica within 30 s"
+            time.sleep(0.2)
+        # A corrupt version 3: every replica keeps serving version 2.
+        (model / "3").mkdir()
+        (model / "3" / "model.onnx").write_bytes(b"not an onnx model")
+        time.sleep(3)  # several polls
+        assert _served_versions(client, 10) == {("2",)}
+    finally:
+        load.stop()
+    print(f"rolled to version 2 and past a corrupt version 3: {load.ok} answered, {load.failed} failed")
+    assert load.failed == 0 and load.ok > 0
 
 
 def test_builder_arguments_arrive_as_strings_from_serve_run(tmp_path: Path) -> None:
