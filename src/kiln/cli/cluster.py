@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kiln.errors import UnsupportedError
+
 if TYPE_CHECKING:
     from kiln.cli._arguments import Commands
 
@@ -42,8 +44,14 @@ def add_command(commands: Commands) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from kiln.cli.serve import configure_logging
-    from kiln.cluster import ClusterOptions
-    from kiln.cluster.run import ProxyOptions, serve_cluster
+
+    try:
+        from kiln.cluster import ClusterOptions
+        from kiln.cluster.run import ProxyOptions, serve_cluster
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "ray":
+            raise
+        raise UnsupportedError("kiln cluster needs Ray Serve: pip install 'kiln[ray]'") from None
 
     configure_logging(0, "")
     options = ClusterOptions(args.model_repository, num_replicas=args.replicas, min_replicas=args.min_replicas,

@@ -32,8 +32,8 @@ def serve_cluster(address: str, options: ClusterOptions, proxy: ProxyOptions, *,
                   stop: threading.Event | None = None) -> int:
     """Run the application on the cluster at ``address`` ("local": a one-node cluster started here) until
     ``stop`` is set or a signal arrives."""
-    stop = stop or _stop_on_signals()
     ray.init(address=None if address == LOCAL else address, logging_level=logging.WARNING)
+    stop = stop or _stop_on_signals()  # after ray.init, which installs handlers of its own
     try:
         serve.start(http_options={"host": proxy.host, "port": proxy.port})
         serve.run(build_application(options), name=options.name, route_prefix=options.route_prefix)

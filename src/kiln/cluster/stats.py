@@ -37,6 +37,11 @@ class StatsBoard:
         self._latest = {r: entry for r, entry in self._latest.items() if now - entry[0] < FORGET_AFTER_S}
         return sum_documents([doc for _, doc in self._latest.values()])
 
+    async def inferences_by_replica(self) -> dict[str, int]:
+        """Inferences each replica reported, over all models: how the load spread."""
+        return {replica: sum(int(entry["inference_count"]) for entry in document)
+                for replica, (_, document) in self._latest.items()}
+
 
 def sum_documents(documents: list[Document]) -> Document:
     """One entry per (name, version): counts and durations added, ``last_inference`` the latest."""

@@ -188,6 +188,10 @@ def test_statistics_sum_across_replicas(cluster: RayCluster, client: Any) -> Non
     while count() != before + 80 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert count() == before + 80
+    # The sum is over both replicas: each served some of them.
+    board = serve.get_deployment_handle(f"{APP}-stats", app_name=APP)
+    served = board.inferences_by_replica.remote().result(timeout_s=30)
+    assert len(served) == 2 and all(count > 0 for count in served.values()), served
 
 
 def test_sum_documents_adds_counts_and_merges_batch_sizes() -> None:
