@@ -30,6 +30,8 @@ def add_command(commands: Commands) -> None:
                        help="autoscaling on ongoing requests up to this many replicas (default: no autoscaling)")
     serve.add_argument("--target-ongoing-requests", type=float, default=2.0,
                        help="autoscaling: ongoing requests per replica to aim for (default 2)")
+    serve.add_argument("--upscale-delay-s", type=float, default=None,
+                       help="autoscaling: seconds of load above target before adding a replica (default: Ray's, 30)")
     serve.add_argument("--num-cpus", type=float, default=1.0, help="CPUs each replica asks Ray for (default 1)")
     serve.add_argument("--num-gpus", type=float, default=None,
                        help="GPUs each replica asks Ray for (default: as the repository's KIND_GPU groups ask)")
@@ -56,6 +58,7 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(0, "")
     options = ClusterOptions(args.model_repository, num_replicas=args.replicas, min_replicas=args.min_replicas,
                              max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
+                             upscale_delay_s=args.upscale_delay_s,
                              num_cpus=args.num_cpus, num_gpus=args.num_gpus, name=args.name,
                              repository_poll_secs=args.repository_poll_secs)
     return serve_cluster(args.address, options, ProxyOptions(args.http_host, args.http_port))

@@ -13,7 +13,7 @@ from kiln.errors import InvalidArgumentError
 from kiln.v2._generated import model_config_pb2 as pb
 
 _KNOWN = ("model_repository", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
-          "num_cpus", "num_gpus", "name", "route_prefix", "repository_poll_secs")
+          "num_cpus", "num_gpus", "name", "route_prefix", "repository_poll_secs", "upscale_delay_s")
 _EXPECTED = {int: "a whole number", float: "a number", str: "text"}
 
 
@@ -26,6 +26,7 @@ class ClusterOptions:
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: float = 2.0
+    upscale_delay_s: float | None = None  # None: Ray Serve's default (30 s of sustained load before adding one)
     num_cpus: float = 1.0
     num_gpus: float | None = None  # None: derived from the repository's instance groups (replica_gpus)
     name: str = "kiln"
@@ -56,8 +57,8 @@ class ClusterOptions:
             raise InvalidArgumentError("kiln.cluster needs model_repository=PATH (a model repository folder)")
         values: dict[str, Any] = {"model_repository": Path(str(args["model_repository"]))}
         for key, kind in (("num_replicas", int), ("min_replicas", int), ("max_replicas", int),
-                          ("target_ongoing_requests", float), ("num_cpus", float), ("num_gpus", float),
-                          ("name", str), ("route_prefix", str), ("repository_poll_secs", float)):
+                          ("target_ongoing_requests", float), ("upscale_delay_s", float), ("num_cpus", float),
+                          ("num_gpus", float), ("name", str), ("route_prefix", str), ("repository_poll_secs", float)):
             if args.get(key) is not None:
                 values[key] = _convert(key, args[key], kind)
         return cls(**values)
@@ -65,9 +66,12 @@ class ClusterOptions:
     def autoscaling_config(self) -> dict[str, Any] | None:
         if self.max_replicas is None:
             return None
-        return {"min_replicas": self.min_replicas if self.min_replicas is not None else 1,
-                "initial_replicas": self.num_replicas, "max_replicas": self.max_replicas,
-                "target_ongoing_requests": self.target_ongoing_requests}
+        config: dict[str, Any] = {"min_replicas": self.min_replicas if self.min_replicas is not None else 1,
+                                  "initial_replicas": self.num_replicas, "max_replicas": self.max_replicas,
+                                  "target_ongoing_requests": self.target_ongoing_requests}
+        if self.upscale_delay_s is not None:
+            config["upscale_delay_s"] = self.upscale_delay_s
+        return config
 
     def ray_actor_options(self) -> dict[str, float]:
         gpus = self.num_gpus if self.num_gpus is not None else replica_gpus(self.model_repository)

@@ -25,6 +25,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip ins
 serve = pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]')")
 tritonhttp = pytest.importorskip("tritonclient.http")
 
+from kiln.cluster import build_application  # noqa: E402
 from kiln.cluster.options import ClusterOptions, replica_gpus  # noqa: E402
 from kiln.cluster.stats import PUBLISH_INTERVAL_S, sum_documents  # noqa: E402
 from kiln.demo import build_demo_repository  # noqa: E402
@@ -265,6 +266,35 @@ def test_a_killed_replica_under_load_fails_only_its_inflight_requests(cluster: R
     pytest.fail(f"no replica replaced {victim} within 60 s")
 
 
+def test_replicas_scale_up_under_load(cluster: RayCluster) -> None:
+    """A second application on the same cluster, autoscaling 1..2 replicas on ongoing requests (its replicas ask
+    for no CPU: the first application's hold both). Before the rolling test: a replica starting after a corrupt
+    version was published fails to start (docs/cluster.md)."""
+    options = ClusterOptions(cluster.repository, name="scaled", route_prefix="/scaled", num_cpus=0, num_replicas=1,
+                             min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0)
+    serve.run(build_application(options), name="scaled", route_prefix="/scaled")
+    prefix = "SERVE_REPLICA::scaled#scaled#"
+
+    def replicas() -> int:
+        return sum(1 for n in ray.util.list_named_actors(all_namespaces=True) if n["name"].startswith(prefix))
+
+    try:
+        assert replicas() == 1
+        load, started = _Load(f"{cluster.http_url}/scaled", 4), time.monotonic()
+        try:
+            deadline = time.monotonic() + 45
+            while replicas() < 2:
+                assert time.monotonic() < deadline, "no second replica within 45 s of load"
+                time.sleep(0.5)
+        finally:
+            load.stop()
+        print(f"scaled to 2 replicas {time.monotonic() - started:.1f} s into the load: {load.ok} answered, "
+              f"{load.failed} failed")
+        assert load.failed == 0 and load.ok > 0
+    finally:
+        serve.delete("scaled")
+
+
 def _served_versions(client: Any, answers: int) -> set[tuple[str, ...]]:
     """The `simple` versions in ``answers`` metadata answers (each from whichever replica Serve picked)."""
     return {tuple(client.get_model_metadata("simple")["versions"]) for _ in range(answers)}
@@ -302,6 +332,9 @@ def test_builder_arguments_arrive_as_strings_from_serve_run(tmp_path: Path) -> N
     assert (options.num_replicas, options.max_replicas) == (2, 4)
     assert options.autoscaling_config() == {"min_replicas": 1, "initial_replicas": 2, "max_replicas": 4,
                                             "target_ongoing_requests": 8.0}
+    delayed = ClusterOptions.from_args({"model_repository": str(tmp_path), "max_replicas": "2", "upscale_delay_s": "0"})
+    assert delayed.autoscaling_config() == {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2,
+                                            "target_ongoing_requests": 2.0, "upscale_delay_s": 0.0}
     assert ClusterOptions.from_args({"model_repository": str(tmp_path)}).autoscaling_config() is None
 
 
