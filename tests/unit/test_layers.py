@@ -56,9 +56,12 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     # reader) and compare outputs as its shadow traffic does; they run no server and talk to one by the client.
     "ab": (PRODUCT | {"server"}, {"numpy"}),
     "capture": (PRODUCT | {"server"}, {"numpy"}),
+    # kiln on a Ray cluster: each Ray Serve replica runs the public Server behind the HTTP frontend's app; config:
+    # the repository's instance groups decide the GPUs a replica asks for.
+    "cluster": (PROTOCOL | {"config", "frontends", "kiln"}, {"ray", "starlette", "orjson"}),
     # The commands wire everything together; nothing imports them.
     "cli": (PRODUCT | {"server", "frontends", "service", "service_options", "build", "bench", "advise", "edge",
-                       "demo", "ab", "capture"}, {"numpy"}),
+                       "demo", "ab", "capture", "cluster"}, {"numpy"}),
     "__init__": ({"errors", "tensor", "direct", "engines", "server", "build"}, set()),
 }
 

@@ -8,13 +8,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kiln.cli import ab, advise, bench, build, capture, config, demo_repo, edge, serve
+from kiln.cli import ab, advise, bench, build, capture, cluster, config, demo_repo, edge, serve
 from kiln.cli._arguments import CommandParser
 from kiln.errors import KilnError
 
 __all__ = ["main", "make_parser"]
 
-COMMANDS = (demo_repo, config, serve, build, bench, edge, capture, ab, advise)  # in --help order
+COMMANDS = (demo_repo, config, serve, cluster, build, bench, edge, capture, ab, advise)  # in --help order
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,64 @@
+"""``kiln cluster serve``: run a model repository as a Ray Serve application on a Ray cluster (docs/cluster.md)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kiln.errors import UnsupportedError
+
+if TYPE_CHECKING:
+    from kiln.cli._arguments import Commands
+
+SERVE_HELP = "serve a model repository from the replicas of a Ray cluster, Triton's HTTP protocol at its door"
+
+
+def add_command(commands: Commands) -> None:
+    cluster = commands.add_parser("cluster", help="run kiln on a Ray cluster (needs kiln[ray])")
+    subcommands = cluster.add_subparsers(dest="cluster_command", metavar="{serve}", required=True)
+    serve = subcommands.add_parser("serve", help=SERVE_HELP, description=SERVE_HELP)
+    serve.add_argument("--address", default="local",
+                       help="the Ray cluster (HOST:PORT of its head, or 'auto'); 'local' starts a one-node cluster "
+                            "in this process (default)")
+    serve.add_argument("--model-repository", type=Path, required=True, help="the model repository, at the same path "
+                                                                           "on every node (a shared volume)")
+    serve.add_argument("--replicas", type=int, default=1, help="replicas, each holding every model (default 1; the "
+                                                              "starting count when autoscaling)")
+    serve.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (default 1)")
+    serve.add_argument("--max-replicas", type=int, default=None,
+                       help="autoscaling on ongoing requests up to this many replicas (default: no autoscaling)")
+    serve.add_argument("--target-ongoing-requests", type=float, default=2.0,
+                       help="autoscaling: ongoing requests per replica to aim for (default 2)")
+    serve.add_argument("--upscale-delay-s", type=float, default=None,
+                       help="autoscaling: seconds of load above target before adding a replica (default: Ray's, 30)")
+    serve.add_argument("--num-cpus", type=float, default=1.0, help="CPUs each replica asks Ray for (default 1)")
+    serve.add_argument("--num-gpus", type=float, default=None,
+                       help="GPUs each replica asks Ray for (default: as the repository's KIND_GPU groups ask)")
+    serve.add_argument("--repository-poll-secs", type=float, default=None,
+                       help="every replica applies repository changes this often, rolling new versions over "
+                            "(default: models load once, at start)")
+    serve.add_argument("--name", default="kiln", help="the Ray Serve application's name (default kiln)")
+    serve.add_argument("--http-host", default="0.0.0.0", help="where Serve's HTTP proxies listen (default 0.0.0.0)")
+    serve.add_argument("--http-port", type=int, default=8000, help="the proxies' HTTP port (default 8000)")
+    serve.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kiln.cli.serve import configure_logging
+
+    try:
+        from kiln.cluster import ClusterOptions
+        from kiln.cluster.run import ProxyOptions, serve_cluster
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "ray":
+            raise
+        raise UnsupportedError("kiln cluster needs Ray Serve: pip install 'kiln[ray]'") from None
+
+    configure_logging(0, "")
+    options = ClusterOptions(args.model_repository, num_replicas=args.replicas, min_replicas=args.min_replicas,
+                             max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
+                             upscale_delay_s=args.upscale_delay_s,
+                             num_cpus=args.num_cpus, num_gpus=args.num_gpus, name=args.name,
+                             repository_poll_secs=args.repository_poll_secs)
+    return serve_cluster(args.address, options, ProxyOptions(args.http_host, args.http_port))

@@ -1,0 +1,111 @@
+"""The Ray Serve application: one ingress deployment whose replicas each hold a kiln.Server over the whole model
+repository and serve kiln's own HTTP app (every KServe V2 / Triton route and error exactly as ``kiln serve``), plus
+the StatsBoard that sums their statistics.
+
+One deployment for the repository, not one per model: a kiln.Server is the unit that answers the protocol
+(ensembles and routing call other models in the same process, the repository index and readiness cover all models),
+and Ray Serve's proxy routes by path prefix, not by the model named inside a V2 path; per-model deployments would
+need a router replica in front, one more hop on every request. A replica asks Ray for the GPUs the repository's
+most demanding model asks for (options.replica_gpus)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.handle import DeploymentHandle
+
+from kiln import Server, ServerOptions
+from kiln.cluster.options import ClusterOptions
+from kiln.cluster.stats import ClusterStatistics, Document, StatsBoard, publish_forever
+from kiln.errors import UnavailableError
+from kiln.frontends.http import build_app
+from kiln.frontends.http.documents import statistics_doc
+
+log = logging.getLogger("kiln.cluster")
+
+# Requests one replica takes at once before Serve queues them at the proxy. kiln batches and queues inside the
+# Server, so a replica should see enough concurrent requests to fill its batches (Serve's default is 5).
+MAX_ONGOING_REQUESTS = 256
+# A dead replica is noticed by the controller's health check; a short period gets it replaced within seconds.
+HEALTH_CHECK_PERIOD_S = 2.0
+# As `kiln serve`: no line per request (Serve's default logs each one from every replica to the driver).
+LOGGING = {"enable_access_log": False}
+
+
+class KilnReplica:
+    """One replica: a kiln.Server over the repository, its models loaded before the replica reports ready."""
+
+    # Serve awaits an async constructor: the models load before the replica takes requests.
+    async def __init__(self, repository: str, board: DeploymentHandle[Any],  # type: ignore[misc,unused-ignore]
+                       poll_secs: float | None = None) -> None:
+        self.server = Server(ServerOptions(repositories=[Path(repository)],
+                                           control_mode="none" if poll_secs is None else "poll"))
+        self._board = board
+        self._replica = str(serve.get_replica_context().replica_id)
+        failed = await asyncio.get_running_loop().run_in_executor(None, self.server.start)
+        if failed:
+            self.server.close()
+            # As `kiln serve` exits by default: a replica missing models would answer differently from the others.
+            raise UnavailableError(f"model(s) {', '.join(failed)} failed to load from {repository}")
+        loop = asyncio.get_running_loop()
+        self._publisher = loop.create_task(publish_forever(self._publish, self._statistics))
+        self._poller = loop.create_task(poll_forever(self.server, poll_secs)) if poll_secs is not None else None
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return ClusterStatistics(build_app(self.server), self._publish, self._statistics)
+
+    async def check_health(self) -> None:
+        if not self.server.live():
+            raise UnavailableError(f"replica {self._replica}: the kiln server is not live")
+
+    def __del__(self) -> None:
+        publisher = getattr(self, "_publisher", None)  # absent when __init__ failed
+        if publisher is not None:
+            publisher.cancel()
+            if self._poller is not None:
+                self._poller.cancel()
+            self.server.close()
+
+    def _statistics(self) -> Document:
+        document: Document = statistics_doc(self.server.model_statistics())["model_stats"]
+        return document
+
+    async def _publish(self, document: Document) -> Document:
+        total: Document = await self._board.report.remote(self._replica, document)
+        return total
+
+
+async def poll_forever(server: Server, interval_s: float) -> None:
+    """Apply repository changes every ``interval_s``, off the event loop (what `kiln serve` does in poll mode): a
+    new version loads beside the served one, which keeps answering until the new one is ready."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            changed = await loop.run_in_executor(None, server.poll)
+        except Exception:  # a scan error must not stop polling; it is retried next time
+            log.exception("repository poll failed")
+            continue
+        if changed:
+            log.info("repository poll applied changes to: %s", ", ".join(changed))
+
+
+def build_application(options: ClusterOptions) -> Application:
+    board = serve.deployment(name=f"{options.name}-stats", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                             logging_config=LOGGING)(StatsBoard).bind()
+    scaling: dict[str, Any] = {"autoscaling_config": options.autoscaling_config()} \
+        if options.max_replicas is not None else {"num_replicas": options.num_replicas}
+    ingress = serve.deployment(name=options.name, ray_actor_options=options.ray_actor_options(),
+                               max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=HEALTH_CHECK_PERIOD_S,
+                               logging_config=LOGGING, **scaling)(serve.ingress()(KilnReplica))
+    return ingress.bind(str(options.model_repository.resolve()), board, options.repository_poll_secs)
+
+
+def app(args: dict[str, Any]) -> Application:
+    """The builder ``serve run kiln.cluster:app model_repository=PATH [num_replicas=N ...]`` calls."""
+    return build_application(ClusterOptions.from_args(args))

@@ -1,0 +1,101 @@
+"""What the Ray Serve application is built from: ``serve run kiln.cluster:app key=value ...`` passes its arguments
+as strings, ``kiln cluster serve`` as typed values; both end up in one ClusterOptions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.config.parse import read_config
+from kiln.errors import InvalidArgumentError
+from kiln.v2._generated import model_config_pb2 as pb
+
+_KNOWN = ("model_repository", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
+          "num_cpus", "num_gpus", "name", "route_prefix", "repository_poll_secs", "upscale_delay_s")
+_EXPECTED = {int: "a whole number", float: "a number", str: "text"}
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    model_repository: Path
+    num_replicas: int = 1
+    # Autoscaling on ongoing requests (Ray Serve's autoscaler) when max_replicas is set; num_replicas is then the
+    # starting count.
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 2.0
+    upscale_delay_s: float | None = None  # None: Ray Serve's default (30 s of sustained load before adding one)
+    num_cpus: float = 1.0
+    num_gpus: float | None = None  # None: derived from the repository's instance groups (replica_gpus)
+    name: str = "kiln"
+    route_prefix: str = "/"
+    # Every replica applies repository changes this often (kiln serve's --model-control-mode=poll): a new version
+    # published into the shared repository rolls over on every replica. None: models load once, at start.
+    repository_poll_secs: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model_repository.is_dir():
+            raise InvalidArgumentError(f"model_repository '{self.model_repository}' is not a folder")
+        if self.num_replicas < 1:
+            raise InvalidArgumentError(f"num_replicas must be at least 1, got {self.num_replicas}")
+        if self.repository_poll_secs is not None and self.repository_poll_secs <= 0:
+            raise InvalidArgumentError(f"repository_poll_secs must be positive, got {self.repository_poll_secs}")
+        if self.max_replicas is not None and self.max_replicas < max(1, self.min_replicas or 0):
+            raise InvalidArgumentError(f"max_replicas ({self.max_replicas}) must be at least 1 and at least "
+                                       f"min_replicas ({self.min_replicas})")
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> ClusterOptions:
+        """From the builder's arguments (strings from ``serve run``, or typed values); unknown keys are errors."""
+        unknown = sorted(set(args) - set(_KNOWN))
+        if unknown:
+            raise InvalidArgumentError(f"unknown kiln.cluster argument(s) {', '.join(unknown)}; expected some of "
+                                       f"{', '.join(_KNOWN)}")
+        if "model_repository" not in args:
+            raise InvalidArgumentError("kiln.cluster needs model_repository=PATH (a model repository folder)")
+        values: dict[str, Any] = {"model_repository": Path(str(args["model_repository"]))}
+        for key, kind in (("num_replicas", int), ("min_replicas", int), ("max_replicas", int),
+                          ("target_ongoing_requests", float), ("upscale_delay_s", float), ("num_cpus", float),
+                          ("num_gpus", float), ("name", str), ("route_prefix", str), ("repository_poll_secs", float)):
+            if args.get(key) is not None:
+                values[key] = _convert(key, args[key], kind)
+        return cls(**values)
+
+    def autoscaling_config(self) -> dict[str, Any] | None:
+        if self.max_replicas is None:
+            return None
+        config: dict[str, Any] = {"min_replicas": self.min_replicas if self.min_replicas is not None else 1,
+                                  "initial_replicas": self.num_replicas, "max_replicas": self.max_replicas,
+                                  "target_ongoing_requests": self.target_ongoing_requests}
+        if self.upscale_delay_s is not None:
+            config["upscale_delay_s"] = self.upscale_delay_s
+        return config
+
+    def ray_actor_options(self) -> dict[str, float]:
+        gpus = self.num_gpus if self.num_gpus is not None else replica_gpus(self.model_repository)
+        return {"num_cpus": self.num_cpus, "num_gpus": gpus}
+
+
+def _convert(key: str, value: Any, kind: type) -> Any:
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"kiln.cluster argument {key}={value!r} is not {_EXPECTED[kind]}") from None
+
+
+def replica_gpus(repository: Path) -> float:
+    """GPUs one replica asks Ray for: a replica holds every model, so it needs as many devices as the model
+    asking for the most (a KIND_GPU group without ``gpus`` means one device; ``gpus: [0, 1]`` means two).
+    KIND_AUTO asks for none: under Ray a process sees only the GPUs it asked for, so AUTO falls back to CPU unless
+    num_gpus is given."""
+    most = 0
+    for folder in sorted(p for p in repository.iterdir() if p.is_dir()):
+        config = read_config(folder)
+        if config is None:
+            continue
+        for group in config.instance_group:
+            if group.kind == pb.ModelInstanceGroup.KIND_GPU:
+                most = max(most, len(set(group.gpus)) or 1)
+    return float(most)

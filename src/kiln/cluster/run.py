@@ -1,0 +1,66 @@
+"""``kiln cluster serve``: connect to a Ray cluster (or start a local one), run the application, keep it up until
+SIGINT/SIGTERM, then delete it (and stop the local cluster this process started)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from types import FrameType
+
+import ray
+from ray import serve
+
+from kiln.cluster.application import build_application
+from kiln.cluster.options import ClusterOptions
+
+log = logging.getLogger("kiln.cluster")
+
+LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class ProxyOptions:
+    """Where Ray Serve's HTTP proxies listen (on every node); applied when Serve is not already running there."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+
+
+def serve_cluster(address: str, options: ClusterOptions, proxy: ProxyOptions, *,
+                  stop: threading.Event | None = None) -> int:
+    """Run the application on the cluster at ``address`` ("local": a one-node cluster started here) until
+    ``stop`` is set or a signal arrives."""
+    ray.init(address=None if address == LOCAL else address, logging_level=logging.WARNING)
+    stop = stop or _stop_on_signals()  # after ray.init, which installs handlers of its own
+    try:
+        serve.start(http_options={"host": proxy.host, "port": proxy.port})
+        serve.run(build_application(options), name=options.name, route_prefix=options.route_prefix)
+        log.info("serving %s on the Ray cluster at %s: http://%s:%d%s (%s)", options.model_repository, address,
+                 proxy.host, proxy.port, options.route_prefix, _scaling(options))
+        stop.wait()
+        log.info("deleting application %s", options.name)
+        serve.delete(options.name)
+        if address == LOCAL:
+            serve.shutdown()  # type: ignore[no-untyped-call,unused-ignore]
+    finally:
+        ray.shutdown()
+    return 0
+
+
+def _scaling(options: ClusterOptions) -> str:
+    if options.max_replicas is None:
+        return f"{options.num_replicas} replica(s)"
+    return f"autoscaling {options.min_replicas or 1}..{options.max_replicas} replicas"
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    return stop

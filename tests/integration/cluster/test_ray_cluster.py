@@ -1,0 +1,365 @@
+"""kiln on a real two-node Ray cluster started on this machine (a head and a worker node, one CPU each), the
+application run by `kiln cluster serve` with two replicas (one lands on each node), driven by the official
+tritonclient. The cluster starts once for the module; `ray stop` always runs at the end."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+serve = pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]')")
+tritonhttp = pytest.importorskip("tritonclient.http")
+
+from kiln.cluster import build_application  # noqa: E402
+from kiln.cluster.options import ClusterOptions, replica_gpus  # noqa: E402
+from kiln.cluster.stats import PUBLISH_INTERVAL_S, sum_documents  # noqa: E402
+from kiln.demo import build_demo_repository  # noqa: E402
+from kiln.errors import InvalidArgumentError  # noqa: E402
+from kiln.serve_process import KilnProcess, free_port, kiln_serve, wait_ready  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[3] / "src"
+APP = "kiln"
+REPLICA_PREFIX = f"SERVE_REPLICA::{APP}#{APP}#"
+
+
+@dataclass(frozen=True)
+class RayCluster:
+    address: str  # the head's GCS, HOST:PORT
+    http_url: str  # Serve's proxy, as tritonclient takes it
+    repository: Path
+    process: subprocess.Popen[bytes]  # kiln cluster serve
+
+
+def _ray(*args: str, env: dict[str, str]) -> None:
+    ray_cli = Path(sys.executable).parent / "ray"
+    subprocess.run([str(ray_cli), *args], env=env, check=True, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+    repository = tmp_path_factory.mktemp("cluster") / "repository"
+    build_demo_repository(repository)
+    # Ray's socket paths must stay under the OS's limit: a short folder of its own, not pytest's deep one.
+    temp = tempfile.mkdtemp(prefix="kr", dir="/tmp")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    address, http_port = f"127.0.0.1:{free_port()}", free_port()
+    process = None
+    try:
+        _ray("start", "--head", "--port", address.split(":")[1], "--num-cpus", "1", "--resources", '{"head": 1}',
+             "--temp-dir", temp, "--include-dashboard", "false", "--disable-usage-stats", env=env)
+        _ray("start", "--address", address, "--num-cpus", "1", "--resources", '{"worker": 1}',
+             "--disable-usage-stats", env=env)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kiln.cli", "cluster", "serve", "--address", address, "--model-repository",
+             str(repository), "--replicas", "2", "--http-host", "127.0.0.1", "--http-port", str(http_port),
+             "--repository-poll-secs", "0.5"],
+            env=env)
+        wait_ready(f"127.0.0.1:{http_port}", process, timeout_s=180)
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+        yield RayCluster(address, f"127.0.0.1:{http_port}", repository, process)
+    finally:
+        if process is not None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        ray.shutdown()
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], env=env, capture_output=True,
+                       timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: RayCluster) -> Iterator[KilnProcess]:
+    """`kiln serve` over the same repository: what the cluster must answer alike."""
+    with kiln_serve([cluster.repository]) as process:
+        yield process
+
+
+@pytest.fixture
+def client(cluster: RayCluster) -> Iterator[Any]:
+    client = tritonhttp.InferenceServerClient(cluster.http_url, network_timeout=30)
+    yield client
+    client.close()
+
+
+def _simple_inputs(binary: bool) -> tuple[list[Any], np.ndarray, np.ndarray]:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.ones((1, 16), dtype=np.int32)
+    inputs = [tritonhttp.InferInput("INPUT0", [1, 16], "INT32"), tritonhttp.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(a, binary_data=binary)
+    inputs[1].set_data_from_numpy(b, binary_data=binary)
+    return inputs, a + b, a - b
+
+
+def _infer_simple(client: Any, binary: bool = True) -> None:
+    inputs, total, difference = _simple_inputs(binary)
+    outputs = [tritonhttp.InferRequestedOutput(name, binary_data=binary) for name in ("OUTPUT0", "OUTPUT1")]
+    result = client.infer("simple", inputs, outputs=outputs)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), total)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), difference)
+
+
+def test_two_nodes_each_run_a_replica(cluster: RayCluster) -> None:
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+    replicas = [name for name in ray.util.list_named_actors(all_namespaces=True) if
+                name["name"].startswith(REPLICA_PREFIX)]
+    assert len(replicas) == 2
+    # Each replica takes one CPU and each node has one: both nodes hold a replica.
+    assert ray.available_resources().get("CPU", 0) == 0
+
+
+def test_health_metadata_and_config_as_kiln_serve(client: Any, reference: KilnProcess) -> None:
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("simple")
+    expected = tritonhttp.InferenceServerClient(reference.http_url)
+    try:
+        assert client.get_server_metadata() == expected.get_server_metadata()
+        assert client.get_model_metadata("simple") == expected.get_model_metadata("simple")
+        assert client.get_model_config("simple") == expected.get_model_config("simple")
+        assert client.get_model_repository_index() == expected.get_model_repository_index()
+    finally:
+        expected.close()
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_infer_simple(client: Any, binary: bool) -> None:
+    _infer_simple(client, binary)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v2/models/nope/infer", {"inputs": []}),
+    ("/v2/models/simple/infer", {"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "INT32",
+                                             "data": [1, 2, 3]}]}),
+    ("/v2/models/simple/infer", {"inputs": "not a list"}),
+    ("/v2/models/simple/versions/7/stats", None),
+], ids=["unknown-model", "wrong-shape", "malformed", "unknown-version-stats"])
+def test_errors_are_those_of_kiln_serve(cluster: RayCluster, reference: KilnProcess, path: str,
+                                        body: dict[str, Any] | None) -> None:
+    def ask(url: str) -> httpx.Response:
+        if body is None:
+            return httpx.get(f"http://{url}{path}", timeout=30)
+        return httpx.post(f"http://{url}{path}", json=body, timeout=30)
+
+    got, expected = ask(cluster.http_url), ask(reference.http_url)
+    assert got.status_code == expected.status_code >= 400
+    assert got.json() == expected.json()
+
+
+def test_statistics_sum_across_replicas(cluster: RayCluster, client: Any) -> None:
+    def count() -> int:
+        return int(client.get_inference_statistics("simple")["model_stats"][0]["inference_count"])
+
+    def infer_once(_: int) -> None:
+        own = tritonhttp.InferenceServerClient(cluster.http_url)  # one per thread: a client is not thread-safe
+        try:
+            _infer_simple(own)
+        finally:
+            own.close()
+
+    def settled_count() -> int:
+        # Every replica's counts published since the earlier tests' requests: reads a publish interval apart agree.
+        previous, current = -1, count()
+        while current != previous:
+            time.sleep(PUBLISH_INTERVAL_S + 0.3)
+            previous, current = current, count()
+        return current
+
+    before = settled_count()
+    # Concurrent requests spread over both replicas (Serve routes to the less loaded of two).
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(infer_once, range(80)))
+    deadline = time.monotonic() + 5  # the other replica publishes its counts every second
+    while count() != before + 80 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert count() == before + 80
+    # The sum is over both replicas: each served some of them.
+    board = serve.get_deployment_handle(f"{APP}-stats", app_name=APP)
+    served = board.inferences_by_replica.remote().result(timeout_s=30)
+    assert len(served) == 2 and all(count > 0 for count in served.values()), served
+
+
+def test_sum_documents_adds_counts_and_merges_batch_sizes() -> None:
+    def entry(count: int, last: int, sizes: list[int]) -> dict[str, Any]:
+        return {"name": "m", "version": "1", "last_inference": last, "inference_count": count,
+                "inference_stats": {"success": {"count": count, "ns": 10 * count}},
+                "batch_stats": [{"batch_size": s, "compute_infer": {"count": 1, "ns": 5}} for s in sizes]}
+
+    (total,) = sum_documents([[entry(2, 100, [1])], [entry(3, 50, [1, 4])]])
+    assert total["inference_count"] == 5 and total["last_inference"] == 100
+    assert total["inference_stats"]["success"] == {"count": 5, "ns": 50}
+    assert total["batch_stats"] == [{"batch_size": 1, "compute_infer": {"count": 2, "ns": 10}},
+                                    {"batch_size": 4, "compute_infer": {"count": 1, "ns": 5}}]
+
+
+class _Load:
+    """Clients sending `simple` requests back to back from threads, counting answers and failures."""
+
+    def __init__(self, url: str, threads: int) -> None:
+        self.ok = self.failed = 0
+        self.last_failure = 0.0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(url,)) for _ in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, url: str) -> None:
+        client = tritonhttp.InferenceServerClient(url, network_timeout=30)
+        try:
+            while not self._stop.is_set():
+                try:
+                    _infer_simple(client)
+                    self.ok += 1
+                except Exception:
+                    self.failed += 1
+                    self.last_failure = time.monotonic()
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+
+def _replicas() -> dict[str, str]:
+    return {n["name"]: n["namespace"] for n in ray.util.list_named_actors(all_namespaces=True)
+            if n["name"].startswith(REPLICA_PREFIX)}
+
+
+def test_a_killed_replica_under_load_fails_only_its_inflight_requests(cluster: RayCluster) -> None:
+    threads = 2  # at most this many requests are in flight at once
+    load = _Load(cluster.http_url, threads)
+    try:
+        time.sleep(1)
+        victim, namespace = next(iter(_replicas().items()))
+        ray.kill(ray.get_actor(victim, namespace=namespace), no_restart=True)
+        killed, ok_at_kill = time.monotonic(), load.ok
+        time.sleep(10)
+    finally:
+        load.stop()
+    print(f"killed replica: {load.failed} failed, {load.ok - ok_at_kill} answered in the 10 s after")
+    assert load.failed <= threads, f"{load.failed} requests failed; only the {threads} in flight may"
+    assert load.ok - ok_at_kill > 0 and (load.last_failure == 0.0 or load.last_failure - killed < 10)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # Serve starts a new replica in the dead one's place
+        replicas = _replicas()
+        if len(replicas) == 2 and victim not in replicas:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"no replica replaced {victim} within 60 s")
+
+
+def test_replicas_scale_up_under_load(cluster: RayCluster) -> None:
+    """A second application on the same cluster, autoscaling 1..2 replicas on ongoing requests (its replicas ask
+    for no CPU: the first application's hold both). Before the rolling test: a replica starting after a corrupt
+    version was published fails to start (docs/cluster.md)."""
+    options = ClusterOptions(cluster.repository, name="scaled", route_prefix="/scaled", num_cpus=0, num_replicas=1,
+                             min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0)
+    serve.run(build_application(options), name="scaled", route_prefix="/scaled")
+    prefix = "SERVE_REPLICA::scaled#scaled#"
+
+    def replicas() -> int:
+        return sum(1 for n in ray.util.list_named_actors(all_namespaces=True) if n["name"].startswith(prefix))
+
+    try:
+        assert replicas() == 1
+        load, started = _Load(f"{cluster.http_url}/scaled", 4), time.monotonic()
+        try:
+            deadline = time.monotonic() + 45
+            while replicas() < 2:
+                assert time.monotonic() < deadline, "no second replica within 45 s of load"
+                time.sleep(0.5)
+        finally:
+            load.stop()
+        print(f"scaled to 2 replicas {time.monotonic() - started:.1f} s into the load: {load.ok} answered, "
+              f"{load.failed} failed")
+        assert load.failed == 0 and load.ok > 0
+    finally:
+        serve.delete("scaled")
+
+
+def _served_versions(client: Any, answers: int) -> set[tuple[str, ...]]:
+    """The `simple` versions in ``answers`` metadata answers (each from whichever replica Serve picked)."""
+    return {tuple(client.get_model_metadata("simple")["versions"]) for _ in range(answers)}
+
+
+def test_a_published_version_rolls_over_every_replica_under_load(cluster: RayCluster, client: Any) -> None:
+    # After the kill test: wait for both replicas (the replacement one included) to be serving.
+    deadline = time.monotonic() + 60
+    while len(_replicas()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    model = cluster.repository / "simple"
+    load = _Load(cluster.http_url, 2)
+    try:
+        staging = cluster.repository / ".staging-2"
+        shutil.copytree(model / "1", staging)
+        staging.rename(model / "2")  # appears whole: a replica's poll never sees half a version
+        deadline = time.monotonic() + 30
+        while _served_versions(client, 10) != {("2",)}:
+            assert time.monotonic() < deadline, "version 2 did not replace version 1 on every replica within 30 s"
+            time.sleep(0.2)
+        # A corrupt version 3: every replica keeps serving version 2.
+        (model / "3").mkdir()
+        (model / "3" / "model.onnx").write_bytes(b"not an onnx model")
+        time.sleep(3)  # several polls
+        assert _served_versions(client, 10) == {("2",)}
+    finally:
+        load.stop()
+    print(f"rolled to version 2 and past a corrupt version 3: {load.ok} answered, {load.failed} failed")
+    assert load.failed == 0 and load.ok > 0
+
+
+def test_builder_arguments_arrive_as_strings_from_serve_run(tmp_path: Path) -> None:
+    options = ClusterOptions.from_args({"model_repository": str(tmp_path), "num_replicas": "2", "max_replicas": "4",
+                                        "target_ongoing_requests": "8"})
+    assert (options.num_replicas, options.max_replicas) == (2, 4)
+    assert options.autoscaling_config() == {"min_replicas": 1, "initial_replicas": 2, "max_replicas": 4,
+                                            "target_ongoing_requests": 8.0}
+    delayed = ClusterOptions.from_args({"model_repository": str(tmp_path), "max_replicas": "2", "upscale_delay_s": "0"})
+    assert delayed.autoscaling_config() == {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2,
+                                            "target_ongoing_requests": 2.0, "upscale_delay_s": 0.0}
+    assert ClusterOptions.from_args({"model_repository": str(tmp_path)}).autoscaling_config() is None
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"model_repository": "/no/such/folder"}, "model_repository '/no/such/folder' is not a folder"),
+    ({}, "kiln.cluster needs model_repository=PATH"),
+    ({"model_repository": ".", "replicas": "2"}, "unknown kiln.cluster argument(s) replicas"),
+    ({"model_repository": ".", "num_replicas": "two"}, "num_replicas='two' is not a whole number"),
+    ({"model_repository": ".", "num_replicas": "0"}, "num_replicas must be at least 1, got 0"),
+], ids=["missing-folder", "no-repository", "unknown-key", "not-a-number", "no-replicas"])
+def test_bad_builder_arguments_are_named(args: dict[str, str], message: str) -> None:
+    with pytest.raises(InvalidArgumentError) as raised:
+        ClusterOptions.from_args(args)
+    assert message in str(raised.value)
+
+
+def test_replicas_ask_for_the_gpus_of_the_most_demanding_model(tmp_path: Path) -> None:
+    def model(name: str, groups: str) -> None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "onnxruntime"\n{groups}')
+
+    model("cpu", "instance_group [{ kind: KIND_CPU count: 2 }]")
+    assert replica_gpus(tmp_path) == 0.0
+    model("one", "instance_group [{ kind: KIND_GPU count: 2 }]")
+    assert replica_gpus(tmp_path) == 1.0
+    model("two", "instance_group [{ kind: KIND_GPU gpus: [0, 1] }, { kind: KIND_CPU }]")
+    assert replica_gpus(tmp_path) == 2.0
+    assert ClusterOptions(tmp_path, num_gpus=0.5).ray_actor_options() == {"num_cpus": 1.0, "num_gpus": 0.5}
