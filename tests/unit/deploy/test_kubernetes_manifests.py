@@ -395,3 +395,11 @@ def test_kiln_exports_every_series_the_hpa_scales_on(served: tuple[str, str]) ->
     needed = set().union(*(series_of(rule) for rule in adapter_rules().values()))
     assert needed >= {"nv_inference_queue_duration_us", "nv_inference_pending_request_count"}
     assert needed <= exported, needed - exported
+
+
+def test_the_ray_image_and_rayservice_use_the_ray_that_kiln_ray_pins() -> None:
+    root = Path(__file__).resolve().parents[3]
+    pinned = re.search(r'"ray\[serve\]==([0-9.]+)"', (root / "pyproject.toml").read_text()).group(1)  # type: ignore[union-attr]
+    service = yaml.safe_load((root / "deploy/kubernetes/rayservice/rayservice.yaml").read_text())
+    assert service["spec"]["rayClusterConfig"]["rayVersion"] == pinned
+    assert f"rayproject/ray:{pinned}-" in (root / "deploy/docker/Dockerfile.ray").read_text()
