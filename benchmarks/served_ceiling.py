@@ -6,10 +6,13 @@ model shaped like the demo ResNet-50 built with FP16 inputs: one 3x224x224 FP16 
 out. tritonclient threads spread over --client-processes processes send batch-1 requests with the image in the
 request body or in system shared memory, as benchmarks/shm_gpu.py does on a GPU. Each row prints requests/s and the
 average batch the server formed (from its statistics): requests that reach the server one loop turn apart must
-still leave as batches.
+still leave as batches. Each row also says where the CPU went while it ran (psutil): the server's core process, its
+busiest thread (the event loop, when one thread is the limit), the HTTP/gRPC worker processes together, and the
+whole machine's idle share, so a row that falls short names the resource that stopped it.
 
     python benchmarks/served_ceiling.py --output benchmarks/results/served_ceiling-<date>.json
     python benchmarks/served_ceiling.py --http-workers 1,4 --rows "http:request body"   # 1 vs 4 HTTP processes
+    python benchmarks/served_ceiling.py --load-generator perf_analyzer    # NVIDIA's C++ client instead of tritonclient
 
 The server runs as ``python benchmarks/served_ceiling.py --serve-child KILN_SERVE_ARGS...``, which registers the
 stand-in backend and then runs `kiln serve`.
@@ -61,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--http-workers", default="1",
                         help="`kiln serve --http-workers` values, comma-separated: every row runs against each")
     parser.add_argument("--serve-args", default="", help="more `kiln serve` arguments, e.g. '--grpc-workers 2'")
+    parser.add_argument("--load-generator", choices=("tritonclient", "perf_analyzer"), default="tritonclient",
+                        help="perf_analyzer: NVIDIA's C++ client (--perf-analyzer PATH or $KILN_PERF_ANALYZER)")
+    parser.add_argument("--perf-analyzer", default=None, help="the perf_analyzer binary")
     parser.add_argument("--output", type=Path, default=None, help="JSON results; a .txt beside it gets the table")
     args = parser.parse_args(argv)
     preferred = f"preferred_batch_size: [ {args.preferred} ]" if args.preferred else ""
@@ -73,31 +79,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = [f"--stand-in-ms={args.base_ms}", f"--stand-in-row-us={args.per_row_us}"]
         for workers in int_list(args.http_workers):
             serve_args = ["--http-workers", str(workers), *args.serve_args.split()]
-            with _served(repo, settings, serve_args, Path(tmp) / "serve.log") as (http_url, grpc_url):
+            with _served(repo, settings, serve_args, Path(tmp) / "serve.log") as (http_url, grpc_url, pid):
                 for row in args.rows.split(","):
                     protocol, tensors = row.split(":")
                     for concurrency in int_list(args.concurrency):
-                        rows.append({"http_workers": workers, **_row(
-                            protocol, tensors, http_url, grpc_url if protocol == "grpc" else http_url, concurrency,
-                            args.client_processes, args.seconds)})
+                        with _cpu_use(pid) as cpu:
+                            measured = _row(protocol, tensors, http_url, grpc_url if protocol == "grpc" else http_url,
+                                            concurrency, args)
+                        rows.append({"http_workers": workers, **measured, "cpu": cpu})
                         print(rows[-1], flush=True)
     info = describe("kiln served ceiling: kiln serve against a device stand-in",
                     stand_in=f"{args.base_ms:g} ms per batch + {args.per_row_us:g} us per image; {args.instances} "
-                             f"instance(s), preferred [{args.preferred}]; {args.client_processes} client processes; "
+                             f"instance(s), preferred [{args.preferred}]; load: " + (
+                                 "perf_analyzer" if args.load_generator == "perf_analyzer"
+                                 else f"tritonclient in {args.client_processes} client processes") + "; "
                              f"{args.seconds:g} s per row; serve arguments: {args.serve_args or '-'}")
-    text = header(info) + "\n" + table(["protocol", "tensors", "http workers", "conc", "req/s", "avg batch"],
-                                       [[r["protocol"], r["tensors"], r["http_workers"], r["concurrency"],
-                                         r["requests_per_s"], f"{r['average_batch']:.2f}"] for r in rows],
-                                       numeric_from=2)
+    text = header(info) + "\n" + table(
+        ["protocol", "tensors", "http workers", "conc", "req/s", "p50 ms", "avg batch", "core cpu", "busiest thread",
+         "workers cpu", "machine idle"],
+        [[r["protocol"], r["tensors"], r["http_workers"], r["concurrency"], r["requests_per_s"],
+          "-" if r.get("p50_ms") is None else f"{r['p50_ms']:.2f}", f"{r['average_batch']:.2f}",
+          f"{r['cpu']['core']:.2f}", f"{r['cpu']['busiest_thread']:.2f}",
+          f"{r['cpu']['workers']:.2f}", f"{r['cpu']['machine_idle']:.0%}"] for r in rows],
+        numeric_from=2)
+    text += ("\ncpu columns: cores used on average during the row (1.00 = one core busy all the time); busiest "
+             "thread: the core process's busiest thread\n")
     print(text)
     write_outputs(args.output, {**info, "rows": rows}, text)
     return 0
 
 
 @contextlib.contextmanager
-def _served(repo: Path, settings: list[str], serve_args: list[str], log: Path) -> Iterator[tuple[str, str]]:
+def _served(repo: Path, settings: list[str], serve_args: list[str], log: Path) -> Iterator[tuple[str, str, int]]:
     """`kiln serve --allow-client-shm` over ``repo``, started through this script so the stand-in is registered;
-    yields its HTTP and gRPC ``host:port``."""
+    yields its HTTP and gRPC ``host:port`` and its process id."""
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     command = [sys.executable, __file__, "--serve-child", *settings, "serve", "--model-repository", str(repo),
                "--allow-client-shm", "true", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
@@ -106,7 +121,7 @@ def _served(repo: Path, settings: list[str], serve_args: list[str], log: Path) -
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         try:
             wait_ready(f"127.0.0.1:{http_port}", process, 60.0)
-            yield f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+            yield f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", process.pid
         finally:
             stop(process)
 
@@ -125,24 +140,80 @@ def _serve_child(argv: list[str]) -> int:
     return kiln_main(argv)
 
 
-def _row(protocol: str, tensors: str, http_url: str, url: str, concurrency: int, processes: int,
-         seconds: float) -> dict[str, Any]:
+def _row(protocol: str, tensors: str, http_url: str, url: str, concurrency: int,
+         args: argparse.Namespace) -> dict[str, Any]:
     import tritonclient.http as httpclient
 
     stats = httpclient.InferenceServerClient(http_url)
     meta = stats.get_model_metadata(MODEL)
     (inp,), (out,) = meta["inputs"], meta["outputs"]
-    image = np.random.default_rng(0).standard_normal([1, 3, 224, 224]).astype(np.float16)
-    work = ClientWork(protocol, url, tensors, inp, out, image, 1000 * 4, seconds)
     before = _counts(stats)
     started = time.perf_counter()
-    rate = served_rate(work, concurrency, processes)
+    p50_ms: float | None = None
+    if args.load_generator == "perf_analyzer":
+        rate, p50_ms = _perf_analyzer_rate(args, protocol, tensors, url, concurrency)
+    else:
+        image = np.random.default_rng(0).standard_normal([1, 3, 224, 224]).astype(np.float16)
+        work = ClientWork(protocol, url, tensors, inp, out, image, 1000 * 4, args.seconds)
+        rate = served_rate(work, concurrency, args.client_processes)
     elapsed = time.perf_counter() - started
     after = _counts(stats)
     executions = after[1] - before[1]
     return {"protocol": protocol, "tensors": tensors, "concurrency": concurrency, "requests_per_s": rate,
-            "average_batch": (after[0] - before[0]) / executions if executions else 0.0,
+            "p50_ms": p50_ms, "average_batch": (after[0] - before[0]) / executions if executions else 0.0,
             "row_seconds": elapsed}
+
+
+def _perf_analyzer_rate(args: argparse.Namespace, protocol: str, tensors: str, url: str,
+                        concurrency: int) -> tuple[float, float]:
+    """Requests/s and p50 latency (ms) of one perf_analyzer run at ``concurrency``: windows of --seconds, at most
+    three, the last stable pair reported."""
+    from kiln.bench.perf_analyzer import find_binary, read_row
+
+    with tempfile.TemporaryDirectory(prefix="kiln-served-ceiling-pa-") as tmp:
+        csv_path = Path(tmp) / "row.csv"
+        command = [find_binary(args.perf_analyzer), "-m", MODEL, "-u", url, "-i", protocol,
+                   "--concurrency-range", f"{concurrency}:{concurrency}",
+                   "--measurement-interval", str(int(args.seconds * 1000)), "--stability-percentage", "25",
+                   "--max-trials", "3", "-f", str(csv_path)]
+        if tensors == "system shm":
+            command += ["--shared-memory", "system", "--output-shared-memory-size", str(1000 * 4)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.seconds * 6 + 60)
+        if done.returncode != 0 and not csv_path.exists():
+            raise RuntimeError(f"perf_analyzer failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
+        row = read_row(csv_path)
+    return float(row["Inferences/Second"]), float(row["p50 latency"]) / 1000
+
+
+@contextlib.contextmanager
+def _cpu_use(pid: int) -> Iterator[dict[str, float]]:
+    """Fills the yielded dict, once the block ends, with the cores the server's core process, its busiest thread and
+    its child processes (frontend workers) used on average during the block, and the machine's idle share."""
+    import psutil
+
+    core = psutil.Process(pid)
+    children = core.children(recursive=True)
+    started = time.perf_counter()
+    machine = psutil.cpu_times()
+    threads = {t.id: t.user_time + t.system_time for t in core.threads()}
+    spent = {p.pid: _cpu_seconds(p) for p in [core, *children]}
+    use: dict[str, float] = {}
+    yield use
+    elapsed = time.perf_counter() - started
+    after_machine = psutil.cpu_times()
+    total = sum(after_machine) - sum(machine)
+    thread_use = [t.user_time + t.system_time - threads.get(t.id, 0.0) for t in core.threads()]
+    workers = sum(_cpu_seconds(p) - spent[p.pid] for p in children if p.pid in spent)
+    use.update(core=(_cpu_seconds(core) - spent[core.pid]) / elapsed, busiest_thread=max(thread_use) / elapsed,
+               workers=workers / elapsed, machine_idle=(after_machine.idle - machine.idle) / total if total else 0.0)
+
+
+def _cpu_seconds(process: Any) -> float:
+    try:
+        times = process.cpu_times()
+    except Exception:  # a worker replaced meanwhile: its time is lost, the row says so by a lower figure
+        return 0.0
+    return float(times.user + times.system)
 
 
 def _counts(client: Any) -> tuple[int, int]:

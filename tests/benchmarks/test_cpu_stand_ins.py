@@ -55,6 +55,9 @@ def test_served_ceiling_compares_http_worker_counts(tmp_path: Path) -> None:
     rows = read_json(output)["rows"]
     assert [(row["http_workers"], row["protocol"]) for row in rows] == [(1, "http"), (2, "http")]
     assert all(row["requests_per_s"] > 0 and row["average_batch"] >= 1 for row in rows), rows
+    one, two = (row["cpu"] for row in rows)  # where the CPU went: with workers, the HTTP work leaves the core process
+    assert one["core"] > 0 and 0 < one["busiest_thread"] <= one["core"] + 0.05 and one["workers"] == 0, one
+    assert two["workers"] > 0 and 0 <= two["machine_idle"] <= 1, two
 
 
 def test_shm_gpu_served_rows_on_a_cpu_model(tmp_path: Path) -> None:
