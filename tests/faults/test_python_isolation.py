@@ -5,7 +5,6 @@ many deaths the version is UNAVAILABLE with the reason."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from kiln.testing.serve import KilnProcess, kiln_serve
+
 from ._models import CRASHING_CONFIG, CRASHING_MODEL, write_identity_model, write_python_model
 
 MAX_RESTARTS = 3
