@@ -30,7 +30,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import kiln
 from kiln.config.spec import ModelSpec
 from kiln.engines.base import Array, Engine, EngineOptions
 from kiln.errors import ConfigError, ErrorCode, InternalError, KilnError, UnavailableError, error_for_code
@@ -219,6 +218,6 @@ def _error(reply: tuple[Any, ...]) -> KilnError:
 def _child_environment() -> dict[str, str]:
     """The server's environment, with this kiln first on the path (a source checkout may not be installed)."""
     environment = dict(os.environ)
-    root = str(Path(kiln.__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[3])  # the folder that holds the kiln package
     environment["PYTHONPATH"] = os.pathsep.join(p for p in (root, environment.get("PYTHONPATH")) if p)
     return environment
