@@ -4,13 +4,18 @@ many deaths the version is UNAVAILABLE with the reason."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+import kiln
+from kiln.engines.python import IsolatedPythonEngine
+from kiln.errors import ConfigError, KilnError
 from kiln.testing.serve import KilnProcess, kiln_serve
 
 from ._models import CRASHING_CONFIG, CRASHING_MODEL, write_identity_model, write_python_model
@@ -78,3 +83,47 @@ def test_too_many_deaths_make_the_version_unavailable(server: KilnProcess) -> No
     assert not client.is_model_ready("crashy")
     assert (infer(client, "steady", 7)["Y"] == 7).all()
     assert server.process.poll() is None
+
+
+def isolated_model(tmp_path: Path, extra_config: str = "", source: str = CRASHING_MODEL) -> Path:
+    config = (CRASHING_CONFIG % MAX_RESTARTS) + extra_config
+    write_python_model(tmp_path, "crashy", config, source)
+    return tmp_path / "crashy"
+
+
+def test_the_direct_path_runs_an_isolated_model_in_another_process(tmp_path: Path) -> None:
+    with kiln.load(isolated_model(tmp_path)) as engine:
+        assert isinstance(engine, IsolatedPythonEngine)
+        out = engine.infer({"X": np.array([[2], [5]], np.int64)})
+        assert out["Y"].tolist() == [[4], [10]]
+        assert int(out["PID"][0, 0]) == engine.pid != os.getpid()
+
+
+def test_decoupled_and_unknown_isolation_are_refused(tmp_path: Path) -> None:
+    decoupled = isolated_model(tmp_path / "a", "model_transaction_policy { decoupled: true }")
+    with pytest.raises(ConfigError, match="model 'crashy': a decoupled model cannot run with "
+                                          "KILN_EXECUTION_ISOLATION process"):
+        kiln.load(decoupled)
+    config = CRASHING_CONFIG.replace('string_value: "process"', 'string_value: "thread"') % MAX_RESTARTS
+    write_python_model(tmp_path / "b", "crashy", config, CRASHING_MODEL)
+    with pytest.raises(ConfigError, match="KILN_EXECUTION_ISOLATION is 'thread'; expected one of none, process"):
+        kiln.load(tmp_path / "b" / "crashy")
+
+
+BLS_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        call = pb_utils.InferenceRequest(model_name="other", requested_output_names=["Y"],
+                                         inputs=[pb_utils.get_input_tensor_by_name(requests[0], "X")])
+        answer = call.exec()
+        raise pb_utils.TritonModelException(answer.error().message())
+'''
+
+
+def test_bls_from_an_isolated_model_says_why_it_is_unavailable(tmp_path: Path) -> None:
+    with kiln.load(isolated_model(tmp_path, source=BLS_MODEL)) as engine, \
+            pytest.raises(KilnError, match="runs in its own process .* calling model 'other' \\(BLS\\) is not"):
+        engine.infer({"X": np.array([[1]], np.int64)})
