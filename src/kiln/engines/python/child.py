@@ -5,12 +5,14 @@ pickles over it. The first message is ``(spec, model_file, options)``; the child
 :class:`~kiln.engines.python.engine.PythonEngine` from it (so ``initialize``, ``execute``, ``finalize`` and the
 checks on what the model returns are the same code as without isolation) and answers ``("ready", pid)`` or
 ``("error", code, message)``. Then each ``("execute", inputs, outputs)`` is answered ``("ok", outputs)`` or
-``("error", code, message)``, until ``("close",)`` or the parent's end closing, which finalizes the model.
+``("error", code, message)``, until ``("close",)`` or the parent's end closing (a server that was killed), which
+finalizes the model.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from multiprocessing.connection import Connection
 from typing import Any
@@ -67,6 +69,9 @@ def serve(connection: Connection) -> None:
 
 
 def main() -> None:
+    # Ctrl-C in a terminal reaches the whole process group: the server drains and then closes this process, so a
+    # batch in flight here is not cut short.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     connection = Connection(int(sys.argv[1]))
     try:
         serve(connection)
