@@ -4,7 +4,8 @@ wrote is removed, and the server or edge keeps serving what it served.
 ENOSPC comes from the operating system itself: a file kiln writes to is made a symlink to /dev/full, whose every
 write fails with ENOSPC (no root, mount or injected writer needed). For capture that file is the version's
 index.jsonl (the sample's npz goes to a temporary file whose name kiln draws at random); for the edge sync it is
-the file the download writes into.
+the file the download writes into. Where unprivileged user namespaces are allowed, a capture store on a small
+tmpfs (``unshare -rm``, mounted for the server alone) fills up for real while the npz itself is written.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import errno
 import http.client
 import io
 import json
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +30,7 @@ from kiln.edge import EdgeRunner, Policy
 from kiln.edge.sync import REJECTED_FILE, HttpSyncSource, ModelSync, SyncOptions
 from kiln.server.capture import INDEX
 from kiln.testing.repo import write_model
-from kiln.testing.serve import kiln_serve
+from kiln.testing.serve import free_port, kiln_serve, stop, wait_ready
 
 from ._models import write_identity_model
 
@@ -34,9 +38,9 @@ DEV_FULL = Path("/dev/full")
 pytestmark = pytest.mark.skipif(not DEV_FULL.exists(), reason="needs /dev/full")
 
 
-def capture(address: str, sample_id: str) -> tuple[int, dict[str, object]]:
+def capture(address: str, sample_id: str, rows: int = 1) -> tuple[int, dict[str, object]]:
     body = io.BytesIO()
-    np.savez(body, **{"input/X": np.ones((1, 1), np.int64)})
+    np.savez(body, **{"input/X": np.ones((rows, 1), np.int64)})
     connection = http.client.HTTPConnection(address, timeout=10)
     connection.request("POST", "/v2/kiln/models/steady/versions/1/capture", body.getvalue(),
                        {"Kiln-Capture-Id": sample_id, "Content-Type": "application/octet-stream"})
@@ -80,6 +84,45 @@ def test_capture_on_a_full_disk_fails_the_sample_and_leaves_the_store_as_it_was(
         assert capture(server.http_url, "b") == (200, {"id": "b", "stored": True})
         lines = [json.loads(line) for line in index.read_text().splitlines()]
         assert [(e["id"], e["file"]) for e in lines] == [("a", "0.npz"), ("b", "1.npz")]
+
+
+def user_namespaces() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                           capture_output=True, check=False)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not user_namespaces(), reason="needs unshare -rm (unprivileged user and mount namespaces)")
+def test_capture_store_on_a_filled_tmpfs(tmp_path: Path) -> None:
+    repo, store = tmp_path / "repo", tmp_path / "capture"
+    write_identity_model(repo)
+    store.mkdir()
+    port = free_port()
+    serve = [sys.executable, "-m", "kiln.cli", "serve", "--model-repository", str(repo), "--capture-dir", str(store),
+             "--http-port", str(port), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
+    script = f"mount -t tmpfs -o size=256k tmpfs {shlex.quote(str(store))} && exec {shlex.join(serve)}"
+    with open(tmp_path / "kiln.log", "wb") as log:
+        process = subprocess.Popen(["unshare", "-rm", "sh", "-c", script], stdout=log, stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_ready(address, process)
+        folder = Path(f"/proc/{process.pid}/root") / str(store).lstrip("/") / "steady" / "1"  # the server's view
+        stored = 0
+        while (answer := capture(address, f"s{stored}", rows=8000))[0] == 200:  # about 64 kB a sample
+            stored += 1
+            assert stored < 10, "the 256 kB tmpfs never filled up"
+        status, doc = answer
+        assert status == 503 and "out of space" in str(doc["error"]), doc
+        assert stored >= 1
+        assert sorted(p.name for p in folder.iterdir()) == sorted([INDEX, *(f"{i}.npz" for i in range(stored))])
+        lines = [json.loads(line) for line in (folder / INDEX).read_text().splitlines()]
+        assert [e["id"] for e in lines] == [f"s{i}" for i in range(stored)]
+        assert infer_steady(address) == 5
+        assert capture(address, "small") == (200, {"id": "small", "stored": True})  # a sample that still fits
+    finally:
+        stop(process)
 
 
 class FullDiskSource(HttpSyncSource):
