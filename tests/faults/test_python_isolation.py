@@ -28,7 +28,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     repo = tmp_path_factory.mktemp("repo")
     write_python_model(repo, "crashy", CRASHING_CONFIG % MAX_RESTARTS, CRASHING_MODEL)
     write_identity_model(repo)
-    with kiln_serve([repo], log_path=tmp_path_factory.mktemp("log") / "kiln.log") as process:
+    with kiln_serve([repo], "--model-control-mode", "explicit", "--load-model", "*",
+                    log_path=tmp_path_factory.mktemp("log") / "kiln.log") as process:
         yield process
 
 
@@ -83,6 +84,10 @@ def test_too_many_deaths_make_the_version_unavailable(server: KilnProcess) -> No
     assert not client.is_model_ready("crashy")
     assert (infer(client, "steady", 7)["Y"] == 7).all()
     assert server.process.poll() is None
+
+    client.load_model("crashy")  # loading it again starts over
+    assert crashy_reason(client) == ("READY", "")
+    assert (infer(client, "crashy", 4)["Y"] == 8).all()
 
 
 def isolated_model(tmp_path: Path, extra_config: str = "", source: str = CRASHING_MODEL) -> Path:
