@@ -12,11 +12,15 @@ old engine).
 The old engine stays loaded while the new version is on probation (its first ``probation_requests`` local
 runs). An engine error during probation swaps the old engine back, deletes the version folder and rejects the
 version. Rejected versions (a corrupt download, a failed load or smoke test, a rollback) are recorded in
-``<model_dir>/.kiln-sync-rejected.json`` and never tried again.
+``<model_dir>/.kiln-sync-rejected.json`` and never tried again. A full disk (ENOSPC, EDQUOT) while staging or
+installing is no fault of the version: what was written is removed, the served version stays, and the version is
+tried again at the next poll.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -27,7 +31,7 @@ import threading
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +49,7 @@ Array = npt.NDArray[Any]
 log = logging.getLogger("kiln.edge.sync")
 REJECTED_FILE = ".kiln-sync-rejected.json"
 _CHUNK = 1 << 20
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class SyncError(Exception):
@@ -88,9 +93,32 @@ class HttpSyncSource:
         return [RemoteFile(str(e["path"]), int(e["size"]), str(e["sha256"])) for e in doc]
 
     def download(self, model: str, version: int, path: str, destination: Path) -> None:
+        """Write one file to ``destination``; a local write error (a full disk) is raised as the OSError it is,
+        not as the unreachable cloud the HTTP client would report."""
         quoted = urllib.parse.quote(path, safe="/")
-        with destination.open("wb") as sink:
-            self.http.download(f"{_files_path(model, version)}/{quoted}", sink, _CHUNK)
+        with destination.open("wb") as file:
+            sink = _LocalWrites(file)
+            try:
+                self.http.download(f"{_files_path(model, version)}/{quoted}", cast(BinaryIO, sink), _CHUNK)
+            except KilnError:
+                if sink.error is not None:
+                    raise sink.error from None
+                raise
+
+
+class _LocalWrites:
+    """A file that remembers the error its last write raised."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
 
 @dataclass(frozen=True)
@@ -147,7 +175,15 @@ class ModelSync:
         version = newer[-1]
         try:
             self._take(version)
-        except (SyncError, KilnError, OSError, ValueError, KeyError, TypeError) as exc:
+        except OSError as exc:
+            if exc.errno not in _OUT_OF_SPACE:
+                self._reject(version, str(exc))
+            else:
+                log.warning("model '%s': version %d not taken: out of space in %s (%s); version %s keeps "
+                            "serving, the next poll tries again", self.model, version, self.model_dir, exc,
+                            self.runner.version or "unversioned")
+            return None
+        except (SyncError, KilnError, ValueError, KeyError, TypeError) as exc:
             self._reject(version, str(exc))
             return None
         return version
@@ -201,13 +237,23 @@ class ModelSync:
         if target.exists():
             shutil.rmtree(target)
         (staged / str(version)).rename(target)
-        config = staged / CONFIG_FILENAME
+        try:
+            self._install_config(staged / CONFIG_FILENAME)
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+
+    def _install_config(self, config: Path) -> None:
         local = self.model_dir / CONFIG_FILENAME
         self._config_backup = local.read_bytes() if local.is_file() else None
         if config.is_file() and config.read_bytes() != self._config_backup:
             tmp = self.model_dir / f".{CONFIG_FILENAME}.kiln-sync"
-            shutil.copyfile(config, tmp)
-            tmp.replace(local)
+            try:
+                shutil.copyfile(config, tmp)
+                tmp.replace(local)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
 
     # -- probation and rollback --------------------------------------------------------------------------------
 
@@ -250,8 +296,13 @@ class ModelSync:
         self.rejected.add(version)
         path = self.model_dir / REJECTED_FILE
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(sorted(self.rejected)))
-        tmp.replace(path)
+        try:
+            tmp.write_text(json.dumps(sorted(self.rejected)))
+            tmp.replace(path)
+        except OSError as exc:  # remembered until a restart all the same
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            log.warning("model '%s': could not record the rejection in %s: %s", self.model, path, exc)
 
     # -- the background thread ---------------------------------------------------------------------------------
 

@@ -155,7 +155,7 @@ _BUILTIN: dict[str, str] = {
     "identity": "kiln.engines.identity:IdentityEngine",
     "pytorch": "kiln.engines.torch:TorchEngine",
     "tensorrt": "kiln.engines.tensorrt:TensorRTEngine",
-    "python": "kiln.engines.python:PythonEngine",
+    "python": "kiln.engines.python:python_engine",
 }
 _REGISTRY: dict[str, EngineFactory] = {}
 

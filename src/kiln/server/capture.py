@@ -6,6 +6,9 @@ renamed into place, then one index line is appended and fsynced::
 
     {"id": ..., "time": ..., "reason": ..., "source": ..., "edge": ..., "file": "7.npz", "bytes": 1234}
 
+A disk that is full (ENOSPC, or a quota: EDQUOT) fails the one sample with UNAVAILABLE (HTTP 503, retryable: the
+edge keeps it and sends it again later); whatever was written of it is removed, so the store stays as it was.
+
 Sample ids are the client's: a sample whose id is already in the index is acknowledged and not stored again, so
 an edge that retries after a lost reply neither loses nor duplicates a sample. When the files of the whole store
 pass ``max_bytes``, the oldest are deleted and a line ``{"deleted": "7.npz", "id": ..., "time": ...}`` records it.
@@ -13,6 +16,8 @@ pass ``max_bytes``, the oldest are deleted and a line ``{"deleted": "7.npz", "id
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import json
 import os
@@ -28,12 +33,13 @@ from typing import Any
 import numpy as np
 
 from kiln._files import write_atomic
-from kiln.errors import InvalidArgumentError
+from kiln.errors import InvalidArgumentError, UnavailableError
 from kiln.server.staging import check_model_name
 
 INDEX = "index.jsonl"
 KINDS = ("input", "local", "cloud")
 _ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(frozen=True)
@@ -100,10 +106,19 @@ class CaptureStore:
                 return False
             name = f"{folder.next_seq}.npz"
             path = folder.path / name
-            write_atomic(path, payload)
             now = time.time()
-            folder.append({"id": sample.id, "time": now, "reason": sample.reason, "source": sample.source,
-                           "edge": sample.edge, "file": name, "bytes": len(payload)})
+            try:
+                write_atomic(path, payload)  # removes its temporary file when it fails
+                folder.append({"id": sample.id, "time": now, "reason": sample.reason, "source": sample.source,
+                               "edge": sample.edge, "file": name, "bytes": len(payload)})
+            except OSError as exc:
+                path.unlink(missing_ok=True)
+                if exc.errno in _OUT_OF_SPACE:
+                    raise UnavailableError(f"capture for model '{model}' version {version}: sample '{sample.id}' "
+                                           f"was not stored: the capture folder {folder.path} is out of space "
+                                           f"({exc.strerror}); free space or lower --capture-max-mb, then send "
+                                           f"it again") from exc
+                raise
             folder.ids.add(sample.id)
             folder.next_seq += 1
             self._files.append((now, path, sample.id))
@@ -148,10 +163,17 @@ class _Folder:
         self.append_text(json.dumps(entry) + "\n")
 
     def append_text(self, text: str) -> None:
+        """Append and fsync; on failure cut the index back to where it was, so no torn line is left."""
         with (self.path / INDEX).open("a", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+            size = f.tell()
+            try:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.truncate(f.fileno(), size)
+                raise
 
 
 def read_index(folder: Path) -> Iterator[dict[str, Any]]:

@@ -45,7 +45,24 @@ def load_version(model_dir: ModelDir, version: int, fingerprint: str, threads: i
         return VersionRecord(version, ModelState.UNAVAILABLE, reason=str(exc), fingerprint=fingerprint)
     loaded.stats.set_load_duration(time.monotonic() - started)
     log.info("model '%s' version %d loaded in %.2fs", name, version, time.monotonic() - started)
-    return VersionRecord(version, ModelState.READY, loaded=loaded, scheduler=scheduler, fingerprint=fingerprint)
+    record = VersionRecord(version, ModelState.READY, loaded=loaded, scheduler=scheduler, fingerprint=fingerprint)
+    watch_faults(record, engines)
+    return record
+
+
+def watch_faults(record: VersionRecord, engines: list[Engine]) -> None:
+    """Engines that can lose their instance and recover (an isolated Python model's child process) report it
+    through ``on_fault``: the version's reason says what happened, and the version turns UNAVAILABLE once the
+    engine gives up."""
+
+    def note(reason: str, lost: bool) -> None:
+        record.reason = reason
+        if lost:
+            record.state = ModelState.UNAVAILABLE
+
+    for engine in engines:
+        if hasattr(engine, "on_fault"):
+            engine.on_fault = note
 
 
 def resize_version(record: VersionRecord, model_dir: ModelDir, fingerprint: str, threads: int | None,
@@ -70,8 +87,10 @@ def resize_version(record: VersionRecord, model_dir: ModelDir, fingerprint: str,
             engine.close()
         raise
     old.release_only = old.engines[len(options):]
-    return VersionRecord(record.version, ModelState.READY, loaded=loaded, scheduler=scheduler,
-                         fingerprint=fingerprint)
+    resized = VersionRecord(record.version, ModelState.READY, loaded=loaded, scheduler=scheduler,
+                            fingerprint=fingerprint)
+    watch_faults(resized, kept + added)
+    return resized
 
 
 @dataclass
