@@ -66,11 +66,13 @@ class Service:
         if self.options.allow_grpc and self.options.grpc_workers:
             grpc_server, self.bound["grpc"] = await start_grpc_workers(
                 self.server, self.options.host, self.options.grpc_port, self.options.grpc_workers,
-                max_message_bytes=self.options.grpc_max_message_bytes, grace_s=self.options.exit_timeout_s)
+                max_message_bytes=self.options.grpc_max_message_bytes, grace_s=self.options.exit_timeout_s,
+                access=self.options.grpc_access, tls=self.options.grpc_tls)
         elif self.options.allow_grpc:
             grpc_server, self.bound["grpc"] = await start_grpc_server(
                 self.server, self.options.host, self.options.grpc_port,
-                max_message_bytes=self.options.grpc_max_message_bytes)
+                max_message_bytes=self.options.grpc_max_message_bytes, access=self.options.grpc_access,
+                tls=self.options.grpc_tls)
         # HTTP starts last: its readiness endpoint answering means every frontend listens (gRPC workers take a
         # moment to start).
         tasks = [asyncio.create_task(u.serve()) for u in (http, metrics) if u is not None]
@@ -107,7 +109,7 @@ class Service:
     def _http_app(self) -> Any:
         return build_app(self.server, max_input_size=self.options.http_max_input_size,
                          downloads=DownloadOptions(self.options.allow_model_download, self.options.api_key),
-                         capture=self._capture_options())
+                         capture=self._capture_options(), access=self.options.http_access)
 
     def _uvicorn(self, app: Any, port: int, *, tls: bool = False) -> HttpServer:
         options = self.options
@@ -122,7 +124,8 @@ class Service:
         options = self.options
         settings = WorkerSettings(options.host, options.http_port, options.http_workers, options.http_max_input_size,
                                   options.exit_timeout_s, options.https_certfile, options.https_keyfile,
-                                  options.https_client_ca, log_level="DEBUG" if options.log_verbose else "INFO")
+                                  options.https_client_ca, log_level="DEBUG" if options.log_verbose else "INFO",
+                                  access=options.http_access)
         workers = HttpWorkers(self.server, self._http_app(), settings)
         try:
             self.bound["http"] = await workers.start()
@@ -182,7 +185,8 @@ class Service:
         http_scheme = "https" if self.options.https_certfile is not None else "http"
         notes = {"metrics": "/metrics", "grpc": _workers_note(self.options.grpc_workers),
                  "http": _workers_note(self.options.http_workers if self.options.http_workers > 1 else 0)}
-        for name, scheme in (("http", http_scheme), ("grpc", "grpc"), ("metrics", "http")):
+        grpc_scheme = "grpcs" if self.options.grpc_tls is not None else "grpc"
+        for name, scheme in (("http", http_scheme), ("grpc", grpc_scheme), ("metrics", "http")):
             if name in self.bound:
                 log.info("%s: %s://%s:%d%s", name, scheme, host, self.bound[name], notes.get(name, ""))
         log.info("ready in %.2fs", elapsed_s)
