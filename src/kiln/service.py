@@ -189,6 +189,9 @@ class Service:
         for name, scheme in (("http", http_scheme), ("grpc", grpc_scheme), ("metrics", "http")):
             if name in self.bound:
                 log.info("%s: %s://%s:%d%s", name, scheme, host, self.bound[name], notes.get(name, ""))
+        for name, policy in (("http", self.options.http_access), ("grpc", self.options.grpc_access)):
+            if policy and name in self.bound:
+                log.info("%s: restricted API groups: %s", name, policy.describe())
         log.info("ready in %.2fs", elapsed_s)
 
 

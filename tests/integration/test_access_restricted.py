@@ -34,6 +34,9 @@ RESTRICTIONS = ("--http-restricted-api", "model-repository,statistics:admin-key=
                 "--grpc-restricted-protocol", "health:health-key=ok")
 
 
+LOGS: dict[str, Path] = {}  # each served process's log, by its HTTP address
+
+
 def _grpc(headers: dict[str, str]) -> dict[str, str]:
     return {f"triton-grpc-protocol-{key}": value for key, value in headers.items()}
 
@@ -44,6 +47,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     workers = ("--http-workers", "2", "--grpc-workers", "2") if request.param == "workers" else ("--http-workers", "1")
     log = tmp_path_factory.mktemp("log") / "serve.log"
     with kiln_serve([repo], *RESTRICTIONS, *workers, log_path=log) as process:
+        LOGS[process.http_url] = log
         yield process
 
 
@@ -140,6 +144,13 @@ def test_the_grpc_health_service_is_the_health_group(served: KilnProcess) -> Non
         answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=10,
                             metadata=[("triton-grpc-protocol-health-key", "ok")])
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_startup_log_names_the_restricted_groups_but_no_value(served: KilnProcess) -> None:
+    log = LOGS[served.http_url].read_text()
+    assert "http: restricted API groups: model-repository,statistics need header 'admin-key'" in log, log
+    assert "; health need header 'triton-grpc-protocol-health-key'" in log, log
+    assert "s3cret" not in log and "letmein" not in log
 
 
 def test_a_bad_restriction_stops_kiln_serve_with_the_reason(tmp_path: Path) -> None:

@@ -172,6 +172,11 @@ class AccessPolicy:
         raise PermissionDeniedError(f"the '{group}' API is restricted on this server: send the header '{header}' "
                                     f"with the value the server was started with")
 
+    def describe(self) -> str:
+        """The restrictions for a log line: groups and header, never the value."""
+        return "; ".join(f"{','.join(sorted(r.groups))} need header '{self.header_prefix + r.key}'"
+                         for r in self.restrictions)
+
     def to_json(self) -> str:
         """What a worker process receives (in its environment, which ``ps`` does not show) to rebuild this."""
         return json.dumps({"prefix": self.header_prefix,
@@ -228,11 +233,12 @@ WORKER_ENVIRONMENT = "KILN_ACCESS_POLICY"
 it: the environment, not the command line, since any user's ``ps`` shows command lines."""
 
 
-def worker_environment(policy: AccessPolicy | None) -> dict[str, str] | None:
-    """The environment to start a worker with (None: this process's own, no policy to hand down)."""
-    if not policy:
-        return None
-    return {**os.environ, WORKER_ENVIRONMENT: policy.to_json()}
+def worker_environment(policy: AccessPolicy | None) -> dict[str, str]:
+    """The environment to start a worker with: this process's, with the policy (and no stray one without)."""
+    environment = {k: v for k, v in os.environ.items() if k != WORKER_ENVIRONMENT}
+    if policy:
+        environment[WORKER_ENVIRONMENT] = policy.to_json()
+    return environment
 
 
 def policy_from_environment() -> AccessPolicy | None:

@@ -130,6 +130,23 @@ def test_the_policy_survives_the_trip_to_a_worker() -> None:
     assert not AccessPolicy() and not AccessPolicy.from_json(AccessPolicy().to_json())
 
 
+def test_a_worker_gets_the_policy_in_its_environment_and_no_stray_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    policy = http_policy(["inference:k=v"])
+    monkeypatch.setenv(access.WORKER_ENVIRONMENT, policy.to_json())
+    assert access.WORKER_ENVIRONMENT not in access.worker_environment(None)
+    assert access.WORKER_ENVIRONMENT not in access.worker_environment(AccessPolicy())
+    monkeypatch.setenv(access.WORKER_ENVIRONMENT, access.worker_environment(policy)[access.WORKER_ENVIRONMENT])
+    found = access.policy_from_environment()
+    assert found is not None and found.restrictions == policy.restrictions
+    monkeypatch.delenv(access.WORKER_ENVIRONMENT)
+    assert access.policy_from_environment() is None
+
+
+def test_the_description_names_groups_and_headers_never_values() -> None:
+    described = grpc_policy(["statistics,health:k=s3cret"]).describe()
+    assert described == "health,statistics need header 'triton-grpc-protocol-k'"
+
+
 def test_service_options_check_restrictions_and_grpc_tls(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="unknown API group"):
         ServiceOptions(grpc_restricted_protocol=("everything:k=v",))
