@@ -155,7 +155,7 @@ class ServiceOptions:
 
     @property
     def grpc_tls(self) -> GrpcTls | None:
-        """gRPC's TLS settings; None: plain gRPC."""
+        """gRPC's TLS settings, the certificates loaded once to check them; None: plain gRPC."""
         from kiln.frontends.grpc.access import GrpcTls  # grpcio comes with the server extra only
 
         if not (self.grpc_use_ssl or self.grpc_use_ssl_mutual):
@@ -188,3 +188,4 @@ class ServiceOptions:
                            ("--https-client-ca", self.https_client_ca)):
             if path is not None and not Path(path).is_file():
                 raise InvalidArgumentError(f"{name} '{path}' is not a file")
+

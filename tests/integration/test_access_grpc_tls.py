@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,3 +113,12 @@ def test_mutual_tls_answers_a_client_certificate_from_the_root(mutual: KilnProce
 def test_mutual_tls_refuses_clients_without_an_accepted_certificate(mutual: KilnProcess, pki: Path,
                                                                     certificate: str | None) -> None:
     assert _fails(_client(mutual.grpc_url, pki, certificate)) == "StatusCode.UNAVAILABLE"
+
+
+def test_a_bad_certificate_stops_kiln_serve_naming_it(repo: Path, pki: Path, tmp_path: Path) -> None:
+    (tmp_path / "garbage.pem").write_text("not a certificate\n")
+    command = [sys.executable, "-m", "kiln.cli", "serve", "--model-repository", str(repo), "--grpc-use-ssl", "true",
+               "--grpc-server-cert", str(tmp_path / "garbage.pem"), "--grpc-server-key", str(pki / "server.key")]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert finished.returncode != 0
+    assert "garbage.pem" in finished.stderr and "expected a PEM certificate chain" in finished.stderr, finished.stderr

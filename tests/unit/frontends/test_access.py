@@ -161,8 +161,10 @@ def test_service_options_check_restrictions_and_grpc_tls(tmp_path: Path) -> None
         ServiceOptions(grpc_server_cert=cert, grpc_server_key=key)
     with pytest.raises(InvalidArgumentError, match="--grpc-root-cert '.*' is not a file"):
         ServiceOptions(grpc_use_ssl=True, grpc_server_cert=cert, grpc_server_key=key, grpc_root_cert=tmp_path)
-    tls = ServiceOptions(grpc_use_ssl=True, grpc_server_cert=cert, grpc_server_key=key).grpc_tls
-    assert tls is not None and not tls.mutual and ServiceOptions().grpc_tls is None
+    with pytest.raises(InvalidArgumentError, match="--grpc-server-cert '.*cert.pem' with --grpc-server-key '.*': "
+                                                   "expected a PEM certificate chain"):
+        ServiceOptions(grpc_use_ssl=True, grpc_server_cert=cert, grpc_server_key=key).grpc_tls  # noqa: B018
+    assert ServiceOptions().grpc_tls is None
 
 
 def _doc_rows() -> set[tuple[str, str, str]]:

@@ -4,6 +4,7 @@ worker process (worker.py) install both, so a call is checked where it arrives."
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from kiln.errors import KilnError
+from kiln.errors import InvalidArgumentError, KilnError
 from kiln.frontends.access import AccessPolicy, grpc_group
 from kiln.v2.status import grpc_code
 
@@ -70,6 +71,21 @@ class GrpcTls:
     key: Path
     root_cert: Path | None = None
     mutual: bool = False
+
+    def __post_init__(self) -> None:
+        """Load the files as TLS will, so that a bad one is named here: gRPC itself only fails to bind."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.cert, self.key)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            raise InvalidArgumentError(f"--grpc-server-cert '{self.cert}' with --grpc-server-key '{self.key}': "
+                                       f"expected a PEM certificate chain and its private key ({exc})") from None
+        if self.root_cert is not None:
+            try:
+                context.load_verify_locations(self.root_cert)
+            except (OSError, ValueError) as exc:
+                raise InvalidArgumentError(f"--grpc-root-cert '{self.root_cert}': expected a PEM CA bundle "
+                                           f"({exc})") from None
 
     def credentials(self) -> grpc.ServerCredentials:
         root = self.root_cert.read_bytes() if self.root_cert is not None else None
