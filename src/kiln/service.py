@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kiln.frontends.grpc.access import GrpcTls
 from kiln.frontends.grpc.server import start_grpc_server
 from kiln.frontends.grpc.workers import start_grpc_workers
 from kiln.frontends.http.app import build_app
@@ -41,9 +42,11 @@ class Service:
         self._stop = asyncio.Event()
         self._signals = 0
         self.bound: dict[str, int] = {}
+        self.grpc_tls: GrpcTls | None = None
 
     async def run(self) -> int:
         started = time.monotonic()
+        self.grpc_tls = self.options.grpc_tls  # bad certificates fail here, before any model loads
         loop = asyncio.get_running_loop()
         failed = await loop.run_in_executor(None, self.server.start)
         # Models and frameworks are loaded: move their objects out of the collector's way, so full collections
@@ -66,11 +69,13 @@ class Service:
         if self.options.allow_grpc and self.options.grpc_workers:
             grpc_server, self.bound["grpc"] = await start_grpc_workers(
                 self.server, self.options.host, self.options.grpc_port, self.options.grpc_workers,
-                max_message_bytes=self.options.grpc_max_message_bytes, grace_s=self.options.exit_timeout_s)
+                max_message_bytes=self.options.grpc_max_message_bytes, grace_s=self.options.exit_timeout_s,
+                access=self.options.grpc_access, tls=self.grpc_tls)
         elif self.options.allow_grpc:
             grpc_server, self.bound["grpc"] = await start_grpc_server(
                 self.server, self.options.host, self.options.grpc_port,
-                max_message_bytes=self.options.grpc_max_message_bytes)
+                max_message_bytes=self.options.grpc_max_message_bytes, access=self.options.grpc_access,
+                tls=self.grpc_tls)
         # HTTP starts last: its readiness endpoint answering means every frontend listens (gRPC workers take a
         # moment to start).
         tasks = [asyncio.create_task(u.serve()) for u in (http, metrics) if u is not None]
@@ -107,7 +112,7 @@ class Service:
     def _http_app(self) -> Any:
         return build_app(self.server, max_input_size=self.options.http_max_input_size,
                          downloads=DownloadOptions(self.options.allow_model_download, self.options.api_key),
-                         capture=self._capture_options())
+                         capture=self._capture_options(), access=self.options.http_access)
 
     def _uvicorn(self, app: Any, port: int, *, tls: bool = False) -> HttpServer:
         options = self.options
@@ -122,7 +127,8 @@ class Service:
         options = self.options
         settings = WorkerSettings(options.host, options.http_port, options.http_workers, options.http_max_input_size,
                                   options.exit_timeout_s, options.https_certfile, options.https_keyfile,
-                                  options.https_client_ca, log_level="DEBUG" if options.log_verbose else "INFO")
+                                  options.https_client_ca, log_level="DEBUG" if options.log_verbose else "INFO",
+                                  access=options.http_access)
         workers = HttpWorkers(self.server, self._http_app(), settings)
         try:
             self.bound["http"] = await workers.start()
@@ -182,9 +188,13 @@ class Service:
         http_scheme = "https" if self.options.https_certfile is not None else "http"
         notes = {"metrics": "/metrics", "grpc": _workers_note(self.options.grpc_workers),
                  "http": _workers_note(self.options.http_workers if self.options.http_workers > 1 else 0)}
-        for name, scheme in (("http", http_scheme), ("grpc", "grpc"), ("metrics", "http")):
+        grpc_scheme = "grpcs" if self.grpc_tls is not None else "grpc"
+        for name, scheme in (("http", http_scheme), ("grpc", grpc_scheme), ("metrics", "http")):
             if name in self.bound:
                 log.info("%s: %s://%s:%d%s", name, scheme, host, self.bound[name], notes.get(name, ""))
+        for name, policy in (("http", self.options.http_access), ("grpc", self.options.grpc_access)):
+            if policy and name in self.bound:
+                log.info("%s: restricted API groups: %s", name, policy.describe())
         log.info("ready in %.2fs", elapsed_s)
 
 

@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING
 
 from kiln._flags import flag, non_negative
 from kiln.errors import InvalidArgumentError
+from kiln.frontends.access import GRPC_GROUPS, HTTP_GROUPS, AccessPolicy, grpc_policy, http_policy
 from kiln.server.server import ServerOptions
 
 if TYPE_CHECKING:
+    from kiln.frontends.grpc.access import GrpcTls
     from kiln.frontends.metrics import MetricsOptions
 
 
@@ -84,15 +86,36 @@ class ServiceOptions:
     capture_max_mb: int = field(default=1024, metadata=flag(
         "--capture-max-mb", metavar="MB",
         help="size bound of --capture-dir; the oldest samples are deleted past it (default 1024)"))
-    # TLS on the HTTP frontend (gRPC and metrics stay plain); with a client CA, client certificates are required.
+    # TLS on the HTTP frontend (gRPC's is below, metrics stay plain); with a client CA, client certs are required.
     https_certfile: Path | None = field(default=None, metadata=flag(
         "--https-certfile", metavar="CERT",
-        help="serve the HTTP frontend over TLS with this PEM certificate (chain); gRPC and metrics stay plain"))
+        help="serve the HTTP frontend over TLS with this PEM certificate (chain); gRPC has --grpc-use-ssl"))
     https_keyfile: Path | None = field(default=None, metadata=flag(
         "--https-keyfile", metavar="KEY", help="the PEM private key of --https-certfile"))
     https_client_ca: Path | None = field(default=None, metadata=flag(
         "--https-client-ca", metavar="CA",
         help="require HTTP clients to present a certificate signed by this CA (mTLS)"))
+    # Access control (docs/security.md): Triton's restricted groups and gRPC TLS flags.
+    http_restricted_api: tuple[str, ...] = field(default=(), metadata=flag(
+        "--http-restricted-api", metavar="GROUPS:KEY=VALUE",
+        help="answer the comma-separated API GROUPS over HTTP only to requests with header KEY set to VALUE, "
+             "others 403 (repeatable; groups: " + ", ".join(HTTP_GROUPS) + ")"))
+    grpc_restricted_protocol: tuple[str, ...] = field(default=(), metadata=flag(
+        "--grpc-restricted-protocol", metavar="GROUPS:KEY=VALUE",
+        help="answer the comma-separated protocol GROUPS over gRPC only to calls with metadata "
+             "triton-grpc-protocol-KEY set to VALUE, others PERMISSION_DENIED (repeatable; groups: "
+             + ", ".join(GRPC_GROUPS) + ")"))
+    grpc_use_ssl: bool = field(default=False, metadata=flag(
+        "--grpc-use-ssl", help="serve gRPC over TLS with --grpc-server-cert and --grpc-server-key (default false)"))
+    grpc_use_ssl_mutual: bool = field(default=False, metadata=flag(
+        "--grpc-use-ssl-mutual",
+        help="serve gRPC over TLS and require client certificates signed by --grpc-root-cert (default false)"))
+    grpc_server_cert: Path | None = field(default=None, metadata=flag(
+        "--grpc-server-cert", metavar="CERT", help="the PEM certificate (chain) of gRPC's TLS"))
+    grpc_server_key: Path | None = field(default=None, metadata=flag(
+        "--grpc-server-key", metavar="KEY", help="the PEM private key of --grpc-server-cert"))
+    grpc_root_cert: Path | None = field(default=None, metadata=flag(
+        "--grpc-root-cert", metavar="CA", help="the PEM CA bundle client certificates must chain to"))
     log_verbose: int = field(default=0, metadata=flag("--log-verbose", help="0 = info, 1 or more = debug"))
     log_format: str = field(default="default", metadata=flag("--log-format", choices=("default", "ISO8601")))
 
@@ -102,6 +125,8 @@ class ServiceOptions:
         if "*" in self.server.load_models and len(self.server.load_models) > 1:
             raise InvalidArgumentError("--load-model=* loads every model and must be the only --load-model")
         self._check_https()
+        self._check_grpc_tls()
+        self.http_access, self.grpc_access  # noqa: B018 -- a bad restriction fails here, before anything starts
         self.metrics  # noqa: B018 -- a bad --metrics-config item fails here, before anything starts
 
     @property
@@ -118,6 +143,43 @@ class ServiceOptions:
     def capture_max_bytes(self) -> int:
         return self.capture_max_mb * 2**20
 
+    @property
+    def http_access(self) -> AccessPolicy:
+        """--http-restricted-api as the frontends apply it (kiln/frontends/access.py)."""
+        return http_policy(self.http_restricted_api)
+
+    @property
+    def grpc_access(self) -> AccessPolicy:
+        """--grpc-restricted-protocol as the frontends apply it."""
+        return grpc_policy(self.grpc_restricted_protocol)
+
+    @property
+    def grpc_tls(self) -> GrpcTls | None:
+        """gRPC's TLS settings, the certificates loaded once to check them; None: plain gRPC."""
+        from kiln.frontends.grpc.access import GrpcTls  # grpcio comes with the server extra only
+
+        if not (self.grpc_use_ssl or self.grpc_use_ssl_mutual):
+            return None
+        assert self.grpc_server_cert is not None and self.grpc_server_key is not None  # _check_grpc_tls
+        return GrpcTls(self.grpc_server_cert, self.grpc_server_key, self.grpc_root_cert, self.grpc_use_ssl_mutual)
+
+    def _check_grpc_tls(self) -> None:
+        files = (("--grpc-server-cert", self.grpc_server_cert), ("--grpc-server-key", self.grpc_server_key),
+                 ("--grpc-root-cert", self.grpc_root_cert))
+        if self.grpc_use_ssl or self.grpc_use_ssl_mutual:
+            missing = [name for name, path in files[:2] if path is None]
+            if self.grpc_use_ssl_mutual and self.grpc_root_cert is None:
+                missing.append("--grpc-root-cert")
+            if missing:
+                used = "--grpc-use-ssl-mutual" if self.grpc_use_ssl_mutual else "--grpc-use-ssl"
+                raise InvalidArgumentError(f"{used} needs {' and '.join(missing)}")
+        elif any(path is not None for _, path in files):
+            raise InvalidArgumentError("--grpc-server-cert, --grpc-server-key and --grpc-root-cert take effect "
+                                       "with --grpc-use-ssl=true (or --grpc-use-ssl-mutual=true)")
+        for name, path in files:
+            if path is not None and not Path(path).is_file():
+                raise InvalidArgumentError(f"{name} '{path}' is not a file")
+
     def _check_https(self) -> None:
         if (self.https_keyfile is not None or self.https_client_ca is not None) and self.https_certfile is None:
             raise InvalidArgumentError("--https-keyfile and --https-client-ca need --https-certfile (the server's "
@@ -126,3 +188,4 @@ class ServiceOptions:
                            ("--https-client-ca", self.https_client_ca)):
             if path is not None and not Path(path).is_file():
                 raise InvalidArgumentError(f"{name} '{path}' is not a file")
+

@@ -159,6 +159,9 @@ SERVE_VALUES: dict[str, tuple[list[str], Any]] = {
     "control_mode": (["--model-control-mode", "explicit"], "explicit"),  # --load-model needs it
     "metrics_config": (["--metrics-config", "summary_latencies=true", "--metrics-config", "counter_latencies=false"],
                        ("summary_latencies=true", "counter_latencies=false")),
+    "http_restricted_api": (["--http-restricted-api", "inference:k=v", "--http-restricted-api", "capture:k2=v2"],
+                            ("inference:k=v", "capture:k2=v2")),
+    "grpc_restricted_protocol": (["--grpc-restricted-protocol", "health,trace:k=v"], ("health,trace:k=v",)),
 }
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[import-untyped]  # no type info
 
+from kiln.frontends.access import AccessPolicy
+from kiln.frontends.grpc.access import GrpcTls, interceptors, listen
 from kiln.frontends.grpc.servicer import GRPCInferenceService
 from kiln.server.server import Server
 from kiln.v2._generated import grpc_service_pb2, grpc_service_pb2_grpc
@@ -56,21 +58,23 @@ class ReadinessHealth:
 
 
 async def start_grpc_server(server: Server, host: str, port: int, *,
-                            max_message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.aio.Server, int]:
+                            max_message_bytes: int = MAX_MESSAGE_BYTES, access: AccessPolicy | None = None,
+                            tls: GrpcTls | None = None) -> tuple[grpc.aio.Server, int]:
     """Serve ``server`` over gRPC on ``host:port`` (port 0 picks a free port) and return the started
-    ``grpc.aio.Server`` with the port it bound. Stop it with ``await grpc_server.stop(grace)``."""
+    ``grpc.aio.Server`` with the port it bound. Stop it with ``await grpc_server.stop(grace)``. ``access``:
+    the restricted protocol groups; ``tls``: serve over TLS (access.py)."""
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),  # a port already in use is an error, not a silently shared listener
     ]
-    grpc_server = grpc.aio.server(options=options)
+    grpc_server = grpc.aio.server(options=options, interceptors=interceptors(access))
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]  # generated
         GRPCInferenceService(server), grpc_server)
     health_pb2_grpc.add_HealthServicer_to_server(ReadinessHealth(server), grpc_server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
-        bound = grpc_server.add_insecure_port(address)
+        bound = listen(grpc_server, address, tls)
     except RuntimeError as exc:  # grpcio raises on a failed bind (older versions returned 0)
         raise OSError(f"gRPC frontend: cannot listen on {address}: {exc}") from None
     if not bound:

@@ -18,11 +18,14 @@ import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]  # no type info
 
+from kiln.frontends.access import policy_from_environment
+from kiln.frontends.grpc.access import interceptors, listen, tls_from_args
 from kiln.frontends.grpc.bridge import (
     ANSWER,
     CALL,
@@ -260,10 +263,10 @@ async def run(args: argparse.Namespace) -> int:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 1),  # the workers share the port; the kernel spreads connections over them
-    ])
+    ], interceptors=interceptors(policy_from_environment()))  # the server process's --grpc-restricted-protocol
     server.add_generic_rpc_handlers(_handlers(bridge))
     try:
-        server.add_insecure_port(address)
+        listen(server, address, tls_from_args(args.server_cert, args.server_key, args.root_cert, args.ssl_mutual))
     except RuntimeError as exc:
         print(f"gRPC worker: cannot listen on {address}: {exc}", file=sys.stderr)
         return 2
@@ -287,6 +290,10 @@ def main() -> int:
     parser.add_argument("--address", required=True, help="HOST:PORT to serve gRPC on")
     parser.add_argument("--max-message-bytes", type=int, required=True)
     parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight calls get after SIGTERM")
+    parser.add_argument("--server-cert", type=Path, help="serve TLS with this PEM certificate (--grpc-use-ssl)")
+    parser.add_argument("--server-key", type=Path)
+    parser.add_argument("--root-cert", type=Path)
+    parser.add_argument("--ssl-mutual", action="store_true", help="require client certificates from --root-cert")
     args = parser.parse_args()
     # A Ctrl-C reaches the whole process group; the server process answers it by stopping the workers in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

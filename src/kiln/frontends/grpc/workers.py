@@ -14,6 +14,8 @@ import os
 import socket
 import sys
 
+from kiln.frontends.access import AccessPolicy, worker_environment
+from kiln.frontends.grpc.access import GrpcTls
 from kiln.frontends.grpc.bridge import BridgeCore
 from kiln.frontends.grpc.server import ReadinessHealth
 from kiln.frontends.grpc.servicer import GRPCInferenceService
@@ -26,8 +28,11 @@ class GrpcWorkers:
     """The running workers; ``stop(grace)`` mirrors ``grpc.aio.Server.stop``."""
 
     def __init__(self, server: Server, address: str, count: int, max_message_bytes: int, grace_s: float,
-                 arena_bytes: int = ARENA_BYTES) -> None:
+                 arena_bytes: int = ARENA_BYTES, access: AccessPolicy | None = None,
+                 tls: GrpcTls | None = None) -> None:
         self._address = address
+        self._access = access
+        self._tls = tls
         self._max_message_bytes = max_message_bytes
         self._grace_s = grace_s
         self._arena_bytes = arena_bytes
@@ -51,8 +56,9 @@ class GrpcWorkers:
                 sys.executable, "-m", "kiln.frontends.grpc.worker", "--link-fd", str(theirs.fileno()),
                 "--request-arena-fd", str(request_fd), "--response-arena-fd", str(response_fd),
                 "--address", self._address, "--max-message-bytes", str(self._max_message_bytes),
-                "--grace", str(self._grace_s),
-                pass_fds=[theirs.fileno(), *(fd for fd in arena_fds if fd is not None)])
+                "--grace", str(self._grace_s), *(self._tls.worker_args() if self._tls is not None else ()),
+                pass_fds=[theirs.fileno(), *(fd for fd in arena_fds if fd is not None)],
+                env=worker_environment(self._access))
         finally:
             theirs.close()  # the child has its copies; the mappings stay in this process
             for fd in arena_fds:
@@ -64,13 +70,15 @@ class GrpcWorkers:
 
 
 async def start_grpc_workers(server: Server, host: str, port: int, count: int, *, max_message_bytes: int,
-                             grace_s: float, arena_bytes: int = ARENA_BYTES) -> tuple[GrpcWorkers, int]:
+                             grace_s: float, arena_bytes: int = ARENA_BYTES, access: AccessPolicy | None = None,
+                             tls: GrpcTls | None = None) -> tuple[GrpcWorkers, int]:
     """Start ``count`` worker processes serving gRPC on ``host:port`` (port 0 picks a free port first, since
-    every worker must bind the same one) and return them with the port."""
+    every worker must bind the same one) and return them with the port; ``access`` and ``tls`` as the in-process
+    server takes them (server.py)."""
     if port == 0:
         port = _free_port(host)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    workers = GrpcWorkers(server, address, count, max_message_bytes, grace_s, arena_bytes)
+    workers = GrpcWorkers(server, address, count, max_message_bytes, grace_s, arena_bytes, access, tls)
     await workers.start()
     return workers, port
 

@@ -9,8 +9,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kiln.frontends.access import AccessPolicy
+from kiln.frontends.http.auth import restricted
 from kiln.frontends.http.capture import CaptureEndpoints, CaptureOptions
 from kiln.frontends.http.endpoints import Endpoints
 from kiln.frontends.http.files import DownloadOptions, FileEndpoints
@@ -30,10 +32,11 @@ _CUDA_SHM = "/v2/cudasharedmemory"
 
 
 def build_app(server: Server, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE,
-              downloads: DownloadOptions | None = None, capture: CaptureOptions | None = None) -> InferFirst:
+              downloads: DownloadOptions | None = None, capture: CaptureOptions | None = None,
+              access: AccessPolicy | None = None) -> ASGIApp:
     """An ASGI app serving ``server`` over HTTP; request bodies larger than ``max_input_size`` bytes get 400.
     ``downloads`` configures the model-file extension, ``capture`` the sample-capture one (both off by default,
-    see files.py and capture.py)."""
+    see files.py and capture.py); ``access`` restricts API groups (--http-restricted-api, auth.py)."""
     endpoints = Endpoints(server, max_input_size)
     files = FileEndpoints(server, downloads or DownloadOptions())
     captures = CaptureEndpoints(server, capture or CaptureOptions(), max_input_size)
@@ -41,7 +44,7 @@ def build_app(server: Server, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE,
     generate = GenerateEndpoints(server, max_input_size)
     app = Starlette(routes=_routes(endpoints, files, captures) + _routing_routes(routing) + _generate_routes(generate),
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})
-    return InferFirst(app, _guarded(endpoints.infer))
+    return restricted(InferFirst(app, _guarded(endpoints.infer)), access)
 
 
 class InferFirst:

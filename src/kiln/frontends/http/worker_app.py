@@ -19,11 +19,13 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from kiln.errors import ErrorCode, UnavailableError, error_for_code
+from kiln.frontends.access import AccessPolicy, policy_from_environment
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import FrameProtocol, Releases, frame
 from kiln.frontends.handoff.tensors import decode_response, encode_request, response_slot
 from kiln.frontends.http.app import _infer_params
+from kiln.frontends.http.auth import restricted
 from kiln.frontends.http.core import forward_payload
 from kiln.frontends.http.routing import ROUTING_KEY_HEADER
 from kiln.v2 import http_codec as codec
@@ -117,13 +119,19 @@ class CoreClient:
 
 
 class WorkerApp:
-    """The worker's ASGI app; ``max_input_size`` is the server's --http-max-input-size."""
+    """The worker's ASGI app; ``max_input_size`` is the server's --http-max-input-size. ``access``: the restricted
+    API groups (default: the policy the server process put in this process's environment), checked here since
+    infer requests never reach the server process's app."""
 
-    def __init__(self, core: CoreClient, max_input_size: int) -> None:
+    def __init__(self, core: CoreClient, max_input_size: int, access: AccessPolicy | None = None) -> None:
         self.core = core
         self.max_input_size = max_input_size
+        self._entry = restricted(self._serve, access if access is not None else policy_from_environment())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._entry(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return  # lifespan is off; websockets are no route of the protocol
         params = _infer_params(scope) if scope["method"] == "POST" else None

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp
 
+from kiln.frontends.access import AccessPolicy, worker_environment
 from kiln.frontends.handoff.arena import ARENA_BYTES, Arena, create_arena_file
 from kiln.frontends.handoff.supervisor import WorkerPool
 from kiln.frontends.http import listener
@@ -43,6 +44,7 @@ class WorkerSettings:
     client_ca: Path | None = None
     arena_bytes: int = ARENA_BYTES
     log_level: str = "INFO"
+    access: AccessPolicy | None = None  # --http-restricted-api, handed down in the environment
 
 
 class HttpWorkers:
@@ -93,7 +95,8 @@ class HttpWorkers:
                 command += [name, str(path)]
         passed = [theirs.fileno(), *listen_fds, *(fd for fd in arena_fds if fd is not None)]
         try:
-            return await asyncio.create_subprocess_exec(*command, pass_fds=passed)
+            return await asyncio.create_subprocess_exec(*command, pass_fds=passed,
+                                                        env=worker_environment(settings.access))
         finally:
             theirs.close()  # the child has its copies; the mappings stay in this process
             for fd in arena_fds:
