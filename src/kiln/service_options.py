@@ -84,6 +84,11 @@ class ServiceOptions:
     capture_max_mb: int = field(default=1024, metadata=flag(
         "--capture-max-mb", metavar="MB",
         help="size bound of --capture-dir; the oldest samples are deleted past it (default 1024)"))
+    # The browser console on the HTTP port (kiln/console/, docs/console.md).
+    allow_console: bool = field(default=True, metadata=flag(
+        "--allow-console", help="serve the browser console at /console on the HTTP port (default true)"))
+    console_report: Path | None = field(default=None, metadata=flag(
+        "--console-report", metavar="DIR", help="a `kiln bench compare` output folder the console links to"))
     # TLS on the HTTP frontend (gRPC and metrics stay plain); with a client CA, client certificates are required.
     https_certfile: Path | None = field(default=None, metadata=flag(
         "--https-certfile", metavar="CERT",
