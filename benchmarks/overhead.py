@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -83,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              f"-t{args.wrk_threads}, h2load -t1 -m1")
     print(header(info), flush=True)
     results: list[dict[str, Any]] = []
+    costs: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="kiln-overhead-") as tmp_name:
         tmp = Path(tmp_name)
         repo = tmp / "repo"
@@ -93,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results += _direct(repo, model, concurrencies, args)
         served = [m for m in modes if m != "direct"]
         if served and args.console:
+            costs = _console_costs(repo)
             results += _console_runs(repo, tmp, cases, served, concurrencies, args)
         elif served:
             with kiln_serve([repo], log_path=tmp / "kiln-serve.log", ready_timeout_s=180) as server:
@@ -100,10 +103,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results += _served(server, cases[model], served, concurrencies, args)
                 if server.process.poll() is not None:
                     raise RuntimeError("kiln serve died during the run")
-    text = header(info) + "\n" + (_console_table(results) if args.console else
+    text = header(info) + "\n" + (_console_table(results, costs) if args.console else
                                    _table(results, models, modes, concurrencies))
     print(text[len(header(info)):])
-    write_outputs(args.output, {"machine": info, "args": vars(args), "results": results}, text)
+    write_outputs(args.output, {"machine": info, "args": vars(args), "results": results, "console_costs": costs},
+                  text)
     return 0
 
 
@@ -167,6 +171,32 @@ def _console_runs(repo: Path, tmp: Path, cases: dict[str, Case], modes: list[str
     return out
 
 
+def _console_costs(repo: Path, calls: int = 100_000, documents: int = 50) -> dict[str, float]:
+    """What the open console adds, measured in process where a busy machine blurs the served windows: the
+    latency window's cost per successful request, and the CPU time of building one status document."""
+    from kiln.console.status import LatencyWindow, StatusSource
+    from kiln.server.server import Server, ServerOptions
+    from kiln.server.stats import RequestTimes
+
+    window, times = LatencyWindow(), RequestTimes("simple", "1", 300_000, 10_000, 1_000, 50_000, 1_000)
+    started = time.process_time_ns()
+    for _ in range(calls):
+        window.observe(times)
+    observe_ns = (time.process_time_ns() - started) / calls
+    server = Server(ServerOptions(repositories=[repo]))
+    server.start()
+    try:
+        source = StatusSource(server)
+        source.document()
+        started = time.process_time_ns()
+        for _ in range(documents):
+            source.document()
+        document_ms = (time.process_time_ns() - started) / documents / 1e6
+    finally:
+        server.close()
+    return {"observe_ns_per_request": observe_ns, "status_document_cpu_ms": document_ms}
+
+
 @contextlib.contextmanager
 def _polling(server: KilnProcess, polls: list[int], interval_s: float = 1.0) -> Iterator[None]:
     """What an open console page asks of the server: its status document once a second (``polls[0]`` counts)."""
@@ -189,7 +219,7 @@ def _polling(server: KilnProcess, polls: list[int], interval_s: float = 1.0) -> 
         thread.join()
 
 
-def _console_table(results: list[dict[str, Any]]) -> str:
+def _console_table(results: list[dict[str, Any]], costs: dict[str, float]) -> str:
     cells: dict[tuple[str, str, int], dict[str, list[LoadResult]]] = {}
     for r in results:
         cells.setdefault((r["model"], r["mode"], r["result"].concurrency), {}).setdefault(
@@ -208,7 +238,10 @@ def _console_table(results: list[dict[str, Any]]) -> str:
                f"{min(ratios):.3f}-{max(ratios):.3f})\n") if ratios else ""
     return ("## Console off vs console open (medians over the rounds; req/s counts only correct answers; ms)\n\n"
             + table(["model", "mode", "conc", "req/s off", "req/s open", "open/off", "p50 off", "p50 open",
-                     "p99 off", "p99 open", "errors"], rows, numeric_from=2) + summary)
+                     "p99 off", "p99 open", "errors"], rows, numeric_from=2) + summary
+            + f"\nin process: the latency window costs {costs['observe_ns_per_request']:.0f} ns of CPU per successful "
+              f"request; one status document (demo repository) {costs['status_document_cpu_ms']:.2f} ms of CPU, "
+              f"once a second per open page\n")
 
 
 def _table(results: list[dict[str, Any]], models: list[str], modes: list[str], concurrencies: list[int]) -> str:

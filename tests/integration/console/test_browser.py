@@ -6,8 +6,10 @@ Set KILN_CONSOLE_SCREENSHOT=PATH to write the page's screenshot there (docs/cons
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,12 +30,18 @@ httpclient = pytest.importorskip("tritonclient.http")
 
 KEY = "console-test-key"
 DEMO = ("simple", "mlp", "simple_string", "mlp_pipeline")
+AB = 'version_policy { all {} }\nparameters { key: "kiln.ab.weights" value { string_value: "1:50,2:50" } }\n'
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     repo = tmp_path_factory.mktemp("demo")
     build_demo_repository(repo)
+    ab = repo / "simple_ab"  # the demo's simple model twice, as versions 1 and 2 under A/B routing
+    shutil.copytree(repo / "simple", ab)
+    shutil.copytree(ab / "1", ab / "2")
+    config = (ab / "config.pbtxt").read_text().replace('name: "simple"', 'name: "simple_ab"')
+    (ab / "config.pbtxt").write_text(config + AB)
     with kiln_serve([repo], "--model-control-mode", "explicit", "--load-model", "*", "--api-key", KEY,
                     "--allow-model-download", "--exit-timeout-secs", "5", "--http-workers", "1") as server:
         yield server
@@ -105,6 +113,20 @@ def test_unload_and_load_round_trip_through_the_page(page: Any, served: KilnProc
     sync_api.expect(page.locator("#message")).to_contain_text("Loaded 'mlp'", timeout=10000)
     sync_api.expect(row).to_contain_text("READY", timeout=5000)
     assert httpclient.InferenceServerClient(served.http_url).is_model_ready("mlp")
+    assert page.problems == []
+
+
+def test_changing_the_ab_split_through_the_page(page: Any, served: KilnProcess) -> None:
+    card = page.locator('[data-ab="simple_ab"]')
+    sync_api.expect(card).to_contain_text("config", timeout=5000)
+    card.locator('[data-action="split"]').click()
+    page.fill('#confirm-extra input[data-version="1"]', "10")
+    page.fill('#confirm-extra input[data-version="2"]', "90")
+    page.click("#confirm-ok")
+    sync_api.expect(page.locator("#message")).to_contain_text("New split of 'simple_ab'", timeout=5000)
+    sync_api.expect(card).to_contain_text("runtime", timeout=5000)
+    with urllib.request.urlopen(f"http://{served.http_url}/v2/repository/models/simple_ab/kiln/routing") as answer:
+        assert json.load(answer)["weights"] == {"1": 10.0, "2": 90.0}
     assert page.problems == []
 
 
