@@ -8,6 +8,7 @@ The page polls it; throughput is the difference of two snapshots' cumulative cou
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,7 +58,7 @@ def _rank(ordered_ns: list[int], q: float) -> float | None:
     """Nearest-rank quantile in ms; None for an empty window."""
     if not ordered_ns:
         return None
-    return ordered_ns[min(len(ordered_ns) - 1, max(0, int(q * len(ordered_ns) + 0.5) - 1))] / 1e6
+    return ordered_ns[max(0, math.ceil(q * len(ordered_ns)) - 1)] / 1e6
 
 
 class StatusSource:

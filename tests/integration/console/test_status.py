@@ -9,9 +9,11 @@ import httpx
 import pytest
 
 from kiln.console import OPENAPI_PATH, STATUS_PATH, ConsoleOptions
+from kiln.console.status import WINDOW_S, LatencyWindow
 from kiln.frontends.http import build_app
 from kiln.server.capture import CaptureStore, Sample
 from kiln.server.server import Server, ServerOptions
+from kiln.server.stats import RequestTimes
 
 IDENTITY = """backend: "identity"
 max_batch_size: 8
@@ -103,3 +105,14 @@ async def test_console_off_leaves_only_the_openapi_document(server: Server) -> N
         assert (await client.get("/console")).status_code == 404
         assert (await client.get(STATUS_PATH)).status_code == 404
         assert (await client.get(OPENAPI_PATH)).json()["openapi"] == "3.1.0"
+
+
+def test_latency_window_gives_nearest_rank_percentiles_of_recent_requests_only() -> None:
+    now = [0]
+    window = LatencyWindow(clock=lambda: now[0])
+    window.observe(RequestTimes("m", "1", 999_000_000, 0, 0, 0, 0))  # 999 ms, soon outside the window
+    now[0] = int(WINDOW_S * 1e9) + 1
+    for ms in range(1, 101):
+        window.observe(RequestTimes("m", "1", ms * 1_000_000, ms * 10_000, 0, 0, 0))
+    assert window.percentiles("m", "1") == {"samples": 100, "p50_ms": 50.0, "p99_ms": 99.0, "queue_p50_ms": 0.5}
+    assert window.percentiles("m", "2") == {"samples": 0, "p50_ms": None, "p99_ms": None, "queue_p50_ms": None}
