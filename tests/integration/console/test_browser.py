@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,10 +92,24 @@ def test_a_tritonclient_request_shows_on_the_page_within_two_seconds(page: Any, 
     assert float(p50.inner_text()) > 0
     assert page.problems == []
     shot = os.environ.get("KILN_CONSOLE_SCREENSHOT")
-    if shot:
-        page.set_viewport_size({"width": 1100, "height": 620})
-        page.wait_for_timeout(1200)  # one more poll, so the rate column shows too
-        page.screenshot(path=str(Path(shot)), full_page=False)
+    if shot:  # with requests flowing, so the rate column shows them
+        stop = threading.Event()
+
+        def traffic() -> None:  # plain HTTP: tritonclient's gevent client stays in the thread that made it
+            body = json.dumps({"inputs": [{"name": name, "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}
+                                          for name in ("INPUT0", "INPUT1")]}).encode()
+            while not stop.is_set():
+                urllib.request.urlopen(f"http://{served.http_url}/v2/models/simple/infer", body).read()
+
+        sender = threading.Thread(target=traffic)
+        sender.start()
+        try:
+            page.set_viewport_size({"width": 1100, "height": 620})
+            page.wait_for_timeout(2500)
+            page.screenshot(path=str(Path(shot)), full_page=False)
+        finally:
+            stop.set()
+            sender.join()
 
 
 def test_unload_and_load_round_trip_through_the_page(page: Any, served: KilnProcess) -> None:

@@ -13,14 +13,15 @@ function h(tag, attrs, ...children) {
 function schemaLink(content) {
   return Object.entries(content || {}).map(([media, body]) => {
     const ref = body.schema && body.schema.$ref ? body.schema.$ref.split("/").pop() : "";
-    return h("span", {}, h("code", {}, media), ref ? [" ", h("a", { href: `#schema-${ref}` }, ref)] : null);
+    const link = ref ? h("a", { href: `#schema-${ref}` }, ref) : null;
+    return media === "application/json" ? h("span", {}, link) : h("span", {}, h("code", {}, media), " ", link);
   });
 }
 
 function operation(path, method, op) {
   return h("tr", { id: op.operationId },
     h("td", {}, h("code", {}, method.toUpperCase())), h("td", {}, h("code", {}, path)),
-    h("td", { class: "reason" }, op.summary, op.security ? h("div", {}, "needs the API key when one is set") : null),
+    h("td", { class: "what" }, op.summary, op.security ? h("div", {}, "needs the API key when one is set") : null),
     h("td", {}, op.requestBody ? schemaLink(op.requestBody.content) : "–"),
     h("td", {}, schemaLink(op.responses["200"].content)));
 }
