@@ -165,8 +165,11 @@ class Service:
 
     def _console_options(self, captures: CaptureStore | None) -> ConsoleOptions:
         options = self.options
+        report = options.console_report
+        if report is not None and not report.is_dir():  # a file of the report: its folder
+            report = report.parent
         return ConsoleOptions(options.allow_console, options.allow_model_download, options.api_key is not None,
-                              options.console_report, captures)
+                              report, captures)
 
     def _capture_options(self) -> CaptureOptions:
         if self.options.capture_dir is None:

@@ -88,7 +88,8 @@ class ServiceOptions:
     allow_console: bool = field(default=True, metadata=flag(
         "--allow-console", help="serve the browser console at /console on the HTTP port (default true)"))
     console_report: Path | None = field(default=None, metadata=flag(
-        "--console-report", metavar="DIR", help="a `kiln bench compare` output folder the console links to"))
+        "--console-report", metavar="DIR",
+        help="a `kiln bench compare` output folder (or a file in it) whose files the console links to"))
     # TLS on the HTTP frontend (gRPC and metrics stay plain); with a client CA, client certificates are required.
     https_certfile: Path | None = field(default=None, metadata=flag(
         "--https-certfile", metavar="CERT",
@@ -107,6 +108,9 @@ class ServiceOptions:
         if "*" in self.server.load_models and len(self.server.load_models) > 1:
             raise InvalidArgumentError("--load-model=* loads every model and must be the only --load-model")
         self._check_https()
+        if self.console_report is not None and not Path(self.console_report).exists():
+            raise InvalidArgumentError(f"--console-report '{self.console_report}' does not exist; expected the "
+                                       "output folder of `kiln bench compare` (or a file in it)")
         self.metrics  # noqa: B018 -- a bad --metrics-config item fails here, before anything starts
 
     @property

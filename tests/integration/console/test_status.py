@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from kiln.console import OPENAPI_PATH, STATUS_PATH, ConsoleOptions
 from kiln.console.status import WINDOW_S, LatencyWindow
+from kiln.errors import InvalidArgumentError
 from kiln.frontends.http import build_app
 from kiln.server.capture import CaptureStore, Sample
 from kiln.server.server import Server, ServerOptions
 from kiln.server.stats import RequestTimes
+from kiln.service import Service
+from kiln.service_options import ServiceOptions
 
 IDENTITY = """backend: "identity"
 max_batch_size: 8
@@ -53,10 +58,6 @@ async def http(server: Server, tmp_path: Path) -> AsyncIterator[httpx.AsyncClien
 
 
 def _npz() -> bytes:
-    import io
-
-    import numpy as np
-
     out = io.BytesIO()
     np.savez(out, **{"input/INPUT0": np.ones((1, 4), np.float32)})
     return out.getvalue()
@@ -116,3 +117,16 @@ def test_latency_window_gives_nearest_rank_percentiles_of_recent_requests_only()
         window.observe(RequestTimes("m", "1", ms * 1_000_000, ms * 10_000, 0, 0, 0))
     assert window.percentiles("m", "1") == {"samples": 100, "p50_ms": 50.0, "p99_ms": 99.0, "queue_p50_ms": 0.5}
     assert window.percentiles("m", "2") == {"samples": 0, "p50_ms": None, "p99_ms": None, "queue_p50_ms": None}
+
+
+def test_a_console_report_that_does_not_exist_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"--console-report '.*missing' does not exist; expected the "
+                                                   r"output folder of `kiln bench compare` \(or a file in it\)"):
+        ServiceOptions(console_report=tmp_path / "missing")
+
+
+def test_a_file_of_the_report_stands_for_its_folder(tmp_path: Path) -> None:
+    (tmp_path / "report.html").write_text("<html></html>")
+    for given in (tmp_path, tmp_path / "report.html"):
+        console = Service(ServiceOptions(console_report=given))._console_options(None)
+        assert console.report == tmp_path and console.enabled and not console.key_required
