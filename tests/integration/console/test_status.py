@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import io
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -63,7 +64,8 @@ def _npz() -> bytes:
     return out.getvalue()
 
 
-async def test_status_shows_every_model_version_with_state_instances_and_figures(http: httpx.AsyncClient) -> None:
+async def test_status_shows_every_model_version_with_state_instances_and_figures(
+        http: httpx.AsyncClient, schema_validator: Callable[[str], Any]) -> None:
     await http.get(STATUS_PATH)  # the first look attaches the latency window
     for _ in range(3):
         assert (await http.post("/v2/models/echo/infer", json=BODY)).status_code == 200
@@ -83,6 +85,12 @@ async def test_status_shows_every_model_version_with_state_instances_and_figures
     assert doc["report"]["files"] == ["compare.md"]
     [capture] = doc["captures"]
     assert (capture["model"], capture["samples"], capture["edges"]) == ("echo", 1, ["edge-7"])
+    schema_validator("ConsoleStatus").validate(doc)
+    schema_validator("RoutingStatus").validate((await http.get("/v2/repository/models/ab/kiln/routing")).json())
+    schema_validator("RepositoryIndex").validate((await http.post("/v2/repository/index")).json())
+    schema_validator("ServerMetadata").validate((await http.get("/v2")).json())
+    schema_validator("InferResponse").validate((await http.post("/v2/models/echo/infer", json=BODY)).json())
+    schema_validator("Error").validate((await http.get("/v2/models/nope")).json())
 
 
 async def test_pages_files_and_report_are_served_and_nothing_outside_them(http: httpx.AsyncClient) -> None:
