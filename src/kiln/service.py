@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kiln.console import ConsoleOptions
 from kiln.frontends.grpc.access import GrpcTls
 from kiln.frontends.grpc.server import start_grpc_server
 from kiln.frontends.grpc.workers import start_grpc_workers
@@ -110,9 +111,11 @@ class Service:
                 log.info("repository poll applied changes to: %s", ", ".join(changed))
 
     def _http_app(self) -> Any:
+        capture = self._capture_options()
         return build_app(self.server, max_input_size=self.options.http_max_input_size,
                          downloads=DownloadOptions(self.options.allow_model_download, self.options.api_key),
-                         capture=self._capture_options(), access=self.options.http_access)
+                         capture=capture, access=self.options.http_access,
+                         console=self._console_options(capture.store))
 
     def _uvicorn(self, app: Any, port: int, *, tls: bool = False) -> HttpServer:
         options = self.options
@@ -166,6 +169,14 @@ class Service:
         for name, frontend in (("http", http), ("metrics", metrics)):
             if frontend is not None and frontend.servers:
                 self.bound[name] = frontend.servers[0].sockets[0].getsockname()[1]
+
+    def _console_options(self, captures: CaptureStore | None) -> ConsoleOptions:
+        options = self.options
+        report = options.console_report
+        if report is not None and not report.is_dir():  # a file of the report: its folder
+            report = report.parent
+        return ConsoleOptions(options.allow_console, options.allow_model_download, options.api_key is not None,
+                              report, captures)
 
     def _capture_options(self) -> CaptureOptions:
         if self.options.capture_dir is None:

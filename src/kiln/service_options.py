@@ -86,6 +86,12 @@ class ServiceOptions:
     capture_max_mb: int = field(default=1024, metadata=flag(
         "--capture-max-mb", metavar="MB",
         help="size bound of --capture-dir; the oldest samples are deleted past it (default 1024)"))
+    # The browser console on the HTTP port (kiln/console/, docs/console.md).
+    allow_console: bool = field(default=True, metadata=flag(
+        "--allow-console", help="serve the browser console at /console on the HTTP port (default true)"))
+    console_report: Path | None = field(default=None, metadata=flag(
+        "--console-report", metavar="DIR",
+        help="a `kiln bench compare` output folder (or a file in it) whose files the console links to"))
     # TLS on the HTTP frontend (gRPC's is below, metrics stay plain); with a client CA, client certs are required.
     https_certfile: Path | None = field(default=None, metadata=flag(
         "--https-certfile", metavar="CERT",
@@ -127,6 +133,9 @@ class ServiceOptions:
         self._check_https()
         self._check_grpc_tls()
         self.http_access, self.grpc_access  # noqa: B018 -- a bad restriction fails here, before anything starts
+        if self.console_report is not None and not Path(self.console_report).exists():
+            raise InvalidArgumentError(f"--console-report '{self.console_report}' does not exist; expected the "
+                                       "output folder of `kiln bench compare` (or a file in it)")
         self.metrics  # noqa: B018 -- a bad --metrics-config item fails here, before anything starts
 
     @property

@@ -39,10 +39,13 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "direct": (PROTOCOL | {"config", "engines", "batching"}, {"numpy"}),
     "server": (MODELS | {"kiln"}, {"numpy", "google", "torch"}),
     # uvicorn: the HTTP worker processes run it; orjson: their descriptors (frontends/http/worker.py, handoff/).
-    "frontends": (PROTOCOL | {"config", "server", "kiln"}, {"numpy", "starlette", "grpc", "grpc_health",
+    "frontends": (PROTOCOL | {"config", "server", "kiln", "console"}, {"numpy", "starlette", "grpc", "grpc_health",
                                                              "prometheus_client", "psutil", "uvloop", "pynvml",
                                                              "uvicorn", "orjson"}),
-    "service": (PROTOCOL | {"config", "server", "frontends", "service_options", "kiln"},
+    # The browser console: pages and a status document over the Server, mounted by the HTTP frontend; GPU figures
+    # through the metrics frontend's NVML collector.
+    "console": (PROTOCOL | {"server", "frontends", "kiln"}, {"starlette", "prometheus_client"}),
+    "service": (PROTOCOL | {"config", "server", "frontends", "service_options", "kiln", "console"},
                 {"starlette", "uvicorn", "uvloop"}),
     "service_options": (PROTOCOL | {"_flags", "server", "frontends"}, set()),
     "serve_process": (PROTOCOL, set()),

@@ -2,7 +2,7 @@
 
 The groups are Triton's (``--http-restricted-api`` / ``--grpc-restricted-protocol``): health, metadata,
 inference, shared-memory, model-config, model-repository, statistics, trace, logging; plus kiln's own extensions
-(model-download, capture, routing). A restriction names groups and one header with its value: a request to a
+(model-download, capture, routing, console). A restriction names groups and one header with its value: a request to a
 restricted group must carry that header with that value, else it is answered PERMISSION_DENIED (HTTP 403). HTTP
 reads the header ``<key>``; gRPC reads the metadata key ``triton-grpc-protocol-<key>``, as Triton does.
 
@@ -37,7 +37,8 @@ TRITON_GROUPS = (HEALTH, METADATA, INFERENCE, SHARED_MEMORY, MODEL_CONFIG, MODEL
 MODEL_DOWNLOAD = "model-download"
 CAPTURE = "capture"
 ROUTING = "routing"
-KILN_GROUPS = (MODEL_DOWNLOAD, CAPTURE, ROUTING)
+CONSOLE = "console"  # the browser console's page, files and status document (kiln/console/)
+KILN_GROUPS = (MODEL_DOWNLOAD, CAPTURE, ROUTING, CONSOLE)
 
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
 """What gRPC puts before a restriction's key, as Triton does (clients send ``triton-grpc-protocol-<key>``)."""
@@ -79,6 +80,12 @@ HTTP_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("POST", _FILES + "/capture", CAPTURE),
     ("GET", "/v2/repository/models/{model}/kiln/routing", ROUTING),
     ("POST", "/v2/repository/models/{model}/kiln/routing", ROUTING),
+    ("GET", "/v2/openapi.json", METADATA),  # the API described: as open as the server's metadata
+    ("GET", "/console", CONSOLE),
+    ("GET", "/console/api", CONSOLE),
+    ("GET", "/console/static/{name}", CONSOLE),
+    ("GET", "/console/report/{name}", CONSOLE),
+    ("GET", "/v2/kiln/console/status", CONSOLE),
 )
 
 _INFERENCE_SERVICE = "inference.GRPCInferenceService"

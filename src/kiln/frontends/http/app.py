@@ -11,6 +11,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kiln.console import ConsoleOptions, console_routes
+from kiln.console.gpus import GpuReader
 from kiln.frontends.access import AccessPolicy
 from kiln.frontends.http.auth import restricted
 from kiln.frontends.http.capture import CaptureEndpoints, CaptureOptions
@@ -33,16 +35,19 @@ _CUDA_SHM = "/v2/cudasharedmemory"
 
 def build_app(server: Server, *, max_input_size: int = DEFAULT_MAX_INPUT_SIZE,
               downloads: DownloadOptions | None = None, capture: CaptureOptions | None = None,
-              access: AccessPolicy | None = None) -> ASGIApp:
+              access: AccessPolicy | None = None, console: ConsoleOptions | None = None) -> ASGIApp:
     """An ASGI app serving ``server`` over HTTP; request bodies larger than ``max_input_size`` bytes get 400.
     ``downloads`` configures the model-file extension, ``capture`` the sample-capture one (both off by default,
-    see files.py and capture.py); ``access`` restricts API groups (--http-restricted-api, auth.py)."""
+    see files.py and capture.py); ``access`` restricts API groups (--http-restricted-api, auth.py); ``console`` the
+    browser console and the OpenAPI document (kiln/console/)."""
     endpoints = Endpoints(server, max_input_size)
     files = FileEndpoints(server, downloads or DownloadOptions())
     captures = CaptureEndpoints(server, capture or CaptureOptions(), max_input_size)
     routing = RoutingEndpoints(server, max_input_size)
     generate = GenerateEndpoints(server, max_input_size)
-    app = Starlette(routes=_routes(endpoints, files, captures) + _routing_routes(routing) + _generate_routes(generate),
+    pages = console_routes(server, console or ConsoleOptions(), GpuReader())
+    app = Starlette(routes=_routes(endpoints, files, captures) + _routing_routes(routing) + _generate_routes(generate)
+                    + [Route(path, _guarded(handler), methods=[method]) for path, handler, method in pages],
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})
     return restricted(InferFirst(app, _guarded(endpoints.infer)), access)
 
