@@ -47,7 +47,7 @@ class KilnReplica:
                                            control_mode="none" if poll_secs is None else "poll"))
         self._board = board
         self._replica = str(serve.get_replica_context().replica_id)
-        failed = await asyncio.get_running_loop().run_in_executor(None, self.server.start)
+        failed = await asyncio.get_running_loop().run_in_executor(None, start_with_fallback, self.server)
         if failed:
             self.server.close()
             # As `kiln serve` exits by default: a replica missing models would answer differently from the others.
@@ -78,6 +78,16 @@ class KilnReplica:
     async def _publish(self, document: Document) -> Document:
         total: Document = await self._board.report.remote(self._replica, document)
         return total
+
+
+def start_with_fallback(server: Server) -> list[str]:
+    """Load the repository; a model whose newest version fails serves the newest version that loads. Running
+    replicas keep the version they serve when a corrupt one is published; a replica starting later (a replacement,
+    a scale-up) must serve that same version rather than fail. Returns the models with no version that loads."""
+    failed = server.start()
+    for name in failed:
+        server.fall_back(name)  # logs the version it serves
+    return [name for name in failed if not server.model_ready(name)]  # an ensemble is ready once its steps are
 
 
 async def poll_forever(server: Server, interval_s: float) -> None:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln._flags import flag
-from kiln.config.model_dir import ModelDir, open_model_dir
+from kiln.config.model_dir import ModelDir, open_model_dir, version_folders
+from kiln.config.parse import read_config
 from kiln.config.spec import ModelSpec
 from kiln.engines.base import ModelCaller
 from kiln.errors import InvalidArgumentError, KilnError, ModelNotFoundError, ModelNotReadyError, UnsupportedError
@@ -167,6 +168,36 @@ class RepositoryManager:
                 if model in self.models and self.models[model].wanted:
                     self._unload(model, f"unloaded with the ensemble '{name}'")
             self._rebind_ensembles()
+
+    def fall_back(self, name: str) -> int | None:
+        """For a model none of whose selected versions loaded (a corrupt newest version published before this
+        server started): serve the newest older version folder that loads, pinned with a ``specific`` version
+        policy until the model's folder changes (a poll then applies the repository's own config). Returns the
+        version now served, or None when none loads or the model needs no fallback."""
+        with self._lock:
+            record = self.models.get(name)
+            if record is None or record.path is None or record.ready_versions():
+                return None
+            path = record.path
+            try:
+                config = read_config(path) or pb.ModelConfig()
+            except KilnError:
+                return None  # a broken config.pbtxt: no version can load
+            for version in sorted(version_folders(path), reverse=True):
+                if version in record.versions:
+                    continue  # selected by the policy and failed already
+                pinned = pb.ModelConfig()
+                pinned.CopyFrom(config)
+                pinned.version_policy.specific.versions[:] = [version]
+                opened = self._open(path, pinned)
+                if isinstance(opened, KilnError):
+                    continue
+                self._apply(name, path, opened, config=pinned)
+                if record.ready_versions():
+                    self._rebind_ensembles()
+                    log.warning("model '%s': serving version %d, the newest that loads", name, version)
+                    return version
+            return None
 
     def close(self, timeout_s: float | None = None) -> None:
         with self._lock:

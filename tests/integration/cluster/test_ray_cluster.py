@@ -270,8 +270,7 @@ def test_a_killed_replica_under_load_fails_only_its_inflight_requests(cluster: R
 
 def test_replicas_scale_up_under_load(cluster: RayCluster) -> None:
     """A second application on the same cluster, autoscaling 1..2 replicas on ongoing requests (its replicas ask
-    for no CPU: the first application's hold both). Before the rolling test: a replica starting after a corrupt
-    version was published fails to start (docs/cluster.md)."""
+    for no CPU: the first application's hold both)."""
     options = ClusterOptions(cluster.repository, name="scaled", route_prefix="/scaled", num_cpus=0, num_replicas=1,
                              min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0)
     serve.run(build_application(options), name="scaled", route_prefix="/scaled")
@@ -302,14 +301,19 @@ def _served_versions(client: Any, answers: int) -> set[tuple[str, ...]]:
     return {tuple(client.get_model_metadata("simple")["versions"]) for _ in range(answers)}
 
 
+ROLLING_REQUESTS = 1_000  # at least this many answered across the roll, none failed
+
+
 def test_a_published_version_rolls_over_every_replica_under_load(cluster: RayCluster, client: Any) -> None:
     # After the kill test: wait for both replicas (the replacement one included) to be serving.
     deadline = time.monotonic() + 60
     while len(_replicas()) < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     model = cluster.repository / "simple"
-    load = _Load(cluster.http_url, 2)
+    load = _Load(cluster.http_url, 4)
     try:
+        while load.ok < ROLLING_REQUESTS // 4 and not load.failed:  # the roll starts well inside the load
+            time.sleep(0.05)
         staging = cluster.repository / ".staging-2"
         shutil.copytree(model / "1", staging)
         staging.rename(model / "2")  # appears whole: a replica's poll never sees half a version
@@ -317,15 +321,36 @@ def test_a_published_version_rolls_over_every_replica_under_load(cluster: RayClu
         while _served_versions(client, 10) != {("2",)}:
             assert time.monotonic() < deadline, "version 2 did not replace version 1 on every replica within 30 s"
             time.sleep(0.2)
+        rolled_at = load.ok
         # A corrupt version 3: every replica keeps serving version 2.
         (model / "3").mkdir()
         (model / "3" / "model.onnx").write_bytes(b"not an onnx model")
         time.sleep(3)  # several polls
         assert _served_versions(client, 10) == {("2",)}
+        deadline = time.monotonic() + 60
+        while load.ok < ROLLING_REQUESTS and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         load.stop()
-    print(f"rolled to version 2 and past a corrupt version 3: {load.ok} answered, {load.failed} failed")
-    assert load.failed == 0 and load.ok > 0
+    print(f"rolled to version 2 (after {rolled_at} answers) and past a corrupt version 3: {load.ok} answered, "
+          f"{load.failed} failed")
+    assert load.failed == 0 and load.ok >= ROLLING_REQUESTS
+
+
+def test_a_replica_starting_after_a_corrupt_version_serves_the_newest_that_loads(cluster: RayCluster) -> None:
+    """After the rolling test (version 3 corrupt, version 2 served): a replica starting now (as a replacement or a
+    scale-up would) serves version 2, as the running replicas do, instead of failing to start."""
+    assert (cluster.repository / "simple" / "3").is_dir(), "runs after the rolling test"
+    options = ClusterOptions(cluster.repository, name="late", route_prefix="/late", num_cpus=0)
+    serve.run(build_application(options), name="late", route_prefix="/late")
+    client = tritonhttp.InferenceServerClient(f"{cluster.http_url}/late", network_timeout=30)
+    try:
+        assert client.is_model_ready("simple")
+        assert client.get_model_metadata("simple")["versions"] == ["2"]
+        _infer_simple(client)
+    finally:
+        client.close()
+        serve.delete("late")
 
 
 def test_builder_arguments_arrive_as_strings_from_serve_run(tmp_path: Path) -> None:
