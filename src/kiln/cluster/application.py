@@ -20,11 +20,13 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from kiln import Server, ServerOptions
+from kiln.cluster.metrics import ClusterMetrics
 from kiln.cluster.options import ClusterOptions
 from kiln.cluster.stats import ClusterStatistics, Document, StatsBoard, publish_forever
 from kiln.errors import UnavailableError
 from kiln.frontends.http import build_app
 from kiln.frontends.http.documents import statistics_doc
+from kiln.frontends.metrics import metrics_registry, render_metrics
 
 log = logging.getLogger("kiln.cluster")
 
@@ -46,7 +48,9 @@ class KilnReplica:
         self.server = Server(ServerOptions(repositories=[Path(repository)],
                                            control_mode="none" if poll_secs is None else "poll"))
         self._board = board
-        self._replica = str(serve.get_replica_context().replica_id)
+        replica_id = serve.get_replica_context().replica_id
+        self._replica, self._label = str(replica_id), replica_id.unique_id  # the label: its actor name's end
+        self._metrics = metrics_registry(self.server)
         failed = await asyncio.get_running_loop().run_in_executor(None, start_with_fallback, self.server)
         if failed:
             self.server.close()
@@ -54,10 +58,12 @@ class KilnReplica:
             raise UnavailableError(f"model(s) {', '.join(failed)} failed to load from {repository}")
         loop = asyncio.get_running_loop()
         self._publisher = loop.create_task(publish_forever(self._publish, self._statistics))
+        self._metrics_publisher = loop.create_task(publish_forever(self._publish_metrics, self._metrics_text))
         self._poller = loop.create_task(poll_forever(self.server, poll_secs)) if poll_secs is not None else None
 
     def __serve_build_asgi_app__(self) -> Any:
-        return ClusterStatistics(build_app(self.server), self._publish, self._statistics)
+        statistics = ClusterStatistics(build_app(self.server), self._publish, self._statistics)
+        return ClusterMetrics(statistics, self._publish_metrics, self._metrics_text)
 
     async def check_health(self) -> None:
         if not self.server.live():
@@ -67,6 +73,7 @@ class KilnReplica:
         publisher = getattr(self, "_publisher", None)  # absent when __init__ failed
         if publisher is not None:
             publisher.cancel()
+            self._metrics_publisher.cancel()
             if self._poller is not None:
                 self._poller.cancel()
             self.server.close()
@@ -74,6 +81,13 @@ class KilnReplica:
     def _statistics(self) -> Document:
         document: Document = statistics_doc(self.server.model_statistics())["model_stats"]
         return document
+
+    def _metrics_text(self) -> str:
+        return render_metrics(self._metrics).decode()
+
+    async def _publish_metrics(self, text: str) -> str:
+        merged: str = await self._board.report_metrics.remote(self._label, text)
+        return merged
 
     async def _publish(self, document: Document) -> Document:
         total: Document = await self._board.report.remote(self._replica, document)

@@ -11,10 +11,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kiln.cluster.metrics import merge_expositions
 
 log = logging.getLogger("kiln.cluster")
 
@@ -23,6 +25,7 @@ FORGET_AFTER_S = 5.0  # a replica silent this long is gone (killed, scaled down)
 
 Document = list[dict[str, Any]]  # the statistics extension's "model_stats" list
 Publish = Callable[[Document], Awaitable[Document]]
+T = TypeVar("T")
 
 
 class StatsBoard:
@@ -30,12 +33,20 @@ class StatsBoard:
 
     def __init__(self) -> None:
         self._latest: dict[str, tuple[float, Document]] = {}
+        self._metrics: dict[str, tuple[float, str]] = {}  # by replica label: when, its Prometheus text
 
     async def report(self, replica: str, document: Document) -> Document:
         now = time.monotonic()
         self._latest[replica] = (now, document)
         self._latest = {r: entry for r, entry in self._latest.items() if now - entry[0] < FORGET_AFTER_S}
         return sum_documents([doc for _, doc in self._latest.values()])
+
+    async def report_metrics(self, replica: str, text: str) -> str:
+        """Store one replica's Prometheus text; every live replica's, merged and labelled by replica."""
+        now = time.monotonic()
+        self._metrics[replica] = (now, text)
+        self._metrics = {r: entry for r, entry in self._metrics.items() if now - entry[0] < FORGET_AFTER_S}
+        return merge_expositions({r: text for r, (_, text) in self._metrics.items()})
 
     async def inferences_by_replica(self) -> dict[str, int]:
         """Inferences each replica reported, over all models: how the load spread."""
@@ -127,10 +138,10 @@ def _path(scope: Scope) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
-async def publish_forever(publish: Publish, local: Callable[[], Document]) -> None:
+async def publish_forever(publish: Callable[[T], Awaitable[Any]], local: Callable[[], T]) -> None:
     while True:
         await asyncio.sleep(PUBLISH_INTERVAL_S)
         try:
             await publish(local())
         except Exception:  # retried next interval; the board may be restarting
-            log.debug("statistics publish failed", exc_info=True)
+            log.debug("publish to the statistics board failed", exc_info=True)

@@ -25,7 +25,10 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip ins
 serve = pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]')")
 tritonhttp = pytest.importorskip("tritonclient.http")
 
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
 from kiln.cluster import build_application  # noqa: E402
+from kiln.cluster.metrics import merge_expositions, with_label  # noqa: E402
 from kiln.cluster.options import ClusterOptions, replica_gpus  # noqa: E402
 from kiln.cluster.stats import PUBLISH_INTERVAL_S, sum_documents  # noqa: E402
 from kiln.demo import build_demo_repository  # noqa: E402
@@ -193,6 +196,34 @@ def test_statistics_sum_across_replicas(cluster: RayCluster, client: Any) -> Non
     board = serve.get_deployment_handle(f"{APP}-stats", app_name=APP)
     served = board.inferences_by_replica.remote().result(timeout_s=30)
     assert len(served) == 2 and all(count > 0 for count in served.values()), served
+
+
+def test_metrics_of_every_replica_at_the_proxy_labelled_by_replica(cluster: RayCluster) -> None:
+    """After the statistics test (both replicas served `simple`): one scrape of the proxy has every replica's
+    nv_* series, told apart by a replica label naming its Ray actor; the exposition parses as Prometheus text."""
+    replica_ids = {name[len(REPLICA_PREFIX):] for name in _replicas()}
+    deadline = time.monotonic() + 5  # every replica publishes its metrics each second
+    while True:
+        response = httpx.get(f"http://{cluster.http_url}/metrics", timeout=30)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        families = {f.name: f for f in text_string_to_metric_families(response.text)}
+        success = {s.labels["replica"]: s.value for s in families["nv_inference_request_success"].samples
+                   if s.labels["model"] == "simple"}
+        if set(success) == replica_ids or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert set(success) == replica_ids and len(replica_ids) == 2, (success, replica_ids)
+    assert all(count > 0 for count in success.values()), success
+    assert families["nv_inference_request_success"].type == "counter"
+
+
+def test_merged_metrics_keep_one_header_per_family_and_label_every_sample() -> None:
+    one = '# HELP c Requests\n# TYPE c counter\nc{model="m"} 1.0\n# HELP g A gauge\n# TYPE g gauge\ng 2.0\n'
+    two = '# HELP c Requests\n# TYPE c counter\nc{model="m"} 3.0\n'
+    assert merge_expositions({"r2": two, "r1": one}).splitlines() == [
+        "# HELP c Requests", "# TYPE c counter", 'c{replica="r1",model="m"} 1.0', 'c{replica="r2",model="m"} 3.0',
+        "# HELP g A gauge", "# TYPE g gauge", 'g{replica="r1"} 2.0']
+    assert with_label('x{} 1', "replica", 'a"b') == 'x{replica="a\\"b"} 1'
 
 
 def test_sum_documents_adds_counts_and_merges_batch_sizes() -> None:
