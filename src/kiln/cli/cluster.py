@@ -41,6 +41,8 @@ def add_command(commands: Commands) -> None:
     serve.add_argument("--name", default="kiln", help="the Ray Serve application's name (default kiln)")
     serve.add_argument("--http-host", default="0.0.0.0", help="where Serve's HTTP proxies listen (default 0.0.0.0)")
     serve.add_argument("--http-port", type=int, default=8000, help="the proxies' HTTP port (default 8000)")
+    serve.add_argument("--grpc-port", type=int, default=None,
+                       help="Triton's gRPC protocol at Serve's gRPC proxies on this port (default: no gRPC)")
     serve.set_defaults(run=run_serve)
 
 
@@ -61,4 +63,4 @@ def run_serve(args: argparse.Namespace) -> int:
                              upscale_delay_s=args.upscale_delay_s,
                              num_cpus=args.num_cpus, num_gpus=args.num_gpus, name=args.name,
                              repository_poll_secs=args.repository_poll_secs)
-    return serve_cluster(args.address, options, ProxyOptions(args.http_host, args.http_port))
+    return serve_cluster(args.address, options, ProxyOptions(args.http_host, args.http_port, args.grpc_port))

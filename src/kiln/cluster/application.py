@@ -20,10 +20,12 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from kiln import Server, ServerOptions
+from kiln.cluster.grpc_ingress import with_grpc_methods
 from kiln.cluster.metrics import ClusterMetrics
 from kiln.cluster.options import ClusterOptions
 from kiln.cluster.stats import ClusterStatistics, Document, StatsBoard, publish_forever
 from kiln.errors import UnavailableError
+from kiln.frontends.grpc.servicer import GRPCInferenceService
 from kiln.frontends.http import build_app
 from kiln.frontends.http.documents import statistics_doc
 from kiln.frontends.metrics import metrics_registry, render_metrics
@@ -39,6 +41,7 @@ HEALTH_CHECK_PERIOD_S = 2.0
 LOGGING = {"enable_access_log": False}
 
 
+@with_grpc_methods  # Triton's gRPC RPCs, for Serve's gRPC proxy (grpc_ingress.py)
 class KilnReplica:
     """One replica: a kiln.Server over the repository, its models loaded before the replica reports ready."""
 
@@ -51,6 +54,7 @@ class KilnReplica:
         replica_id = serve.get_replica_context().replica_id
         self._replica, self._label = str(replica_id), replica_id.unique_id  # the label: its actor name's end
         self._metrics = metrics_registry(self.server)
+        self.grpc_servicer = GRPCInferenceService(self.server)
         failed = await asyncio.get_running_loop().run_in_executor(None, start_with_fallback, self.server)
         if failed:
             self.server.close()

@@ -24,6 +24,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
 serve = pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]')")
 tritonhttp = pytest.importorskip("tritonclient.http")
+tritongrpc = pytest.importorskip("tritonclient.grpc")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -44,6 +45,7 @@ REPLICA_PREFIX = f"SERVE_REPLICA::{APP}#{APP}#"
 class RayCluster:
     address: str  # the head's GCS, HOST:PORT
     http_url: str  # Serve's proxy, as tritonclient takes it
+    grpc_url: str  # Serve's gRPC proxy
     repository: Path
     process: subprocess.Popen[bytes]  # kiln cluster serve
 
@@ -61,7 +63,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
     temp = tempfile.mkdtemp(prefix="kr", dir="/tmp")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    address, http_port = f"127.0.0.1:{free_port()}", free_port()
+    address, http_port, grpc_port = f"127.0.0.1:{free_port()}", free_port(), free_port()
     process = None
     try:
         _ray("start", "--head", "--port", address.split(":")[1], "--num-cpus", "1", "--resources", '{"head": 1}',
@@ -71,11 +73,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
         process = subprocess.Popen(
             [sys.executable, "-m", "kiln.cli", "cluster", "serve", "--address", address, "--model-repository",
              str(repository), "--replicas", "2", "--http-host", "127.0.0.1", "--http-port", str(http_port),
-             "--repository-poll-secs", "0.5"],
+             "--grpc-port", str(grpc_port), "--repository-poll-secs", "0.5"],
             env=env)
         wait_ready(f"127.0.0.1:{http_port}", process, timeout_s=180)
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-        yield RayCluster(address, f"127.0.0.1:{http_port}", repository, process)
+        yield RayCluster(address, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", repository, process)
     finally:
         if process is not None:
             process.terminate()
@@ -144,6 +146,31 @@ def test_health_metadata_and_config_as_kiln_serve(client: Any, reference: KilnPr
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
 def test_infer_simple(client: Any, binary: bool) -> None:
     _infer_simple(client, binary)
+
+
+def test_grpc_through_serves_grpc_proxy_as_kiln_serve(cluster: RayCluster, reference: KilnProcess) -> None:
+    """tritonclient.grpc against Ray Serve's gRPC proxy (no `application` metadata: one application runs)."""
+    client = tritongrpc.InferenceServerClient(cluster.grpc_url)
+    expected = tritongrpc.InferenceServerClient(reference.grpc_url)
+    try:
+        assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("simple")
+        assert client.get_model_metadata("simple") == expected.get_model_metadata("simple")
+        assert client.get_model_config("simple") == expected.get_model_config("simple")
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        inputs = [tritongrpc.InferInput("INPUT0", [1, 16], "INT32"), tritongrpc.InferInput("INPUT1", [1, 16], "INT32")]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(a)
+        result = client.infer("simple", inputs)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
+        errors = []
+        for server in (client, expected):
+            with pytest.raises(tritongrpc.InferenceServerException) as raised:
+                server.infer("nope", inputs)
+            errors.append((raised.value.status(), raised.value.message()))
+        assert errors[0] == errors[1], errors
+    finally:
+        client.close()
+        expected.close()
 
 
 @pytest.mark.parametrize("path, body", [
