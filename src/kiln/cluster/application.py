@@ -28,6 +28,7 @@ from kiln.errors import UnavailableError
 from kiln.frontends.grpc.servicer import GRPCInferenceService
 from kiln.frontends.http import build_app
 from kiln.frontends.http.documents import statistics_doc
+from kiln.frontends.http.files import DownloadOptions
 from kiln.frontends.metrics import metrics_registry, render_metrics
 
 log = logging.getLogger("kiln.cluster")
@@ -47,7 +48,7 @@ class KilnReplica:
 
     # Serve awaits an async constructor: the models load before the replica takes requests.
     async def __init__(self, repository: str, board: DeploymentHandle[Any],  # type: ignore[misc,unused-ignore]
-                       poll_secs: float | None = None) -> None:
+                       poll_secs: float | None = None, allow_model_download: bool = False) -> None:
         self.server = Server(ServerOptions(repositories=[Path(repository)],
                                            control_mode="none" if poll_secs is None else "poll"))
         self._board = board
@@ -55,6 +56,7 @@ class KilnReplica:
         self._replica, self._label = str(replica_id), replica_id.unique_id  # the label: its actor name's end
         self._metrics = metrics_registry(self.server)
         self.grpc_servicer = GRPCInferenceService(self.server)
+        self._downloads = DownloadOptions(allow_model_download)
         failed = await asyncio.get_running_loop().run_in_executor(None, start_with_fallback, self.server)
         if failed:
             self.server.close()
@@ -66,7 +68,8 @@ class KilnReplica:
         self._poller = loop.create_task(poll_forever(self.server, poll_secs)) if poll_secs is not None else None
 
     def __serve_build_asgi_app__(self) -> Any:
-        statistics = ClusterStatistics(build_app(self.server), self._publish, self._statistics)
+        statistics = ClusterStatistics(build_app(self.server, downloads=self._downloads), self._publish,
+                                       self._statistics)
         return ClusterMetrics(statistics, self._publish_metrics, self._metrics_text)
 
     async def check_health(self) -> None:
@@ -131,7 +134,8 @@ def build_application(options: ClusterOptions) -> Application:
     ingress = serve.deployment(name=options.name, ray_actor_options=options.ray_actor_options(),
                                max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=HEALTH_CHECK_PERIOD_S,
                                logging_config=LOGGING, **scaling)(serve.ingress()(KilnReplica))
-    return ingress.bind(str(options.model_repository.resolve()), board, options.repository_poll_secs)
+    return ingress.bind(str(options.model_repository.resolve()), board, options.repository_poll_secs,
+                        options.allow_model_download)
 
 
 def app(args: dict[str, Any]) -> Application:

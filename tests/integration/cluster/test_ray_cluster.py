@@ -21,6 +21,8 @@ import httpx
 import numpy as np
 import pytest
 
+import kiln
+
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
 serve = pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]')")
 tritonhttp = pytest.importorskip("tritonclient.http")
@@ -33,6 +35,9 @@ from kiln.cluster.metrics import merge_expositions, with_label  # noqa: E402
 from kiln.cluster.options import ClusterOptions, replica_gpus  # noqa: E402
 from kiln.cluster.stats import PUBLISH_INTERVAL_S, sum_documents  # noqa: E402
 from kiln.demo import build_demo_repository  # noqa: E402
+from kiln.demo.models import build_mlp  # noqa: E402
+from kiln.edge import EdgeRunner, Policy  # noqa: E402
+from kiln.edge.sync import HttpSyncSource, ModelSync, SyncOptions  # noqa: E402
 from kiln.errors import InvalidArgumentError  # noqa: E402
 from kiln.serve_process import KilnProcess, free_port, kiln_serve, wait_ready  # noqa: E402
 
@@ -73,7 +78,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
         process = subprocess.Popen(
             [sys.executable, "-m", "kiln.cli", "cluster", "serve", "--address", address, "--model-repository",
              str(repository), "--replicas", "2", "--http-host", "127.0.0.1", "--http-port", str(http_port),
-             "--grpc-port", str(grpc_port), "--repository-poll-secs", "0.5"],
+             "--grpc-port", str(grpc_port), "--repository-poll-secs", "0.5", "--allow-model-download"],
             env=env)
         wait_ready(f"127.0.0.1:{http_port}", process, timeout_s=180)
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
@@ -409,6 +414,41 @@ def test_a_replica_starting_after_a_corrupt_version_serves_the_newest_that_loads
     finally:
         client.close()
         serve.delete("late")
+
+
+def test_an_edge_forwards_to_the_cluster_and_syncs_a_version_published_there(cluster: RayCluster,
+                                                                           tmp_path: Path) -> None:
+    """`kiln edge`'s runner with the cluster as its cloud: forwarded requests are answered by the replicas, and
+    a version of `mlp` published into the cluster's repository (rolled over by the replicas' polls) reaches the
+    edge through the model-file routes (--allow-model-download), any replica answering each download."""
+    edge_dir = tmp_path / "edge" / "mlp"
+    shutil.copytree(cluster.repository / "mlp", edge_dir)
+    x = {"INPUT0": np.random.default_rng(0).standard_normal((1, 64), dtype=np.float32)}
+    with EdgeRunner(edge_dir, cluster.http_url, Policy(max_prob_below=1.0)) as edge:  # every request forwarded
+        forwarded = [edge.infer(x) for _ in range(4)]
+        assert {r.source for r in forwarded} == {"cloud"}, [r.cloud_error for r in forwarded]
+        np.testing.assert_allclose(forwarded[0].outputs["OUTPUT0"], forwarded[0].local_outputs["OUTPUT0"],
+                                   rtol=1e-4, atol=1e-5)
+        staging = cluster.repository / "mlp" / ".publish-2"
+        staging.mkdir()
+        (staging / "model.onnx").write_bytes(build_mlp(1).SerializeToString())
+        staging.rename(cluster.repository / "mlp" / "2")
+        source = HttpSyncSource(cluster.http_url)
+        deadline = time.monotonic() + 30
+        while {tuple(source.ready_versions("mlp")) for _ in range(6)} != {(2,)}:  # both replicas rolled over
+            assert time.monotonic() < deadline, "version 2 of mlp not served by every replica within 30 s"
+            time.sleep(0.3)
+        sync = ModelSync(edge, source, edge_dir, options=SyncOptions(interval_s=0.5))
+        sync.start()
+        try:
+            deadline = time.monotonic() + 30
+            while edge.version != "2":
+                assert time.monotonic() < deadline, f"the edge still runs version {edge.version} after 30 s"
+                time.sleep(0.2)
+        finally:
+            sync.close()
+        v2 = kiln.load(cluster.repository / "mlp", 2).infer(x)["OUTPUT0"]
+        np.testing.assert_allclose(edge.infer(x).local_outputs["OUTPUT0"], v2, rtol=1e-5, atol=1e-6)
 
 
 def test_builder_arguments_arrive_as_strings_from_serve_run(tmp_path: Path) -> None:
