@@ -220,8 +220,7 @@ class RepositoryManager:
             desired = model_dir.served_versions()
             for version in desired:
                 self._apply_version(record, model_dir, version, force)
-            for version in [v for v in record.versions if v not in desired]:
-                self._retire(record, version, "no longer selected by the version policy")
+            self._retire_replaced(record, desired)
             failures = [r.reason for r in record.versions.values() if r.state is not ModelState.READY]
             failures += [r.reason for r in record.versions.values() if r.reason.startswith(_RELOAD_FAILED)]
             if failures:
@@ -265,6 +264,18 @@ class RepositoryManager:
         record.unloaded.pop(version, None)
         if current is not None and current is not fresh:
             self.retirements.retire(current, self._unused_staging(record, current))
+
+    def _retire_replaced(self, record: ModelRecord, desired: list[int]) -> None:
+        """Retire the versions the policy no longer selects, unless none of those it selects loaded: then the
+        ready ones keep serving (a corrupt new version never takes the model down) and say why."""
+        replaced = [v for v in record.versions if v not in desired]
+        failed = [record.versions[v] for v in desired if record.versions[v].state is not ModelState.READY]
+        if failed and len(failed) == len(desired):
+            for version in [v for v in replaced if record.versions[v].state is ModelState.READY]:
+                record.versions[version].reason = f"{_RELOAD_FAILED}version {failed[-1].version}: {failed[-1].reason}"
+                replaced.remove(version)
+        for version in replaced:
+            self._retire(record, version, "no longer selected by the version policy")
 
     def _keep_serving(self, record: ModelRecord, error: KilnError) -> None:
         log.error("model '%s' failed to load: %s", record.name, error)

@@ -30,7 +30,9 @@ tritongrpc = pytest.importorskip("tritonclient.grpc")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from kiln import Server, ServerOptions  # noqa: E402
 from kiln.cluster import build_application  # noqa: E402
+from kiln.cluster.application import start_with_fallback  # noqa: E402
 from kiln.cluster.metrics import merge_expositions, with_label  # noqa: E402
 from kiln.cluster.options import ClusterOptions, replica_gpus  # noqa: E402
 from kiln.cluster.stats import PUBLISH_INTERVAL_S, sum_documents  # noqa: E402
@@ -449,6 +451,70 @@ def test_an_edge_forwards_to_the_cluster_and_syncs_a_version_published_there(clu
             sync.close()
         v2 = kiln.load(cluster.repository / "mlp", 2).infer(x)["OUTPUT0"]
         np.testing.assert_allclose(edge.infer(x).local_outputs["OUTPUT0"], v2, rtol=1e-5, atol=1e-6)
+
+
+_PY_CONFIG = """name: "py"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+_PY_GOOD = ("class KilnModel:\n    def execute(self, requests):\n"
+            "        return [{'OUTPUT0': r.inputs['INPUT0']} for r in requests]\n")
+_PY_BROKEN = ("class KilnModel:\n    def initialize(self, args):\n        raise RuntimeError('broken weights')\n\n"
+              "    def execute(self, requests):\n        return []\n")
+
+
+def _py_version(model: Path, version: int, source: str) -> None:
+    staging = model / f".publish-{version}"
+    staging.mkdir(parents=True)
+    (staging / "model.py").write_text(source)
+    staging.rename(model / str(version))
+
+
+def test_a_version_that_fails_in_its_engine_neither_takes_the_model_down_nor_stops_a_replica(tmp_path: Path) -> None:
+    """What a replica does, on a real kiln.Server (no Ray needed): a published version whose engine fails to load
+    (the config reads fine, initialize() raises) leaves the served one in place; a server starting on that
+    repository serves the served one too (start_with_fallback); a good newer version then replaces it."""
+    model = tmp_path / "repository" / "py"
+    model.mkdir(parents=True)
+    (model / "config.pbtxt").write_text(_PY_CONFIG)
+    _py_version(model, 1, _PY_GOOD)
+    x = np.arange(4, dtype=np.float32)
+
+    def served(server: Server) -> list[str]:
+        return server.model_metadata("py").versions
+
+    running = Server(ServerOptions(repositories=[model.parent], control_mode="poll"))
+    try:
+        assert running.start() == []
+        _py_version(model, 2, _PY_BROKEN)
+        assert running.poll() == ["py"]
+        assert served(running) == ["1"] and running.model_ready("py")
+        states = {(e.version, e.state): e.reason for e in running.repository_index()}
+        assert ("1", "READY") in states and "broken weights" in states[("2", "UNAVAILABLE")], states
+        starting = Server(ServerOptions(repositories=[model.parent], control_mode="poll"))
+        try:
+            assert start_with_fallback(starting) == []
+            assert served(starting) == ["1"]
+            np.testing.assert_array_equal(kiln.load(model, 1).infer({"INPUT0": x})["OUTPUT0"], x)
+            _py_version(model, 3, _PY_GOOD)
+            for server in (running, starting):
+                assert server.poll() == ["py"]
+                assert served(server) == ["3"]
+        finally:
+            starting.close()
+    finally:
+        running.close()
+    only_broken = tmp_path / "broken" / "py"  # no version loads: the replica still refuses to start
+    only_broken.mkdir(parents=True)
+    (only_broken / "config.pbtxt").write_text(_PY_CONFIG)
+    _py_version(only_broken, 1, _PY_BROKEN)
+    server = Server(ServerOptions(repositories=[only_broken.parent]))
+    try:
+        assert start_with_fallback(server) == ["py"]
+    finally:
+        server.close()
 
 
 def test_builder_arguments_arrive_as_strings_from_serve_run(tmp_path: Path) -> None:
