@@ -64,7 +64,7 @@ class KilnReplica:
             raise UnavailableError(f"model(s) {', '.join(failed)} failed to load from {repository}")
         loop = asyncio.get_running_loop()
         self._publisher = loop.create_task(publish_forever(self._publish, self._statistics))
-        self._metrics_publisher = loop.create_task(publish_forever(self._publish_metrics, self._metrics_text))
+        self._metrics_publisher = loop.create_task(publish_forever(self._store_metrics, self._metrics_text))
         self._poller = loop.create_task(poll_forever(self.server, poll_secs)) if poll_secs is not None else None
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -95,6 +95,9 @@ class KilnReplica:
     async def _publish_metrics(self, text: str) -> str:
         merged: str = await self._board.report_metrics.remote(self._label, text)
         return merged
+
+    async def _store_metrics(self, text: str) -> None:
+        await self._board.report_metrics.remote(self._label, text, False)
 
     async def _publish(self, document: Document) -> Document:
         total: Document = await self._board.report.remote(self._replica, document)

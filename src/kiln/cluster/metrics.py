@@ -65,7 +65,7 @@ class ClusterMetrics:
         self._local = local
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "GET" or _path(scope) != METRICS_PATH:
+        if scope["type"] != "http" or scope["method"] != "GET" or request_path(scope) != METRICS_PATH:
             await self.app(scope, receive, send)
             return
         body = (await self._publish(self._local())).encode()
@@ -75,7 +75,8 @@ class ClusterMetrics:
         await send({"type": "http.response.body", "body": body})
 
 
-def _path(scope: Scope) -> str:
+def request_path(scope: Scope) -> str:
+    """The path below the application's route prefix (Serve puts the prefix in ``root_path``)."""
     path: str = scope["path"]
     root: str = scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path

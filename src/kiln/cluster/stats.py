@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kiln.cluster.metrics import merge_expositions
+from kiln.cluster.metrics import merge_expositions, request_path
 
 log = logging.getLogger("kiln.cluster")
 
@@ -41,12 +41,13 @@ class StatsBoard:
         self._latest = {r: entry for r, entry in self._latest.items() if now - entry[0] < FORGET_AFTER_S}
         return sum_documents([doc for _, doc in self._latest.values()])
 
-    async def report_metrics(self, replica: str, text: str) -> str:
-        """Store one replica's Prometheus text; every live replica's, merged and labelled by replica."""
+    async def report_metrics(self, replica: str, text: str, merged: bool = True) -> str:
+        """Store one replica's Prometheus text; every live replica's, merged and labelled by replica (only when
+        ``merged``: the periodic publishes need no answer, and merging is the board's one real cost)."""
         now = time.monotonic()
         self._metrics[replica] = (now, text)
         self._metrics = {r: entry for r, entry in self._metrics.items() if now - entry[0] < FORGET_AFTER_S}
-        return merge_expositions({r: text for r, (_, text) in self._metrics.items()})
+        return merge_expositions({r: text for r, (_, text) in self._metrics.items()}) if merged else ""
 
     async def inferences_by_replica(self) -> dict[str, int]:
         """Inferences each replica reported, over all models: how the load spread."""
@@ -105,7 +106,7 @@ class ClusterStatistics:
         self._local = local
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "GET" or not is_statistics_path(_path(scope)):
+        if scope["type"] != "http" or scope["method"] != "GET" or not is_statistics_path(request_path(scope)):
             await self.app(scope, receive, send)
             return
         messages: list[Message] = []
@@ -130,12 +131,6 @@ class ClusterStatistics:
             log.warning("statistics board unreachable; answering with this replica's statistics", exc_info=True)
             return body
         return orjson.dumps({"model_stats": [e for e in total if (e["name"], e["version"]) in selected]})
-
-
-def _path(scope: Scope) -> str:
-    path: str = scope["path"]
-    root: str = scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
 
 
 async def publish_forever(publish: Callable[[T], Awaitable[Any]], local: Callable[[], T]) -> None:
