@@ -20,7 +20,7 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from kiln import Server, ServerOptions
-from kiln.cluster.grpc_ingress import with_grpc_methods
+from kiln.cluster.grpc_ingress import call_servicer, statistics_response, with_grpc_methods
 from kiln.cluster.metrics import ClusterMetrics
 from kiln.cluster.options import ClusterOptions
 from kiln.cluster.stats import ClusterStatistics, Document, StatsBoard, publish_forever
@@ -84,6 +84,18 @@ class KilnReplica:
             if self._poller is not None:
                 self._poller.cancel()
             self.server.close()
+
+    async def ModelStatistics(self, request: Any, grpc_context: Any) -> Any:
+        """The statistics RPC with the cluster's sums, as the HTTP statistics routes answer: the replica's own
+        answer first (a wrong model or version gets kiln serve's error), then the sums of what it selected."""
+        own = await call_servicer(self.grpc_servicer, "ModelStatistics", request, grpc_context)
+        selected = {(entry.name, entry.version) for entry in own.model_stats}
+        try:
+            total = await self._publish(self._statistics())
+        except Exception:  # the board restarting: this replica's own counts are still an answer
+            log.warning("statistics board unreachable; answering with this replica's statistics", exc_info=True)
+            return own
+        return statistics_response([e for e in total if (e["name"], e["version"]) in selected])
 
     def _statistics(self) -> Document:
         document: Document = statistics_doc(self.server.model_statistics())["model_stats"]

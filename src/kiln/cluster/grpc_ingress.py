@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
+from google.protobuf import json_format
+
 from kiln.frontends.grpc.servicer import GRPCInferenceService
+from kiln.v2._generated import grpc_service_pb2 as pb
 from kiln.v2._generated.grpc_service_pb2_grpc import add_GRPCInferenceServiceServicer_to_server
 
 # What Serve's gRPC options name: the proxy imports it to learn the service's methods.
@@ -60,8 +63,7 @@ class RayContext:
 def _forward(rpc: str) -> Callable[..., Awaitable[Any]]:
     # Ray passes the context only to a method with a parameter named grpc_context.
     async def method(self: Any, request: Any, grpc_context: Any) -> Any:
-        servicer: GRPCInferenceService = self.grpc_servicer
-        return await getattr(servicer, rpc)(request, RayContext(grpc_context))
+        return await call_servicer(self.grpc_servicer, rpc, request, grpc_context)
 
     method.__name__ = method.__qualname__ = rpc
     return method
@@ -72,7 +74,20 @@ def unary_rpcs() -> list[str]:
 
 
 def with_grpc_methods(cls: type) -> type:
-    """``cls`` (whose instances have ``grpc_servicer``) with one method per unary RPC of the service."""
+    """``cls`` (whose instances have ``grpc_servicer``) with one method per unary RPC of the service, except those
+    ``cls`` defines itself."""
     for rpc in unary_rpcs():
-        setattr(cls, rpc, _forward(rpc))
+        if rpc not in vars(cls):
+            setattr(cls, rpc, _forward(rpc))
     return cls
+
+
+async def call_servicer(servicer: GRPCInferenceService, rpc: str, request: Any, grpc_context: Any) -> Any:
+    """One RPC answered by kiln's servicer, its errors set on Serve's context."""
+    return await getattr(servicer, rpc)(request, RayContext(grpc_context))
+
+
+def statistics_response(document: list[dict[str, Any]]) -> pb.ModelStatisticsResponse:
+    """The statistics extension's JSON entries as the gRPC answer: the HTTP document is the protobuf's JSON form,
+    so the fields map one to one."""
+    return json_format.ParseDict({"model_stats": document}, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)

@@ -226,6 +226,14 @@ def test_statistics_sum_across_replicas(cluster: RayCluster, client: Any) -> Non
     while count() != before + 80 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert count() == before + 80
+    # gRPC's statistics are the same sums.
+    grpc_client = tritongrpc.InferenceServerClient(cluster.grpc_url)
+    try:
+        for _ in range(4):  # whichever replica answers
+            answer = grpc_client.get_inference_statistics("simple", as_json=True)["model_stats"][0]
+            assert int(answer["inference_count"]) == before + 80
+    finally:
+        grpc_client.close()
     # The sum is over both replicas: each served some of them.
     board = serve.get_deployment_handle(f"{APP}-stats", app_name=APP)
     served = board.inferences_by_replica.remote().result(timeout_s=30)
