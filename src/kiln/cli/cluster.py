@@ -38,9 +38,13 @@ def add_command(commands: Commands) -> None:
     serve.add_argument("--repository-poll-secs", type=float, default=None,
                        help="every replica applies repository changes this often, rolling new versions over "
                             "(default: models load once, at start)")
+    serve.add_argument("--allow-model-download", action="store_true",
+                       help="serve model files to syncing edges (kiln serve's --allow-model-download)")
     serve.add_argument("--name", default="kiln", help="the Ray Serve application's name (default kiln)")
     serve.add_argument("--http-host", default="0.0.0.0", help="where Serve's HTTP proxies listen (default 0.0.0.0)")
     serve.add_argument("--http-port", type=int, default=8000, help="the proxies' HTTP port (default 8000)")
+    serve.add_argument("--grpc-port", type=int, default=None,
+                       help="Triton's gRPC protocol at Serve's gRPC proxies on this port (default: no gRPC)")
     serve.set_defaults(run=run_serve)
 
 
@@ -60,5 +64,6 @@ def run_serve(args: argparse.Namespace) -> int:
                              max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
                              upscale_delay_s=args.upscale_delay_s,
                              num_cpus=args.num_cpus, num_gpus=args.num_gpus, name=args.name,
-                             repository_poll_secs=args.repository_poll_secs)
-    return serve_cluster(args.address, options, ProxyOptions(args.http_host, args.http_port))
+                             repository_poll_secs=args.repository_poll_secs,
+                             allow_model_download=args.allow_model_download)
+    return serve_cluster(args.address, options, ProxyOptions(args.http_host, args.http_port, args.grpc_port))

@@ -20,11 +20,16 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from kiln import Server, ServerOptions
+from kiln.cluster.grpc_ingress import call_servicer, statistics_response, with_grpc_methods
+from kiln.cluster.metrics import ClusterMetrics
 from kiln.cluster.options import ClusterOptions
 from kiln.cluster.stats import ClusterStatistics, Document, StatsBoard, publish_forever
 from kiln.errors import UnavailableError
+from kiln.frontends.grpc.servicer import GRPCInferenceService
 from kiln.frontends.http import build_app
 from kiln.frontends.http.documents import statistics_doc
+from kiln.frontends.http.files import DownloadOptions
+from kiln.frontends.metrics import metrics_registry, render_metrics
 
 log = logging.getLogger("kiln.cluster")
 
@@ -37,27 +42,35 @@ HEALTH_CHECK_PERIOD_S = 2.0
 LOGGING = {"enable_access_log": False}
 
 
+@with_grpc_methods  # Triton's gRPC RPCs, for Serve's gRPC proxy (grpc_ingress.py)
 class KilnReplica:
     """One replica: a kiln.Server over the repository, its models loaded before the replica reports ready."""
 
     # Serve awaits an async constructor: the models load before the replica takes requests.
     async def __init__(self, repository: str, board: DeploymentHandle[Any],  # type: ignore[misc,unused-ignore]
-                       poll_secs: float | None = None) -> None:
+                       poll_secs: float | None = None, allow_model_download: bool = False) -> None:
         self.server = Server(ServerOptions(repositories=[Path(repository)],
                                            control_mode="none" if poll_secs is None else "poll"))
         self._board = board
-        self._replica = str(serve.get_replica_context().replica_id)
-        failed = await asyncio.get_running_loop().run_in_executor(None, self.server.start)
+        replica_id = serve.get_replica_context().replica_id
+        self._replica, self._label = str(replica_id), replica_id.unique_id  # the label: its actor name's end
+        self._metrics = metrics_registry(self.server)
+        self.grpc_servicer = GRPCInferenceService(self.server)
+        self._downloads = DownloadOptions(allow_model_download)
+        failed = await asyncio.get_running_loop().run_in_executor(None, start_with_fallback, self.server)
         if failed:
             self.server.close()
             # As `kiln serve` exits by default: a replica missing models would answer differently from the others.
             raise UnavailableError(f"model(s) {', '.join(failed)} failed to load from {repository}")
         loop = asyncio.get_running_loop()
         self._publisher = loop.create_task(publish_forever(self._publish, self._statistics))
+        self._metrics_publisher = loop.create_task(publish_forever(self._store_metrics, self._metrics_text))
         self._poller = loop.create_task(poll_forever(self.server, poll_secs)) if poll_secs is not None else None
 
     def __serve_build_asgi_app__(self) -> Any:
-        return ClusterStatistics(build_app(self.server), self._publish, self._statistics)
+        statistics = ClusterStatistics(build_app(self.server, downloads=self._downloads), self._publish,
+                                       self._statistics)
+        return ClusterMetrics(statistics, self._publish_metrics, self._metrics_text)
 
     async def check_health(self) -> None:
         if not self.server.live():
@@ -67,17 +80,50 @@ class KilnReplica:
         publisher = getattr(self, "_publisher", None)  # absent when __init__ failed
         if publisher is not None:
             publisher.cancel()
+            self._metrics_publisher.cancel()
             if self._poller is not None:
                 self._poller.cancel()
             self.server.close()
+
+    async def ModelStatistics(self, request: Any, grpc_context: Any) -> Any:
+        """The statistics RPC with the cluster's sums, as the HTTP statistics routes answer: the replica's own
+        answer first (a wrong model or version gets kiln serve's error), then the sums of what it selected."""
+        own = await call_servicer(self.grpc_servicer, "ModelStatistics", request, grpc_context)
+        selected = {(entry.name, entry.version) for entry in own.model_stats}
+        try:
+            total = await self._publish(self._statistics())
+        except Exception:  # the board restarting: this replica's own counts are still an answer
+            log.warning("statistics board unreachable; answering with this replica's statistics", exc_info=True)
+            return own
+        return statistics_response([e for e in total if (e["name"], e["version"]) in selected])
 
     def _statistics(self) -> Document:
         document: Document = statistics_doc(self.server.model_statistics())["model_stats"]
         return document
 
+    def _metrics_text(self) -> str:
+        return render_metrics(self._metrics).decode()
+
+    async def _publish_metrics(self, text: str) -> str:
+        merged: str = await self._board.report_metrics.remote(self._label, text)
+        return merged
+
+    async def _store_metrics(self, text: str) -> None:
+        await self._board.report_metrics.remote(self._label, text, False)
+
     async def _publish(self, document: Document) -> Document:
         total: Document = await self._board.report.remote(self._replica, document)
         return total
+
+
+def start_with_fallback(server: Server) -> list[str]:
+    """Load the repository; a model whose newest version fails serves the newest version that loads. Running
+    replicas keep the version they serve when a corrupt one is published; a replica starting later (a replacement,
+    a scale-up) must serve that same version rather than fail. Returns the models with no version that loads."""
+    failed = server.start()
+    for name in failed:
+        server.fall_back(name)  # logs the version it serves
+    return [name for name in failed if not server.model_ready(name)]  # an ensemble is ready once its steps are
 
 
 async def poll_forever(server: Server, interval_s: float) -> None:
@@ -103,7 +149,8 @@ def build_application(options: ClusterOptions) -> Application:
     ingress = serve.deployment(name=options.name, ray_actor_options=options.ray_actor_options(),
                                max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=HEALTH_CHECK_PERIOD_S,
                                logging_config=LOGGING, **scaling)(serve.ingress()(KilnReplica))
-    return ingress.bind(str(options.model_repository.resolve()), board, options.repository_poll_secs)
+    return ingress.bind(str(options.model_repository.resolve()), board, options.repository_poll_secs,
+                        options.allow_model_download)
 
 
 def app(args: dict[str, Any]) -> Application:

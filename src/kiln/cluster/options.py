@@ -13,8 +13,10 @@ from kiln.errors import InvalidArgumentError
 from kiln.v2._generated import model_config_pb2 as pb
 
 _KNOWN = ("model_repository", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
-          "num_cpus", "num_gpus", "name", "route_prefix", "repository_poll_secs", "upscale_delay_s")
-_EXPECTED = {int: "a whole number", float: "a number", str: "text"}
+          "num_cpus", "num_gpus", "name", "route_prefix", "repository_poll_secs", "upscale_delay_s",
+          "allow_model_download")
+_EXPECTED = {int: "a whole number", float: "a number", str: "text", bool: "true or false"}
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class ClusterOptions:
     # Every replica applies repository changes this often (kiln serve's --model-control-mode=poll): a new version
     # published into the shared repository rolls over on every replica. None: models load once, at start.
     repository_poll_secs: float | None = None
+    # kiln serve's --allow-model-download: the /v2/kiln/models/.../files routes an edge syncs its model from.
+    allow_model_download: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_repository.is_dir():
@@ -58,7 +62,8 @@ class ClusterOptions:
         values: dict[str, Any] = {"model_repository": Path(str(args["model_repository"]))}
         for key, kind in (("num_replicas", int), ("min_replicas", int), ("max_replicas", int),
                           ("target_ongoing_requests", float), ("upscale_delay_s", float), ("num_cpus", float),
-                          ("num_gpus", float), ("name", str), ("route_prefix", str), ("repository_poll_secs", float)):
+                          ("num_gpus", float), ("name", str), ("route_prefix", str), ("repository_poll_secs", float),
+                          ("allow_model_download", bool)):
             if args.get(key) is not None:
                 values[key] = _convert(key, args[key], kind)
         return cls(**values)
@@ -79,6 +84,11 @@ class ClusterOptions:
 
 
 def _convert(key: str, value: Any, kind: type) -> Any:
+    if kind is bool:
+        flag = value if isinstance(value, bool) else _BOOLEANS.get(str(value).lower())
+        if flag is None:
+            raise InvalidArgumentError(f"kiln.cluster argument {key}={value!r} is not {_EXPECTED[kind]}")
+        return flag
     try:
         return kind(value)
     except (TypeError, ValueError):

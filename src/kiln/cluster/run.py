@@ -8,11 +8,13 @@ import signal
 import threading
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 import ray
 from ray import serve
 
 from kiln.cluster.application import build_application
+from kiln.cluster.grpc_ingress import SERVICER_FUNCTION
 from kiln.cluster.options import ClusterOptions
 
 log = logging.getLogger("kiln.cluster")
@@ -26,6 +28,12 @@ class ProxyOptions:
 
     host: str = "0.0.0.0"
     port: int = 8000
+    grpc_port: int | None = None  # Triton's gRPC protocol at Serve's gRPC proxies on this port; None: no gRPC
+
+    def grpc_options(self) -> dict[str, Any] | None:
+        if self.grpc_port is None:
+            return None
+        return {"port": self.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]}
 
 
 def serve_cluster(address: str, options: ClusterOptions, proxy: ProxyOptions, *,
@@ -35,7 +43,7 @@ def serve_cluster(address: str, options: ClusterOptions, proxy: ProxyOptions, *,
     ray.init(address=None if address == LOCAL else address, logging_level=logging.WARNING)
     stop = stop or _stop_on_signals()  # after ray.init, which installs handlers of its own
     try:
-        serve.start(http_options={"host": proxy.host, "port": proxy.port})
+        serve.start(http_options={"host": proxy.host, "port": proxy.port}, grpc_options=proxy.grpc_options())
         serve.run(build_application(options), name=options.name, route_prefix=options.route_prefix)
         log.info("serving %s on the Ray cluster at %s: http://%s:%d%s (%s)", options.model_repository, address,
                  proxy.host, proxy.port, options.route_prefix, _scaling(options))

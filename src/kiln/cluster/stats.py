@@ -11,10 +11,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kiln.cluster.metrics import merge_expositions, request_path
 
 log = logging.getLogger("kiln.cluster")
 
@@ -23,6 +25,7 @@ FORGET_AFTER_S = 5.0  # a replica silent this long is gone (killed, scaled down)
 
 Document = list[dict[str, Any]]  # the statistics extension's "model_stats" list
 Publish = Callable[[Document], Awaitable[Document]]
+T = TypeVar("T")
 
 
 class StatsBoard:
@@ -30,12 +33,21 @@ class StatsBoard:
 
     def __init__(self) -> None:
         self._latest: dict[str, tuple[float, Document]] = {}
+        self._metrics: dict[str, tuple[float, str]] = {}  # by replica label: when, its Prometheus text
 
     async def report(self, replica: str, document: Document) -> Document:
         now = time.monotonic()
         self._latest[replica] = (now, document)
         self._latest = {r: entry for r, entry in self._latest.items() if now - entry[0] < FORGET_AFTER_S}
         return sum_documents([doc for _, doc in self._latest.values()])
+
+    async def report_metrics(self, replica: str, text: str, merged: bool = True) -> str:
+        """Store one replica's Prometheus text; every live replica's, merged and labelled by replica (only when
+        ``merged``: the periodic publishes need no answer, and merging is the board's one real cost)."""
+        now = time.monotonic()
+        self._metrics[replica] = (now, text)
+        self._metrics = {r: entry for r, entry in self._metrics.items() if now - entry[0] < FORGET_AFTER_S}
+        return merge_expositions({r: text for r, (_, text) in self._metrics.items()}) if merged else ""
 
     async def inferences_by_replica(self) -> dict[str, int]:
         """Inferences each replica reported, over all models: how the load spread."""
@@ -94,7 +106,7 @@ class ClusterStatistics:
         self._local = local
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "GET" or not is_statistics_path(_path(scope)):
+        if scope["type"] != "http" or scope["method"] != "GET" or not is_statistics_path(request_path(scope)):
             await self.app(scope, receive, send)
             return
         messages: list[Message] = []
@@ -121,16 +133,10 @@ class ClusterStatistics:
         return orjson.dumps({"model_stats": [e for e in total if (e["name"], e["version"]) in selected]})
 
 
-def _path(scope: Scope) -> str:
-    path: str = scope["path"]
-    root: str = scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
-
-
-async def publish_forever(publish: Publish, local: Callable[[], Document]) -> None:
+async def publish_forever(publish: Callable[[T], Awaitable[Any]], local: Callable[[], T]) -> None:
     while True:
         await asyncio.sleep(PUBLISH_INTERVAL_S)
         try:
             await publish(local())
         except Exception:  # retried next interval; the board may be restarting
-            log.debug("statistics publish failed", exc_info=True)
+            log.debug("publish to the statistics board failed", exc_info=True)

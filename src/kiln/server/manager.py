@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln._flags import flag
-from kiln.config.model_dir import ModelDir, open_model_dir
+from kiln.config.model_dir import ModelDir, open_model_dir, version_folders
+from kiln.config.parse import read_config
 from kiln.config.spec import ModelSpec
 from kiln.engines.base import ModelCaller
 from kiln.errors import InvalidArgumentError, KilnError, ModelNotFoundError, ModelNotReadyError, UnsupportedError
@@ -168,6 +169,36 @@ class RepositoryManager:
                     self._unload(model, f"unloaded with the ensemble '{name}'")
             self._rebind_ensembles()
 
+    def fall_back(self, name: str) -> int | None:
+        """For a model none of whose selected versions loaded (a corrupt newest version published before this
+        server started): serve the newest older version folder that loads, pinned with a ``specific`` version
+        policy until the model's folder changes (a poll then applies the repository's own config). Returns the
+        version now served, or None when none loads or the model needs no fallback."""
+        with self._lock:
+            record = self.models.get(name)
+            if record is None or record.path is None or record.ready_versions():
+                return None
+            path = record.path
+            try:
+                config = read_config(path) or pb.ModelConfig()
+            except KilnError:
+                return None  # a broken config.pbtxt: no version can load
+            for version in sorted(version_folders(path), reverse=True):
+                if version in record.versions:
+                    continue  # selected by the policy and failed already
+                pinned = pb.ModelConfig()
+                pinned.CopyFrom(config)
+                pinned.version_policy.specific.versions[:] = [version]
+                opened = self._open(path, pinned)
+                if isinstance(opened, KilnError):
+                    continue
+                self._apply(name, path, opened, config=pinned)
+                if record.ready_versions():
+                    self._rebind_ensembles()
+                    log.warning("model '%s': serving version %d, the newest that loads", name, version)
+                    return version
+            return None
+
     def close(self, timeout_s: float | None = None) -> None:
         with self._lock:
             for name in list(self.models):
@@ -189,8 +220,7 @@ class RepositoryManager:
             desired = model_dir.served_versions()
             for version in desired:
                 self._apply_version(record, model_dir, version, force)
-            for version in [v for v in record.versions if v not in desired]:
-                self._retire(record, version, "no longer selected by the version policy")
+            self._retire_replaced(record, desired)
             failures = [r.reason for r in record.versions.values() if r.state is not ModelState.READY]
             failures += [r.reason for r in record.versions.values() if r.reason.startswith(_RELOAD_FAILED)]
             if failures:
@@ -234,6 +264,18 @@ class RepositoryManager:
         record.unloaded.pop(version, None)
         if current is not None and current is not fresh:
             self.retirements.retire(current, self._unused_staging(record, current))
+
+    def _retire_replaced(self, record: ModelRecord, desired: list[int]) -> None:
+        """Retire the versions the policy no longer selects, unless none of those it selects loaded: then the
+        ready ones keep serving (a corrupt new version never takes the model down) and say why."""
+        replaced = [v for v in record.versions if v not in desired]
+        failed = [record.versions[v] for v in desired if record.versions[v].state is not ModelState.READY]
+        if failed and len(failed) == len(desired):
+            for version in [v for v in replaced if record.versions[v].state is ModelState.READY]:
+                record.versions[version].reason = f"{_RELOAD_FAILED}version {failed[-1].version}: {failed[-1].reason}"
+                replaced.remove(version)
+        for version in replaced:
+            self._retire(record, version, "no longer selected by the version policy")
 
     def _keep_serving(self, record: ModelRecord, error: KilnError) -> None:
         log.error("model '%s' failed to load: %s", record.name, error)

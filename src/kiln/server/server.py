@@ -103,6 +103,11 @@ class Server:
         """Poll mode: apply repository changes now. Returns the models that changed."""
         return self._catalog.manager.poll()
 
+    def fall_back(self, name: str) -> int | None:
+        """A model whose selected versions all failed to load serves the newest older version that loads (see
+        RepositoryManager.fall_back); the version, or None."""
+        return self._catalog.manager.fall_back(name)
+
     def load_model(self, name: str, config: str | None = None, files: Mapping[str, bytes] | None = None) -> None:
         """Explicit mode: (re)load a model. ``config`` is a ModelConfig in JSON that replaces config.pbtxt;
         ``files`` maps ``file:<version>/<name>`` to contents, which are staged under the model's folder."""

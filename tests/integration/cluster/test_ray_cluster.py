@@ -21,14 +21,25 @@ import httpx
 import numpy as np
 import pytest
 
+import kiln
+
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
 serve = pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[ray]')")
 tritonhttp = pytest.importorskip("tritonclient.http")
+tritongrpc = pytest.importorskip("tritonclient.grpc")
 
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from kiln import Server, ServerOptions  # noqa: E402
 from kiln.cluster import build_application  # noqa: E402
+from kiln.cluster.application import start_with_fallback  # noqa: E402
+from kiln.cluster.metrics import merge_expositions, with_label  # noqa: E402
 from kiln.cluster.options import ClusterOptions, replica_gpus  # noqa: E402
 from kiln.cluster.stats import PUBLISH_INTERVAL_S, sum_documents  # noqa: E402
 from kiln.demo import build_demo_repository  # noqa: E402
+from kiln.demo.models import build_mlp  # noqa: E402
+from kiln.edge import EdgeRunner, Policy  # noqa: E402
+from kiln.edge.sync import HttpSyncSource, ModelSync, SyncOptions  # noqa: E402
 from kiln.errors import InvalidArgumentError  # noqa: E402
 from kiln.serve_process import KilnProcess, free_port, kiln_serve, wait_ready  # noqa: E402
 
@@ -41,6 +52,7 @@ REPLICA_PREFIX = f"SERVE_REPLICA::{APP}#{APP}#"
 class RayCluster:
     address: str  # the head's GCS, HOST:PORT
     http_url: str  # Serve's proxy, as tritonclient takes it
+    grpc_url: str  # Serve's gRPC proxy
     repository: Path
     process: subprocess.Popen[bytes]  # kiln cluster serve
 
@@ -58,7 +70,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
     temp = tempfile.mkdtemp(prefix="kr", dir="/tmp")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    address, http_port = f"127.0.0.1:{free_port()}", free_port()
+    address, http_port, grpc_port = f"127.0.0.1:{free_port()}", free_port(), free_port()
     process = None
     try:
         _ray("start", "--head", "--port", address.split(":")[1], "--num-cpus", "1", "--resources", '{"head": 1}',
@@ -68,11 +80,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
         process = subprocess.Popen(
             [sys.executable, "-m", "kiln.cli", "cluster", "serve", "--address", address, "--model-repository",
              str(repository), "--replicas", "2", "--http-host", "127.0.0.1", "--http-port", str(http_port),
-             "--repository-poll-secs", "0.5"],
+             "--grpc-port", str(grpc_port), "--repository-poll-secs", "0.5", "--allow-model-download"],
             env=env)
         wait_ready(f"127.0.0.1:{http_port}", process, timeout_s=180)
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-        yield RayCluster(address, f"127.0.0.1:{http_port}", repository, process)
+        yield RayCluster(address, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", repository, process)
     finally:
         if process is not None:
             process.terminate()
@@ -143,6 +155,31 @@ def test_infer_simple(client: Any, binary: bool) -> None:
     _infer_simple(client, binary)
 
 
+def test_grpc_through_serves_grpc_proxy_as_kiln_serve(cluster: RayCluster, reference: KilnProcess) -> None:
+    """tritonclient.grpc against Ray Serve's gRPC proxy (no `application` metadata: one application runs)."""
+    client = tritongrpc.InferenceServerClient(cluster.grpc_url)
+    expected = tritongrpc.InferenceServerClient(reference.grpc_url)
+    try:
+        assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("simple")
+        assert client.get_model_metadata("simple") == expected.get_model_metadata("simple")
+        assert client.get_model_config("simple") == expected.get_model_config("simple")
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        inputs = [tritongrpc.InferInput("INPUT0", [1, 16], "INT32"), tritongrpc.InferInput("INPUT1", [1, 16], "INT32")]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(a)
+        result = client.infer("simple", inputs)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
+        errors = []
+        for server in (client, expected):
+            with pytest.raises(tritongrpc.InferenceServerException) as raised:
+                server.infer("nope", inputs)
+            errors.append((raised.value.status(), raised.value.message()))
+        assert errors[0] == errors[1], errors
+    finally:
+        client.close()
+        expected.close()
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v2/models/nope/infer", {"inputs": []}),
     ("/v2/models/simple/infer", {"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "INT32",
@@ -189,10 +226,46 @@ def test_statistics_sum_across_replicas(cluster: RayCluster, client: Any) -> Non
     while count() != before + 80 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert count() == before + 80
+    # gRPC's statistics are the same sums.
+    grpc_client = tritongrpc.InferenceServerClient(cluster.grpc_url)
+    try:
+        for _ in range(4):  # whichever replica answers
+            answer = grpc_client.get_inference_statistics("simple", as_json=True)["model_stats"][0]
+            assert int(answer["inference_count"]) == before + 80
+    finally:
+        grpc_client.close()
     # The sum is over both replicas: each served some of them.
     board = serve.get_deployment_handle(f"{APP}-stats", app_name=APP)
     served = board.inferences_by_replica.remote().result(timeout_s=30)
     assert len(served) == 2 and all(count > 0 for count in served.values()), served
+
+
+def test_metrics_of_every_replica_at_the_proxy_labelled_by_replica(cluster: RayCluster) -> None:
+    """After the statistics test (both replicas served `simple`): one scrape of the proxy has every replica's
+    nv_* series, told apart by a replica label naming its Ray actor; the exposition parses as Prometheus text."""
+    replica_ids = {name[len(REPLICA_PREFIX):] for name in _replicas()}
+    deadline = time.monotonic() + 5  # every replica publishes its metrics each second
+    while True:
+        response = httpx.get(f"http://{cluster.http_url}/metrics", timeout=30)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        families = {f.name: f for f in text_string_to_metric_families(response.text)}
+        success = {s.labels["replica"]: s.value for s in families["nv_inference_request_success"].samples
+                   if s.labels["model"] == "simple"}
+        if set(success) == replica_ids or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert set(success) == replica_ids and len(replica_ids) == 2, (success, replica_ids)
+    assert all(count > 0 for count in success.values()), success
+    assert families["nv_inference_request_success"].type == "counter"
+
+
+def test_merged_metrics_keep_one_header_per_family_and_label_every_sample() -> None:
+    one = '# HELP c Requests\n# TYPE c counter\nc{model="m"} 1.0\n# HELP g A gauge\n# TYPE g gauge\ng 2.0\n'
+    two = '# HELP c Requests\n# TYPE c counter\nc{model="m"} 3.0\n'
+    assert merge_expositions({"r2": two, "r1": one}).splitlines() == [
+        "# HELP c Requests", "# TYPE c counter", 'c{replica="r1",model="m"} 1.0', 'c{replica="r2",model="m"} 3.0',
+        "# HELP g A gauge", "# TYPE g gauge", 'g{replica="r1"} 2.0']
+    assert with_label('x{} 1', "replica", 'a"b') == 'x{replica="a\\"b"} 1'
 
 
 def test_sum_documents_adds_counts_and_merges_batch_sizes() -> None:
@@ -270,8 +343,7 @@ def test_a_killed_replica_under_load_fails_only_its_inflight_requests(cluster: R
 
 def test_replicas_scale_up_under_load(cluster: RayCluster) -> None:
     """A second application on the same cluster, autoscaling 1..2 replicas on ongoing requests (its replicas ask
-    for no CPU: the first application's hold both). Before the rolling test: a replica starting after a corrupt
-    version was published fails to start (docs/cluster.md)."""
+    for no CPU: the first application's hold both)."""
     options = ClusterOptions(cluster.repository, name="scaled", route_prefix="/scaled", num_cpus=0, num_replicas=1,
                              min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0)
     serve.run(build_application(options), name="scaled", route_prefix="/scaled")
@@ -302,14 +374,19 @@ def _served_versions(client: Any, answers: int) -> set[tuple[str, ...]]:
     return {tuple(client.get_model_metadata("simple")["versions"]) for _ in range(answers)}
 
 
+ROLLING_REQUESTS = 1_000  # at least this many answered across the roll, none failed
+
+
 def test_a_published_version_rolls_over_every_replica_under_load(cluster: RayCluster, client: Any) -> None:
     # After the kill test: wait for both replicas (the replacement one included) to be serving.
     deadline = time.monotonic() + 60
     while len(_replicas()) < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     model = cluster.repository / "simple"
-    load = _Load(cluster.http_url, 2)
+    load = _Load(cluster.http_url, 4)
     try:
+        while load.ok < ROLLING_REQUESTS // 4 and not load.failed:  # the roll starts well inside the load
+            time.sleep(0.05)
         staging = cluster.repository / ".staging-2"
         shutil.copytree(model / "1", staging)
         staging.rename(model / "2")  # appears whole: a replica's poll never sees half a version
@@ -317,15 +394,135 @@ def test_a_published_version_rolls_over_every_replica_under_load(cluster: RayClu
         while _served_versions(client, 10) != {("2",)}:
             assert time.monotonic() < deadline, "version 2 did not replace version 1 on every replica within 30 s"
             time.sleep(0.2)
+        rolled_at = load.ok
         # A corrupt version 3: every replica keeps serving version 2.
         (model / "3").mkdir()
         (model / "3" / "model.onnx").write_bytes(b"not an onnx model")
         time.sleep(3)  # several polls
         assert _served_versions(client, 10) == {("2",)}
+        deadline = time.monotonic() + 60
+        while load.ok < ROLLING_REQUESTS and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         load.stop()
-    print(f"rolled to version 2 and past a corrupt version 3: {load.ok} answered, {load.failed} failed")
-    assert load.failed == 0 and load.ok > 0
+    print(f"rolled to version 2 (after {rolled_at} answers) and past a corrupt version 3: {load.ok} answered, "
+          f"{load.failed} failed")
+    assert load.failed == 0 and load.ok >= ROLLING_REQUESTS
+
+
+def test_a_replica_starting_after_a_corrupt_version_serves_the_newest_that_loads(cluster: RayCluster) -> None:
+    """After the rolling test (version 3 corrupt, version 2 served): a replica starting now (as a replacement or a
+    scale-up would) serves version 2, as the running replicas do, instead of failing to start."""
+    assert (cluster.repository / "simple" / "3").is_dir(), "runs after the rolling test"
+    options = ClusterOptions(cluster.repository, name="late", route_prefix="/late", num_cpus=0)
+    serve.run(build_application(options), name="late", route_prefix="/late")
+    client = tritonhttp.InferenceServerClient(f"{cluster.http_url}/late", network_timeout=30)
+    try:
+        assert client.is_model_ready("simple")
+        assert client.get_model_metadata("simple")["versions"] == ["2"]
+        _infer_simple(client)
+    finally:
+        client.close()
+        serve.delete("late")
+
+
+def test_an_edge_forwards_to_the_cluster_and_syncs_a_version_published_there(cluster: RayCluster,
+                                                                           tmp_path: Path) -> None:
+    """`kiln edge`'s runner with the cluster as its cloud: forwarded requests are answered by the replicas, and
+    a version of `mlp` published into the cluster's repository (rolled over by the replicas' polls) reaches the
+    edge through the model-file routes (--allow-model-download), any replica answering each download."""
+    edge_dir = tmp_path / "edge" / "mlp"
+    shutil.copytree(cluster.repository / "mlp", edge_dir)
+    x = {"INPUT0": np.random.default_rng(0).standard_normal((1, 64), dtype=np.float32)}
+    with EdgeRunner(edge_dir, cluster.http_url, Policy(max_prob_below=1.0)) as edge:  # every request forwarded
+        forwarded = [edge.infer(x) for _ in range(4)]
+        assert {r.source for r in forwarded} == {"cloud"}, [r.cloud_error for r in forwarded]
+        np.testing.assert_allclose(forwarded[0].outputs["OUTPUT0"], forwarded[0].local_outputs["OUTPUT0"],
+                                   rtol=1e-4, atol=1e-5)
+        staging = cluster.repository / "mlp" / ".publish-2"
+        staging.mkdir()
+        (staging / "model.onnx").write_bytes(build_mlp(1).SerializeToString())
+        staging.rename(cluster.repository / "mlp" / "2")
+        source = HttpSyncSource(cluster.http_url)
+        deadline = time.monotonic() + 30
+        while {tuple(source.ready_versions("mlp")) for _ in range(6)} != {(2,)}:  # both replicas rolled over
+            assert time.monotonic() < deadline, "version 2 of mlp not served by every replica within 30 s"
+            time.sleep(0.3)
+        sync = ModelSync(edge, source, edge_dir, options=SyncOptions(interval_s=0.5))
+        sync.start()
+        try:
+            deadline = time.monotonic() + 30
+            while edge.version != "2":
+                assert time.monotonic() < deadline, f"the edge still runs version {edge.version} after 30 s"
+                time.sleep(0.2)
+        finally:
+            sync.close()
+        v2 = kiln.load(cluster.repository / "mlp", 2).infer(x)["OUTPUT0"]
+        np.testing.assert_allclose(edge.infer(x).local_outputs["OUTPUT0"], v2, rtol=1e-5, atol=1e-6)
+
+
+_PY_CONFIG = """name: "py"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+_PY_GOOD = ("class KilnModel:\n    def execute(self, requests):\n"
+            "        return [{'OUTPUT0': r.inputs['INPUT0']} for r in requests]\n")
+_PY_BROKEN = ("class KilnModel:\n    def initialize(self, args):\n        raise RuntimeError('broken weights')\n\n"
+              "    def execute(self, requests):\n        return []\n")
+
+
+def _py_version(model: Path, version: int, source: str) -> None:
+    staging = model / f".publish-{version}"
+    staging.mkdir(parents=True)
+    (staging / "model.py").write_text(source)
+    staging.rename(model / str(version))
+
+
+def test_a_version_that_fails_in_its_engine_neither_takes_the_model_down_nor_stops_a_replica(tmp_path: Path) -> None:
+    """What a replica does, on a real kiln.Server (no Ray needed): a published version whose engine fails to load
+    (the config reads fine, initialize() raises) leaves the served one in place; a server starting on that
+    repository serves the served one too (start_with_fallback); a good newer version then replaces it."""
+    model = tmp_path / "repository" / "py"
+    model.mkdir(parents=True)
+    (model / "config.pbtxt").write_text(_PY_CONFIG)
+    _py_version(model, 1, _PY_GOOD)
+    x = np.arange(4, dtype=np.float32)
+
+    def served(server: Server) -> list[str]:
+        return server.model_metadata("py").versions
+
+    running = Server(ServerOptions(repositories=[model.parent], control_mode="poll"))
+    try:
+        assert running.start() == []
+        _py_version(model, 2, _PY_BROKEN)
+        assert running.poll() == ["py"]
+        assert served(running) == ["1"] and running.model_ready("py")
+        states = {(e.version, e.state): e.reason for e in running.repository_index()}
+        assert ("1", "READY") in states and "broken weights" in states[("2", "UNAVAILABLE")], states
+        starting = Server(ServerOptions(repositories=[model.parent], control_mode="poll"))
+        try:
+            assert start_with_fallback(starting) == []
+            assert served(starting) == ["1"]
+            np.testing.assert_array_equal(kiln.load(model, 1).infer({"INPUT0": x})["OUTPUT0"], x)
+            _py_version(model, 3, _PY_GOOD)
+            for server in (running, starting):
+                assert server.poll() == ["py"]
+                assert served(server) == ["3"]
+        finally:
+            starting.close()
+    finally:
+        running.close()
+    only_broken = tmp_path / "broken" / "py"  # no version loads: the replica still refuses to start
+    only_broken.mkdir(parents=True)
+    (only_broken / "config.pbtxt").write_text(_PY_CONFIG)
+    _py_version(only_broken, 1, _PY_BROKEN)
+    server = Server(ServerOptions(repositories=[only_broken.parent]))
+    try:
+        assert start_with_fallback(server) == ["py"]
+    finally:
+        server.close()
 
 
 def test_builder_arguments_arrive_as_strings_from_serve_run(tmp_path: Path) -> None:
