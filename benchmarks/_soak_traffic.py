@@ -384,16 +384,16 @@ class _ShmRegions:
 def run_traffic(config: dict[str, Any], tally: Tally) -> None:
     traffic = Traffic(config, tally)
     try:
-        _paced(config, lambda step: traffic.operations[step % len(traffic.operations)]())
+        _paced(config, float(config["rate"]), lambda step: traffic.operations[step % len(traffic.operations)]())
     finally:
         traffic.close()
 
 
-def _paced(config: dict[str, Any], action: Callable[[int], None]) -> None:
-    """``action(step)`` at ``config["rate"]`` per second until ``config["stop_at"]``; a late step starts at once
-    and the schedule does not try to catch up."""
-    interval, stop_at = 1.0 / float(config["rate"]), float(config["stop_at"])
-    next_at, step = time.monotonic(), 0
+def _paced(config: dict[str, Any], rate: float, action: Callable[[int], None]) -> None:
+    """``action(step)`` ``rate`` times per second from ``config["t0"]`` until ``config["stop_at"]``; a late step
+    starts at once and the schedule does not try to catch up."""
+    interval, stop_at = 1.0 / rate, float(config["stop_at"])
+    next_at, step = max(time.monotonic(), float(config["t0"])), 0
     while next_at < stop_at:
         time.sleep(max(0.0, next_at - time.monotonic()))
         try:
@@ -441,13 +441,14 @@ def cut_connections(config: dict[str, Any], tally: Tally) -> None:
         except OSError:
             tally.chaos(f"cut {where}: could not connect")
 
-    _paced({"rate": config["cut_rate"], "stop_at": config["stop_at"]}, cut)
+    _paced(config, float(config["cut_rate"]), cut)
 
 
 def slow_clients(config: dict[str, Any], tally: Tally) -> None:
     """Requests trickled ``slow_chunk_bytes`` at a time, ``slow_chunk_delay_ms`` apart, then answered and checked.
     The server may cut a client slower than its header or body timeouts: counted apart, never as a failure."""
     url, chunk, delay = config["http_url"], int(config["slow_chunk_bytes"]), float(config["slow_chunk_delay_ms"]) / 1000
+    time.sleep(max(0.0, float(config["t0"]) - time.monotonic()))
     while time.monotonic() < float(config["stop_at"]):
         head, body, a, b = _simple_request(url)
         data = head + body
@@ -491,11 +492,13 @@ def cancelled_streams(config: dict[str, Any], tally: Tally) -> None:
             tally.chaos("stream cancelled")
         except queue.Empty:
             tally.chaos("stream cancelled: no first response")
+        except Exception as exc:  # tritonclient's error for a broken stream; counted, and the next one starts
+            tally.chaos(f"stream cancelled: {type(exc).__name__}")
         finally:
             client.stop_stream(cancel_requests=True)
 
     try:
-        _paced({"rate": config["cancel_rate"], "stop_at": config["stop_at"]}, cancel)
+        _paced(config, float(config["cancel_rate"]), cancel)
     finally:
         client.close()
 

@@ -104,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     series = merge_windows(run.samples, client_windows, run.events, windows, args.sample_seconds, TOGGLED)
     criteria = Criteria(warmup_windows=warmup_windows, shm_slack=2 * (args.http_clients + args.grpc_clients))
     summary = summarize(series, client_windows, run.events, criteria, TOGGLED)
+    summary["server_at_start"] = next((sample for sample in run.samples if sample["window"] == -1), None)
     info = describe("kiln soak test", duration_minutes=args.minutes, sample_seconds=args.sample_seconds,
                     warmup_windows=warmup_windows)
     text = header(info) + "\n" + text_report(series, summary, run.events)
@@ -125,9 +126,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--minutes", type=float, default=30.0, help="length of the run (default 30)")
     add("--warmup-minutes", type=float, default=None, help="default: 5, or a third of a shorter run")
     add("--sample-seconds", type=float, default=10.0, help="sample and latency window (default 10)")
-    add("--http-clients", type=int, default=1, help="HTTP traffic processes (default 1)")
-    add("--grpc-clients", type=int, default=1, help="gRPC traffic processes (default 1)")
-    add("--rate", type=float, default=40.0, help="operations/s of each traffic process (default 40)")
+    add("--http-clients", type=int, default=2, help="HTTP traffic processes (default 2)")
+    add("--grpc-clients", type=int, default=2, help="gRPC traffic processes (default 2)")
+    add("--rate", type=float, default=80.0,
+        help="operations/s of each traffic process (default 80; a sequence is one operation of 2-5 requests); "
+             "tune it by the server's CPU in the output, ~50-70%% of a core is the aim")
     add("--shm-rotate-every", type=int, default=50, help="shared-memory requests per pair of regions")
     add("--cut-rate", type=float, default=2.0, help="connections cut by the chaos process per second")
     add("--cancel-rate", type=float, default=0.5, help="gRPC streams cancelled per second")
@@ -168,7 +171,7 @@ class _Run:
     _outs: list[Path] = field(default_factory=list)
 
     def go(self) -> None:
-        self.t0 = time.monotonic() + 3.0  # the clients import tritonclient and onnx before their first request
+        self.t0 = time.monotonic() + 2.5  # the clients import tritonclient and onnx before their first request
         self.stop_at = self.t0 + self.windows * self.args.sample_seconds
         clients = self._start_clients()
         control = threading.Thread(target=self._control, daemon=True)
@@ -203,9 +206,9 @@ class _Run:
             config_path = self.tmp / f"client-{index}.json"
             config_path.write_text(json.dumps({**base, "protocol": protocol, "index": index, "out": str(out)}))
             self._outs.append(out)
-            log = (self.tmp / f"client-{index}.log").open("wb")
-            processes.append(subprocess.Popen([sys.executable, str(BENCH_DIR / "_soak_traffic.py"), str(config_path)],
-                                              stdout=log, stderr=subprocess.STDOUT))
+            with (self.tmp / f"client-{index}.log").open("wb") as log:  # the child keeps its own copy
+                processes.append(subprocess.Popen([sys.executable, str(BENCH_DIR / "_soak_traffic.py"),
+                                                   str(config_path)], stdout=log, stderr=subprocess.STDOUT))
         return processes
 
     def client_windows(self) -> list[dict[str, Any]]:
