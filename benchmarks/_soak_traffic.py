@@ -16,7 +16,6 @@ import http.client
 import json
 import os
 import queue
-import random
 import socket
 import sys
 import threading
@@ -513,10 +512,22 @@ def run_chaos(config: dict[str, Any], tally: Tally) -> None:
         thread.join()
 
 
+def _await_start(config: dict[str, Any]) -> None:
+    """Say this process is ready (imports done), then wait for the common start: ``t0`` and ``stop_at``, written by
+    the parent once every client is ready."""
+    Path(config["ready_file"]).touch()
+    start_file, deadline = Path(config["start_file"]), time.monotonic() + 300
+    while not start_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no start signal in {start_file} after 300 s")
+        time.sleep(0.05)
+    config.update(json.loads(start_file.read_text()))
+
+
 def main(argv: list[str]) -> int:
     config = json.loads(Path(argv[0]).read_text())
+    _await_start(config)
     tally = Tally(float(config["t0"]), float(config["window_s"]), Path(config["out"]))
-    random.seed(os.getpid())
     try:
         (run_chaos if config["protocol"] == "chaos" else run_traffic)(config, tally)
     finally:

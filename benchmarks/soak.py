@@ -2,9 +2,10 @@
 unloaded and loaded, and misbehaving clients, while the server's memory, descriptors, threads and latency are
 sampled. It answers: does kiln stay flat and correct for hours?
 
-The server serves the demo repository (`kiln demo-repo`) in explicit model-control mode, with client shared memory
-allowed. `mlp` keeps its two newest versions loaded (`version_policy { latest { num_versions: 2 } }`) and splits
-its traffic between them by kiln's A/B routing (docs/ab-testing.md).
+The server serves the demo models the traffic uses (`kiln demo-repo`), with client shared memory allowed, in
+explicit model-control mode (--control-mode poll: poll mode, the server finding changed folders itself). `mlp`
+keeps its two newest versions loaded (`version_policy { latest { num_versions: 2 } }`) and splits its traffic
+between them by kiln's A/B routing (docs/ab-testing.md).
 
 Traffic, concurrently, from client processes (so no client is capped by its own GIL), every answer checked
 against numpy:
@@ -20,33 +21,37 @@ against numpy:
   (--cancel-rate/s).
 
 Meanwhile: every --publish-every seconds a new `mlp` version is published (its newest version folder copied to
-the next number, then the repository load API; the A/B weights move to the two newest versions and folders older
-than the loaded pair are deleted); every --toggle-every seconds `simple_string` is unloaded and, --toggle-down
-seconds later, loaded again. Every --sample-seconds: the server's RSS, open descriptors and threads (its process
-and all its children, psutil), CPU, the entries in /dev/shm, and per window the requests, p50/p99 latency, wrong
-answers and failures.
+the next number, then the repository load API, or in poll mode a wait until the version is ready; the A/B weights
+move to the two newest versions and folders older than the loaded pair are deleted); every --toggle-every seconds
+`simple_string` is unloaded and, --toggle-down seconds later, loaded again (poll mode: its folder moved out of the
+repository and back). Every --sample-seconds: the RSS, open descriptors, threads and shared-memory mappings (a
+/dev/shm file or a memfd) of the server's process and all its children (psutil), their CPU, the /dev/shm entries
+that were not there before the server started, and per window the requests, p50/p99 latency, wrong answers and
+failures.
 
 What counts (a well-formed request is any request the traffic processes send; chaos connections are not):
 
 * a **wrong answer**: the server answered, and the answer differs from the reference.
 * a **failure**: a well-formed request that got an error or no answer, unless it went to `simple_string` and its
-  own interval [sent, ended] overlaps an outage of that model, from just before the unload call to the moment the
-  load call returned: those are counted apart as "unavailable by design". Shared-memory register calls count too.
+  own interval [sent, ended] overlaps an outage of that model, from just before the unload call (or the move of its
+  folder) to the moment the load call returned (or the model was ready again): those are counted apart as
+  "unavailable by design". Shared-memory register calls count too.
 * slow clients cut by the server (its header or body timeout) are counted apart, never as failures; keep
   --slow-chunk-bytes / --slow-chunk-delay-ms inside the server's timeouts so that they are realistic load.
 
 The bar, after a warm-up (--warmup-minutes, default the first 5 minutes or a third of a shorter run): the RSS and
 the open descriptors stay flat within 5% (the largest sample after the warm-up against the sample that ends it),
-/dev/shm holds no more entries than at the end of the warm-up plus the regions the clients hold at once, the p99 of
-every later window is within 1.5x of the warm-up's p99 (the warm-up's first window, a cold start, left out), zero
-wrong answers, zero failures, and every publish, unload and load succeeded. Each criterion prints PASS or FAIL;
-the exit status is 1 when one fails (0 with --report-only).
+the server maps no more shared memory than at the end of the warm-up plus the regions the clients hold at once,
+the p99 of every later window is within 1.5x of the warm-up's p99 (the warm-up's first window, a cold start, left
+out), zero wrong answers, zero failures, and every publish, unload and load succeeded. Each criterion prints PASS
+or FAIL; the exit status is 1 when one fails (0 with --report-only).
 
     python benchmarks/soak.py                       # 30 minutes
     python benchmarks/soak.py --minutes 1 --output /tmp/soak-smoke
 
 Outputs: --output STEM (default benchmarks/results/soak-<machine>-<date>) gets STEM.json (the time series, the
-events and the summary), STEM.png (RSS, descriptors, threads, /dev/shm, p50/p99 and errors over time) and STEM.txt.
+events and the summary), STEM.png (RSS, descriptors, threads, shared memory, p50/p99 and errors over time) and
+STEM.txt.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ from kiln.demo import build_demo_repository
 from kiln.serve_process import KilnProcess, kiln_serve
 from kiln.v2.client import HttpClient
 
+SHM_DIR = Path("/dev/shm")
 TOGGLED = "simple_string"
 PUBLISHED = "mlp"
 MODELS = ("simple", "mlp", "mlp_preprocess", "mlp_postprocess", "mlp_pipeline", TOGGLED, "simple_dyna_sequence",
@@ -94,10 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     output = args.output or BENCH_DIR / "results" / f"soak-{args.machine}-{datetime.date.today():%Y-%m-%d}"
     with tempfile.TemporaryDirectory(prefix="kiln-soak-") as tmp:
         repo = _repository(Path(tmp) / "repo")
-        serve_args = ["--model-control-mode", "explicit", "--allow-client-shm", "true", "--exit-timeout-secs", "5",
-                      *(arg for model in MODELS for arg in ("--load-model", model)), *args.serve_arg]
+        control = (["--load-model", "*"] if args.control_mode == "explicit" else
+                   ["--repository-poll-secs", str(args.poll_seconds)])
+        serve_args = ["--model-control-mode", args.control_mode, *control, "--allow-client-shm", "true",
+                      "--exit-timeout-secs", "5", *args.serve_arg]
+        shm_before = _shm_names()
         with kiln_serve([repo], *serve_args, log_path=Path(tmp) / "serve.log") as server:
-            run = _Run(args, server, repo, Path(tmp), windows)
+            run = _Run(args, server, repo, Path(tmp), windows, shm_before)
             run.go()
         log_tail = (Path(tmp) / "serve.log").read_text(errors="replace")[-3000:]
         client_windows = run.client_windows()
@@ -137,6 +146,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--slow-clients", type=int, default=2, help="concurrent slow clients")
     add("--slow-chunk-bytes", type=int, default=32, help="bytes a slow client sends at a time (default 32)")
     add("--slow-chunk-delay-ms", type=float, default=100.0, help="pause between a slow client's chunks")
+    add("--control-mode", choices=("explicit", "poll"), default="explicit",
+        help="explicit: versions and the toggled model go live through the repository API; poll: kiln finds the "
+             "changed folders itself (default explicit)")
+    add("--poll-seconds", type=float, default=2.0, help="poll mode: the server's --repository-poll-secs")
     add("--publish-every", type=float, default=30.0, help="seconds between published mlp versions")
     add("--toggle-every", type=float, default=90.0, help=f"seconds between unloads of {TOGGLED}")
     add("--toggle-down", type=float, default=5.0, help=f"seconds {TOGGLED} stays unloaded")
@@ -149,8 +162,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _repository(root: Path) -> Path:
-    """The demo repository; `mlp` with its versions 1 and 2 (the same files) loaded and A/B routed 50:50."""
+    """The demo models the traffic uses; `mlp` with its versions 1 and 2 (the same files) loaded and A/B routed
+    50:50."""
     build_demo_repository(root)
+    for unused in {p.name for p in root.iterdir()} - set(MODELS):
+        shutil.rmtree(root / unused)
     config = root / PUBLISHED / "config.pbtxt"
     config.write_text(config.read_text() + _MLP_CONFIG_EXTRA)
     shutil.copytree(root / PUBLISHED / "1", root / PUBLISHED / "2")
@@ -166,18 +182,24 @@ class _Run:
     repo: Path
     tmp: Path
     windows: int
+    shm_before: set[str]
     samples: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     _outs: list[Path] = field(default_factory=list)
+    t0: float = 0.0  # monotonic start of the first window, set once every client is ready
+    stop_at: float = 0.0
 
     def go(self) -> None:
-        self.t0 = time.monotonic() + 2.5  # the clients import tritonclient and onnx before their first request
-        self.stop_at = self.t0 + self.windows * self.args.sample_seconds
         clients = self._start_clients()
         control = threading.Thread(target=self._control, daemon=True)
         try:
+            self._start_together(clients)
             control.start()
             self._sample_until_stop()
+        except BaseException:  # the server died, or Ctrl-C: the clients stop now, not at the end of the run
+            for client in clients:
+                client.kill()
+            raise
         finally:
             for client in clients:
                 try:
@@ -185,14 +207,15 @@ class _Run:
                 except subprocess.TimeoutExpired:
                     client.kill()
                     client.wait()
-            control.join(timeout=60)
+            if control.ident is not None:  # started
+                control.join(timeout=60)
         for index, client in enumerate(clients):
             if client.returncode != 0:
                 log = (self.tmp / f"client-{index}.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"soak client {index} exited with status {client.returncode}:\n{log}")
 
     def _start_clients(self) -> list[subprocess.Popen[bytes]]:
-        base = {"t0": self.t0, "stop_at": self.stop_at, "window_s": self.args.sample_seconds,
+        base = {"start_file": str(self.tmp / "start.json"), "window_s": self.args.sample_seconds,
                 "http_url": self.server.http_url, "grpc_url": self.server.grpc_url,
                 "mlp_onnx": str(self.repo / PUBLISHED / "1" / "model.onnx"), "rate": self.args.rate,
                 "request_timeout_s": self.args.request_timeout, "shm_rotate_every": self.args.shm_rotate_every,
@@ -204,12 +227,31 @@ class _Run:
         for index, protocol in enumerate(protocols):
             out = self.tmp / f"client-{index}-{protocol}.jsonl"
             config_path = self.tmp / f"client-{index}.json"
-            config_path.write_text(json.dumps({**base, "protocol": protocol, "index": index, "out": str(out)}))
+            config_path.write_text(json.dumps({**base, "protocol": protocol, "index": index, "out": str(out),
+                                               "ready_file": str(self.tmp / f"client-{index}.ready")}))
             self._outs.append(out)
             with (self.tmp / f"client-{index}.log").open("wb") as log:  # the child keeps its own copy
                 processes.append(subprocess.Popen([sys.executable, str(BENCH_DIR / "_soak_traffic.py"),
                                                    str(config_path)], stdout=log, stderr=subprocess.STDOUT))
         return processes
+
+    def _start_together(self, clients: list[subprocess.Popen[bytes]]) -> None:
+        """Wait until every client has imported what it needs (a busy machine takes seconds), then give them all
+        the same start and end: ``t0`` is the start of the first sample window."""
+        deadline = time.monotonic() + 300
+        while not all((self.tmp / f"client-{index}.ready").exists() for index in range(len(clients))):
+            for index, client in enumerate(clients):
+                if client.poll() is not None:
+                    raise RuntimeError(f"soak client {index} exited with status {client.returncode} before the start:"
+                                       f"\n{(self.tmp / f'client-{index}.log').read_text(errors='replace')[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the soak clients were not ready after 300 s")
+            time.sleep(0.05)
+        self.t0 = time.monotonic() + 0.5
+        self.stop_at = self.t0 + self.windows * self.args.sample_seconds
+        staging = self.tmp / "start.json.tmp"
+        staging.write_text(json.dumps({"t0": self.t0, "stop_at": self.stop_at}))
+        staging.rename(self.tmp / "start.json")  # whole, or not there
 
     def client_windows(self) -> list[dict[str, Any]]:
         return [json.loads(line) for out in self._outs if out.exists() for line in out.read_text().splitlines()]
@@ -223,14 +265,15 @@ class _Run:
             time.sleep(max(0.0, self.t0 + index * self.args.sample_seconds - time.monotonic()))
             if self.server.process.poll() is not None:
                 raise RuntimeError(f"kiln serve exited with status {self.server.process.returncode} mid-run")
-            sample = _process_sample(process)
+            sample = _process_sample(process, self.shm_before)
             cpu_now = _cpu_seconds(process)
             sample |= {"window": index - 1, "t_s": round(time.monotonic() - self.t0, 2),
                        "cpu_pct": round(100 * (cpu_now - cpu_before) / self.args.sample_seconds, 1)}
             cpu_before = cpu_now
             self.samples.append(sample)
             print(f"t={sample['t_s']:7.1f}s rss {sample['rss_mib']:7.1f} MiB  fds {sample['fds']:4d}  "
-                  f"threads {sample['threads']:4d}  /dev/shm {sample['shm_entries']:3d}  "
+                  f"threads {sample['threads']:4d}  shm mapped {sample['shm_mapped']:3d}  "
+                  f"/dev/shm new {sample['shm_entries']:3d}  "
                   f"server cpu {sample['cpu_pct']:5.1f}%", flush=True)
 
     # -- publishing and unloading ----------------------------------------------------------------------------
@@ -268,7 +311,10 @@ class _Run:
         staging = folder / f".staging-{new}"
         shutil.copytree(folder / str(versions[-1]), staging)
         staging.rename(folder / str(new))
-        error = _attempt(lambda: client.load_model(PUBLISHED))
+        if self.args.control_mode == "explicit":
+            error = _attempt(lambda: client.load_model(PUBLISHED))
+        else:
+            error = _attempt(lambda: self._wait_ready(client, PUBLISHED, str(new), True))
         if error is None:
             weights = {str(versions[-1]): 50, str(new): 50}
             error = _attempt(lambda: _set_weights(client, weights))
@@ -277,13 +323,35 @@ class _Run:
             shutil.rmtree(folder / str(old), ignore_errors=True)
 
     def _toggle(self, client: HttpClient) -> None:
+        """Unload the toggled model and load it again --toggle-down seconds later: through the repository API, or
+        in poll mode by moving its folder out of the repository and back, each step done once the server shows
+        it."""
+        folder, parked = self.repo / TOGGLED, self.tmp / f"parked-{TOGGLED}"
         start = time.monotonic()
-        error = _attempt(lambda: client.unload_model(TOGGLED))
+        if self.args.control_mode == "explicit":
+            error = _attempt(lambda: client.unload_model(TOGGLED))
+        else:
+            folder.rename(parked)
+            error = _attempt(lambda: self._wait_ready(client, TOGGLED, "", False))
         self._event("unload", start, error, model=TOGGLED)
         time.sleep(self.args.toggle_down)
         load_start = time.monotonic()
-        error = _attempt(lambda: client.load_model(TOGGLED))
+        if self.args.control_mode == "explicit":
+            error = _attempt(lambda: client.load_model(TOGGLED))
+        else:
+            parked.rename(folder)
+            error = _attempt(lambda: self._wait_ready(client, TOGGLED, "", True))
         self._event("load", load_start, error, model=TOGGLED)
+
+    def _wait_ready(self, client: HttpClient, model: str, version: str, ready: bool) -> None:
+        """Poll mode: wait until the server has found the change (a few poll intervals at most)."""
+        limit_s = 10 * self.args.poll_seconds + 30
+        deadline = time.monotonic() + limit_s
+        while client.model_ready(model, version) != ready:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{model} (version {version or 'any'}) was not {'ready' if ready else 'unloaded'} "
+                                   f"{limit_s:.0f} s after its folder changed")
+            time.sleep(0.1)
 
 
 def _attempt(call: Callable[[], object]) -> str | None:
@@ -313,21 +381,27 @@ def _cpu_seconds(process: psutil.Process) -> float:
     return total
 
 
-def _process_sample(process: psutil.Process) -> dict[str, Any]:
-    """RSS, descriptors and threads of the server and its children; /dev/shm entries and bytes."""
+def _shm_names() -> set[str]:
+    return set(os.listdir(SHM_DIR)) if SHM_DIR.is_dir() else set()
+
+
+def _process_sample(process: psutil.Process, shm_before: set[str]) -> dict[str, Any]:
+    """RSS, descriptors, threads and shared-memory mappings (a /dev/shm file or a memfd) of the server and its
+    children; the /dev/shm entries that were not there before the server started (the machine's other users may
+    add some too)."""
     rss = fds = threads = 0
+    mapped: set[str] = set()
     procs = _server_processes(process)
     for proc in procs:
         try:
             rss += proc.memory_info().rss
             fds += proc.num_fds()
             threads += proc.num_threads()
-        except psutil.Error:
+            mapped |= {m.path for m in proc.memory_maps() if m.path.startswith((str(SHM_DIR) + "/", "/memfd:"))}
+        except psutil.Error:  # a child that ended between listing and reading
             pass
-    entries = list(os.scandir("/dev/shm")) if os.path.isdir("/dev/shm") else []
-    shm_bytes = sum(entry.stat().st_size for entry in entries if entry.is_file())
     return {"rss_mib": round(rss / 2**20, 2), "fds": fds, "threads": threads, "processes": len(procs),
-            "shm_entries": len(entries), "shm_mib": round(shm_bytes / 2**20, 3)}
+            "shm_mapped": len(mapped), "shm_entries": len(_shm_names() - shm_before)}
 
 
 if __name__ == "__main__":

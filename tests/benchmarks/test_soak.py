@@ -8,8 +8,9 @@ from pathlib import Path
 
 from ._smoke import read_json, run_main
 
-# 15 s of traffic (5 windows of 3 s) plus the server's start and stop: under 40 s on a busy 2-core machine.
-SHORT_RUN = ("--minutes", "0.25", "--sample-seconds", "3", "--warmup-minutes", "0.1", "--publish-every", "3",
+# 12 s of traffic (4 windows of 3 s, the first the warm-up) plus the server's and the clients' start and the
+# report: about 30 s on a busy 2-core machine.
+SHORT_RUN = ("--minutes", "0.2", "--sample-seconds", "3", "--warmup-minutes", "0.05", "--publish-every", "3",
              "--toggle-every", "6", "--toggle-down", "1", "--http-clients", "1", "--grpc-clients", "1",
              "--rate", "30", "--shm-rotate-every", "10", "--slow-chunk-delay-ms", "20", "--report-only")
 
@@ -20,10 +21,10 @@ def test_a_short_soak_run_answers_everything_right(tmp_path: Path) -> None:
     data = read_json(Path(f"{stem}.json"))
     series, summary = data["series"], data["summary"]
 
-    assert len(series) == 5
+    assert len(series) == 4
     for row in series:
-        assert {"t_end_s", "rss_mib", "fds", "threads", "shm_entries", "cpu_pct", "requests", "p50_ms", "p99_ms",
-                "wrong", "failed", "unavailable_by_design"} <= set(row)
+        assert {"t_end_s", "rss_mib", "fds", "threads", "shm_mapped", "shm_entries", "cpu_pct", "requests", "p50_ms",
+                "p99_ms", "wrong", "failed", "unavailable_by_design"} <= set(row)
         assert row["rss_mib"] > 0 and row["fds"] > 0 and row["threads"] > 0
     assert all(row["requests"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0 for row in series[:-1])
 
@@ -74,7 +75,7 @@ def test_only_failures_inside_an_unload_of_the_toggled_model_are_by_design() -> 
                 "failed": len(failures), "wrong_answers": [], "failures": failures, "versions": {}, "chaos": {}},
                {"window": 1, "latencies_ms": {"simple": [1.0]}, "ok": {"simple": 1}, "wrong": 0, "failed": 0,
                 "wrong_answers": [], "failures": [], "versions": {}, "chaos": {}}]
-    samples = [{"window": i, "rss_mib": 100.0, "fds": 30, "threads": 10, "shm_entries": 2} for i in range(2)]
+    samples = [{"window": i, "rss_mib": 100.0, "fds": 30, "threads": 10, "shm_mapped": 2} for i in range(2)]
     series = merge_windows(samples, windows, events, 2, 10.0, "simple_string")
     assert (series[0]["failed"], series[0]["unavailable_by_design"]) == (2, 3)
     summary = summarize(series, windows, events, Criteria(warmup_windows=1, shm_slack=0), "simple_string")
@@ -89,7 +90,7 @@ def test_growth_past_five_percent_after_the_warm_up_fails_the_bar() -> None:
     rss = [100.0, 104.0, 106.0]  # the warm-up ends at 100: 106 is 6% more
     windows = [{"window": i, "latencies_ms": {"simple": [1.0, 1.2]}, "ok": {"simple": 2}, "wrong": 0, "failed": 0,
                 "wrong_answers": [], "failures": [], "versions": {}, "chaos": {}} for i in range(3)]
-    samples = [{"window": i, "rss_mib": value, "fds": 30, "threads": 10, "shm_entries": 2}
+    samples = [{"window": i, "rss_mib": value, "fds": 30, "threads": 10, "shm_mapped": 2}
                for i, value in enumerate(rss)]
     series = merge_windows(samples, windows, [], 3, 10.0, "simple_string")
     summary = summarize(series, windows, [], Criteria(warmup_windows=1, shm_slack=0), "simple_string")
