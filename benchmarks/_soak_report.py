@@ -192,9 +192,10 @@ def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{name} {count:,}" for name, count in sorted(counts.items())) or "none"
 
 
-def plot(series: list[dict[str, Any]], events: list[dict[str, Any]], warm: int, window_s: float, path: Path) -> None:
-    """RSS, descriptors, threads, /dev/shm entries, p50/p99 and errors against time; the end of the warm-up and
-    the published versions marked."""
+def plot(series: list[dict[str, Any]], events: list[dict[str, Any]], warm: int, window_s: float, t0: float,
+         toggled: str, path: Path) -> None:
+    """RSS, descriptors, threads, shared memory, p50/p99 and errors against time; the end of the warm-up, the
+    bar's ceiling for RSS and descriptors, the published versions and the toggled model's outages marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,14 +211,18 @@ def plot(series: list[dict[str, Any]], events: list[dict[str, Any]], warm: int, 
             ax.plot(t, [row.get(key) if row.get(key) is not None else np.nan for row in series], marker=".",
                     label=key)
         ax.axvline(warm * window_s, color="grey", linestyle="--", linewidth=1)
+        if keys[0] in ("rss_mib", "fds") and series[warm - 1].get(keys[0]) is not None:  # the bar's ceiling
+            ax.axhline(series[warm - 1][keys[0]] * (1 + FLAT_WITHIN), color="tab:red", linestyle=":", linewidth=1)
         for event in events:
             if event["action"] == "publish":
                 ax.axvline(event["end_s"], color="tab:green", alpha=0.15, linewidth=1)
+        for start, end in outages(events, toggled):
+            ax.axvspan(start - t0, min(end - t0, t[-1]), color="tab:orange", alpha=0.1)
         ax.set_title(title)
         if len(keys) > 1:
             ax.legend(fontsize=8)
     for ax in axes[-1]:
-        ax.set_xlabel("seconds (dashed: end of warm-up; green: a published version)")
+        ax.set_xlabel("seconds (dashed: end of warm-up; dotted: +5%; green: a new version; orange: unloaded)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

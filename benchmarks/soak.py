@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   "summary": summary, "series": series, "events": run.events},
                                                  indent=1, default=str) + "\n")
     Path(f"{output}.txt").write_text(text)
-    plot(series, run.events, warmup_windows, args.sample_seconds, Path(f"{output}.png"))
+    plot(series, run.events, warmup_windows, args.sample_seconds, run.t0, TOGGLED, Path(f"{output}.png"))
     return 0 if summary["passed"] or args.report_only else 1
 
 
