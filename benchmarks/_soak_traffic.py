@@ -513,8 +513,8 @@ def run_chaos(config: dict[str, Any], tally: Tally) -> None:
 
 
 def _await_start(config: dict[str, Any]) -> None:
-    """Say this process is ready (imports done), then wait for the common start: ``t0`` and ``stop_at``, written by
-    the parent once every client is ready."""
+    """Say this process is ready (imports done), then wait for the common start: the server's addresses, ``t0`` and
+    ``stop_at``, written by the parent once the server and every client are ready."""
     Path(config["ready_file"]).touch()
     start_file, deadline = Path(config["start_file"]), time.monotonic() + 300
     while not start_file.exists():

@@ -104,10 +104,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                    ["--repository-poll-secs", str(args.poll_seconds)])
         serve_args = ["--model-control-mode", args.control_mode, *control, "--allow-client-shm", "true",
                       "--exit-timeout-secs", "5", *args.serve_arg]
-        shm_before = _shm_names()
-        with kiln_serve([repo], *serve_args, log_path=Path(tmp) / "serve.log") as server:
-            run = _Run(args, server, repo, Path(tmp), windows, shm_before)
-            run.go()
+        run = _Run(args, repo, Path(tmp), windows, _shm_names())
+        clients = run.start_clients()  # they import while the server starts
+        try:
+            with kiln_serve([repo], *serve_args, log_path=Path(tmp) / "serve.log") as server:
+                run.go(server, clients)
+        finally:
+            for client in clients:
+                if client.poll() is None:  # the server did not start
+                    client.kill()
+                    client.wait()
         log_tail = (Path(tmp) / "serve.log").read_text(errors="replace")[-3000:]
         client_windows = run.client_windows()
     series = merge_windows(run.samples, client_windows, run.events, windows, args.sample_seconds, TOGGLED)
@@ -178,7 +184,6 @@ class _Run:
     """One soak run: the client processes, the control thread (publish, unload/load) and the sampler."""
 
     args: argparse.Namespace
-    server: KilnProcess
     repo: Path
     tmp: Path
     windows: int
@@ -188,9 +193,10 @@ class _Run:
     _outs: list[Path] = field(default_factory=list)
     t0: float = 0.0  # monotonic start of the first window, set once every client is ready
     stop_at: float = 0.0
+    server: KilnProcess = field(init=False)
 
-    def go(self) -> None:
-        clients = self._start_clients()
+    def go(self, server: KilnProcess, clients: list[subprocess.Popen[bytes]]) -> None:
+        self.server = server
         control = threading.Thread(target=self._control, daemon=True)
         try:
             self._start_together(clients)
@@ -214,9 +220,9 @@ class _Run:
                 log = (self.tmp / f"client-{index}.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"soak client {index} exited with status {client.returncode}:\n{log}")
 
-    def _start_clients(self) -> list[subprocess.Popen[bytes]]:
+    def start_clients(self) -> list[subprocess.Popen[bytes]]:
+        """The client processes; each waits for the start signal (:meth:`_start_together`) once it is ready."""
         base = {"start_file": str(self.tmp / "start.json"), "window_s": self.args.sample_seconds,
-                "http_url": self.server.http_url, "grpc_url": self.server.grpc_url,
                 "mlp_onnx": str(self.repo / PUBLISHED / "1" / "model.onnx"), "rate": self.args.rate,
                 "request_timeout_s": self.args.request_timeout, "shm_rotate_every": self.args.shm_rotate_every,
                 "cut_rate": self.args.cut_rate, "cancel_rate": self.args.cancel_rate,
@@ -237,7 +243,7 @@ class _Run:
 
     def _start_together(self, clients: list[subprocess.Popen[bytes]]) -> None:
         """Wait until every client has imported what it needs (a busy machine takes seconds), then give them all
-        the same start and end: ``t0`` is the start of the first sample window."""
+        the server's addresses and the same start and end: ``t0`` is the start of the first sample window."""
         deadline = time.monotonic() + 300
         while not all((self.tmp / f"client-{index}.ready").exists() for index in range(len(clients))):
             for index, client in enumerate(clients):
@@ -250,7 +256,8 @@ class _Run:
         self.t0 = time.monotonic() + 0.5
         self.stop_at = self.t0 + self.windows * self.args.sample_seconds
         staging = self.tmp / "start.json.tmp"
-        staging.write_text(json.dumps({"t0": self.t0, "stop_at": self.stop_at}))
+        staging.write_text(json.dumps({"t0": self.t0, "stop_at": self.stop_at, "http_url": self.server.http_url,
+                                       "grpc_url": self.server.grpc_url}))
         staging.rename(self.tmp / "start.json")  # whole, or not there
 
     def client_windows(self) -> list[dict[str, Any]]:
