@@ -79,7 +79,7 @@ def merge_windows(samples: list[dict[str, Any]], client_windows: list[dict[str, 
 
 
 def summarize(series: list[dict[str, Any]], client_windows: list[dict[str, Any]], events: list[dict[str, Any]],
-              criteria: Criteria, toggled: str) -> dict[str, Any]:
+              criteria: Criteria, toggled: str, server_exit: int | None = None) -> dict[str, Any]:
     """Totals, per-operation latency, and each criterion of the bar with PASS or FAIL."""
     warm = criteria.warmup_windows
     grouped = _by_window(client_windows, len(series))
@@ -89,6 +89,8 @@ def summarize(series: list[dict[str, Any]], client_windows: list[dict[str, Any]]
     failures = [f for r in client_windows for f in r["failures"] if not _by_design(f, toggled, spans)]
     control_errors = [e for e in events if e["error"]]
     checks = [
+        {"name": "the server stayed up", "passed": server_exit is None,
+         "detail": "yes" if server_exit is None else f"it exited with status {server_exit} mid-run"},
         _flat("RSS", series, warm, "rss_mib", " MiB"),
         _flat("open descriptors", series, warm, "fds", ""),
         _shm_flat(series, warm, criteria.shm_slack),

@@ -16,6 +16,7 @@ import http.client
 import json
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -347,11 +348,19 @@ class _ShmRegions:
             register = functools.partial(client.register_system_shared_memory, name, f"/{name}", 2 * self.TENSOR_BYTES)
             self.traffic.measure("shm register", "<shm>", register, lambda _: None)
 
-    def close(self) -> None:
+    def close(self, counted: bool = False) -> None:
+        """Unregister and destroy the pair; ``counted``: each unregister call is a well-formed request (not at the
+        end of the run, when the server may already be stopping)."""
+        client = self.traffic.client
         for name in self.names:
             try:
-                self.traffic.client.unregister_system_shared_memory(name)
-            except Exception:  # the server may be gone at the end; the region is destroyed below either way
+                if counted:
+                    self.traffic.measure("shm unregister", "<shm>",
+                                         functools.partial(client.unregister_system_shared_memory, name),
+                                         lambda _: None)
+                else:
+                    client.unregister_system_shared_memory(name)
+            except Exception:  # counted above when it matters; the region is destroyed below either way
                 pass
         for handle in self.handles:
             shm.destroy_shared_memory_region(handle)
@@ -359,7 +368,7 @@ class _ShmRegions:
 
     def simple_in_shm(self) -> None:
         if self.uses >= self.rotate_every:
-            self.close()
+            self.close(counted=True)
         if not self.handles:
             self._open()
         self.uses += 1
@@ -526,6 +535,8 @@ def _await_start(config: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     config = json.loads(Path(argv[0]).read_text())
+    # SIGTERM (the parent stopping the run early) ends the process through the `finally` that writes the counts.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     _await_start(config)
     tally = Tally(float(config["t0"]), float(config["window_s"]), Path(config["out"]))
     try:

@@ -97,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     windows = max(2, round(duration_s / args.sample_seconds))
     warmup_s = (args.warmup_minutes * 60 if args.warmup_minutes is not None else min(300.0, duration_s / 3))
     warmup_windows = min(windows - 1, max(1, round(warmup_s / args.sample_seconds)))
-    output = args.output or BENCH_DIR / "results" / f"soak-{args.machine}-{datetime.date.today():%Y-%m-%d}"
+    today = datetime.datetime.now(datetime.timezone.utc)
+    output = args.output or BENCH_DIR / "results" / f"soak-{args.machine}-{today:%Y-%m-%d}"
     with tempfile.TemporaryDirectory(prefix="kiln-soak-") as tmp:
         repo = _repository(Path(tmp) / "repo")
         control = (["--load-model", "*"] if args.control_mode == "explicit" else
@@ -118,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         client_windows = run.client_windows()
     series = merge_windows(run.samples, client_windows, run.events, windows, args.sample_seconds, TOGGLED)
     criteria = Criteria(warmup_windows=warmup_windows, shm_slack=2 * (args.http_clients + args.grpc_clients))
-    summary = summarize(series, client_windows, run.events, criteria, TOGGLED)
+    summary = summarize(series, client_windows, run.events, criteria, TOGGLED, run.server_exit)
     summary["server_at_start"] = next((sample for sample in run.samples if sample["window"] == -1), None)
     info = describe("kiln soak test", duration_minutes=args.minutes, sample_seconds=args.sample_seconds,
                     warmup_windows=warmup_windows)
@@ -194,6 +195,8 @@ class _Run:
     t0: float = 0.0  # monotonic start of the first window, set once every client is ready
     stop_at: float = 0.0
     server: KilnProcess = field(init=False)
+    server_exit: int | None = None  # the server's exit status when it died mid-run
+    _stopping: threading.Event = field(default_factory=threading.Event)
 
     def go(self, server: KilnProcess, clients: list[subprocess.Popen[bytes]]) -> None:
         self.server = server
@@ -202,11 +205,13 @@ class _Run:
             self._start_together(clients)
             control.start()
             self._sample_until_stop()
-        except BaseException:  # the server died, or Ctrl-C: the clients stop now, not at the end of the run
-            for client in clients:
-                client.kill()
+            if self.server_exit is not None:
+                self._kill(clients)
+        except BaseException:  # Ctrl-C: the clients stop now, not at the end of the run
+            self._kill(clients)
             raise
         finally:
+            self._stopping.set()
             for client in clients:
                 try:
                     client.wait(timeout=max(5.0, self.stop_at - time.monotonic() + self.args.request_timeout + 10))
@@ -216,9 +221,20 @@ class _Run:
             if control.ident is not None:  # started
                 control.join(timeout=60)
         for index, client in enumerate(clients):
-            if client.returncode != 0:
+            if client.returncode != 0 and self.server_exit is None:
                 log = (self.tmp / f"client-{index}.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"soak client {index} exited with status {client.returncode}:\n{log}")
+
+    @staticmethod
+    def _kill(clients: list[subprocess.Popen[bytes]]) -> None:
+        """SIGTERM, so each writes what it has counted so far; SIGKILL for one that does not end."""
+        for client in clients:
+            client.terminate()
+        for client in clients:
+            try:
+                client.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                client.kill()
 
     def start_clients(self) -> list[subprocess.Popen[bytes]]:
         """The client processes; each waits for the start signal (:meth:`_start_together`) once it is ready."""
@@ -270,8 +286,10 @@ class _Run:
         cpu_before = _cpu_seconds(process)
         for index in range(self.windows + 1):
             time.sleep(max(0.0, self.t0 + index * self.args.sample_seconds - time.monotonic()))
-            if self.server.process.poll() is not None:
-                raise RuntimeError(f"kiln serve exited with status {self.server.process.returncode} mid-run")
+            if self.server.process.poll() is not None:  # a result in itself: reported, with what led to it
+                self.server_exit = self.server.process.returncode
+                print(f"kiln serve exited with status {self.server_exit} at t={time.monotonic() - self.t0:.1f}s")
+                return
             sample = _process_sample(process, self.shm_before)
             cpu_now = _cpu_seconds(process)
             sample |= {"window": index - 1, "t_s": round(time.monotonic() - self.t0, 2),
@@ -297,9 +315,8 @@ class _Run:
         with HttpClient(f"http://{self.server.http_url}", timeout_s=120.0) as client:
             while schedule:
                 at, order, every, action = heapq.heappop(schedule)
-                if at >= self.stop_at - 1.0:
+                if at >= self.stop_at - 1.0 or self._stopping.wait(max(0.0, at - time.monotonic())):
                     break
-                time.sleep(max(0.0, at - time.monotonic()))
                 action(client)
                 heapq.heappush(schedule, (at + every, order, every, action))
 

@@ -31,11 +31,11 @@ def test_a_short_soak_run_answers_everything_right(tmp_path: Path) -> None:
     assert summary["wrong_answers"] == 0, summary["criteria"]
     assert summary["failed_requests"] == 0, summary["criteria"]
     names = [check["name"] for check in summary["criteria"]]
-    assert len(names) == 7 and any("RSS" in n for n in names) and any("p99" in n for n in names)
+    assert len(names) == 8 and any("RSS" in n for n in names) and any("p99" in n for n in names)
 
     # Every kind of traffic was answered, over both protocols.
     assert {"simple json", "simple binary", "simple", "simple shm", "mlp a/b", "ensemble", "simple_string",
-            "sequence", "repeat stream", "shm register"} <= set(summary["operations"])
+            "sequence", "repeat stream", "shm register", "shm unregister"} <= set(summary["operations"])
     chaos = summary["chaos"]
     for event in ("cut mid-headers", "cut mid-body", "cut after request", "stream cancelled", "slow: answered"):
         assert chaos.get(event, 0) > 0, chaos
@@ -47,7 +47,7 @@ def test_a_short_soak_run_answers_everything_right(tmp_path: Path) -> None:
     assert {e["action"] for e in data["events"]} == {"publish", "unload", "load"}
 
     text = Path(f"{stem}.txt").read_text()
-    assert text.count("PASS  ") + text.count("FAIL  ") == 7
+    assert text.count("PASS  ") + text.count("FAIL  ") == 8
     assert Path(f"{stem}.png").read_bytes().startswith(b"\x89PNG")
 
 
