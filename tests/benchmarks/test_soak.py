@@ -8,6 +8,8 @@ from pathlib import Path
 
 from ._smoke import read_json, run_main
 
+# The tests below import the benchmark's helper modules inside: ._smoke puts benchmarks/ on sys.path first.
+
 # 12 s of traffic (4 windows of 3 s, the first the warm-up) plus the server's and the clients' start and the
 # report: about 30 s on a busy 2-core machine.
 SHORT_RUN = ("--minutes", "0.2", "--sample-seconds", "3", "--warmup-minutes", "0.05", "--publish-every", "3",
@@ -98,3 +100,22 @@ def test_growth_past_five_percent_after_the_warm_up_fails_the_bar() -> None:
     assert verdicts["RSS flat within 5%"] is False
     assert verdicts["open descriptors flat within 5%"] is True
     assert summary["passed"] is False
+
+
+def test_the_answer_checks_catch_a_wrong_answer() -> None:
+    import numpy as np
+    import pytest
+    from _soak_traffic import WrongAnswer, check_class, check_close, check_equal
+
+    want = np.arange(16, dtype=np.int32).reshape(1, 16)
+    check_equal("OUTPUT0", want.copy(), want)
+    for got in (want + 1, want.reshape(16), None):
+        with pytest.raises(WrongAnswer, match="OUTPUT0"):
+            check_equal("OUTPUT0", got, want)
+    probs = np.array([[0.1, 0.7, 0.2]])
+    check_close("PROBS", probs * (1 + 1e-6), probs)
+    with pytest.raises(WrongAnswer):
+        check_close("PROBS", probs + 1e-3, probs)
+    check_class(np.array([[1]], dtype=np.int32), probs)
+    with pytest.raises(WrongAnswer, match="CLASS"):
+        check_class(np.array([[2]], dtype=np.int32), probs)
