@@ -99,24 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup_windows = min(windows - 1, max(1, round(warmup_s / args.sample_seconds)))
     today = datetime.datetime.now(datetime.timezone.utc)
     output = args.output or BENCH_DIR / "results" / f"soak-{args.machine}-{today:%Y-%m-%d}"
-    with tempfile.TemporaryDirectory(prefix="kiln-soak-") as tmp:
-        repo = _repository(Path(tmp) / "repo")
-        control = (["--load-model", "*"] if args.control_mode == "explicit" else
-                   ["--repository-poll-secs", str(args.poll_seconds)])
-        serve_args = ["--model-control-mode", args.control_mode, *control, "--allow-client-shm", "true",
-                      "--exit-timeout-secs", "5", *args.serve_arg]
-        run = _Run(args, repo, Path(tmp), windows, _shm_names())
-        clients = run.start_clients()  # they import while the server starts
-        try:
-            with kiln_serve([repo], *serve_args, log_path=Path(tmp) / "serve.log") as server:
-                run.go(server, clients)
-        finally:
-            for client in clients:
-                if client.poll() is None:  # the server did not start
-                    client.kill()
-                    client.wait()
-        log_tail = (Path(tmp) / "serve.log").read_text(errors="replace")[-3000:]
-        client_windows = run.client_windows()
+    run, client_windows, log_tail = _soak(args, windows)
     series = merge_windows(run.samples, client_windows, run.events, windows, args.sample_seconds, TOGGLED)
     criteria = Criteria(warmup_windows=warmup_windows, shm_slack=2 * (args.http_clients + args.grpc_clients))
     summary = summarize(series, client_windows, run.events, criteria, TOGGLED, run.server_exit)
@@ -134,6 +117,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     Path(f"{output}.txt").write_text(text)
     plot(series, run.events, warmup_windows, args.sample_seconds, run.t0, TOGGLED, Path(f"{output}.png"))
     return 0 if summary["passed"] or args.report_only else 1
+
+
+def _soak(args: argparse.Namespace, windows: int) -> tuple[_Run, list[dict[str, Any]], str]:
+    """The run itself, in a scratch folder: what was sampled and done, the clients' records, the server log's
+    tail."""
+    with tempfile.TemporaryDirectory(prefix="kiln-soak-") as tmp:
+        repo = _repository(Path(tmp) / "repo")
+        control = (["--load-model", "*"] if args.control_mode == "explicit" else
+                   ["--repository-poll-secs", str(args.poll_seconds)])
+        serve_args = ["--model-control-mode", args.control_mode, *control, "--allow-client-shm", "true",
+                      "--exit-timeout-secs", "5", *args.serve_arg]
+        run = _Run(args, repo, Path(tmp), windows, _shm_names())
+        clients = run.start_clients()  # they import while the server starts
+        try:
+            with kiln_serve([repo], *serve_args, log_path=Path(tmp) / "serve.log") as server:
+                run.go(server, clients)
+        finally:
+            for client in clients:
+                if client.poll() is None:  # the server did not start
+                    client.kill()
+                    client.wait()
+        return run, run.client_windows(), (Path(tmp) / "serve.log").read_text(errors="replace")[-3000:]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -161,7 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--toggle-every", type=float, default=90.0, help=f"seconds between unloads of {TOGGLED}")
     add("--toggle-down", type=float, default=5.0, help=f"seconds {TOGGLED} stays unloaded")
     add("--request-timeout", type=float, default=30.0, help="client timeout of a well-formed request")
-    add("--serve-arg", action="append", default=[], help="one more `kiln serve` argument (repeatable)")
+    add("--serve-arg", action="append", default=[],
+        help="one more `kiln serve` argument (repeatable), e.g. --serve-arg=--http-workers=2")
     add("--machine", default=f"{os.cpu_count()}cpu", help="the machine's name in the default output")
     add("--output", type=Path, default=None, help="output stem: STEM.json, STEM.png, STEM.txt")
     add("--report-only", action="store_true", help="exit 0 even when a criterion fails")
