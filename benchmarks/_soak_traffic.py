@@ -34,7 +34,8 @@ import tritonclient.utils.shared_memory as shm
 from onnx import numpy_helper
 
 Array = np.ndarray[Any, Any]
-MAX_RECORDED = 50  # wrong answers and failures kept per window and process (all are counted)
+MAX_RECORDED = 50  # wrong answers kept per window and process (all are counted; every failure is kept, for
+# the parent to classify)
 
 
 class WrongAnswer(Exception):
