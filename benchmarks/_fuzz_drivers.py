@@ -133,6 +133,7 @@ class InProcessHttp:
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kiln")
         self._stack.callback(lambda: self.loop.run_until_complete(self.client.aclose()))
         self.rng = random.Random(tag)
+        self.answers: list[tuple[HttpCase, Answer]] = []  # of the last run, for the long run's corpus
 
     def close(self) -> None:
         self._stack.close()
@@ -160,12 +161,14 @@ class InProcessHttp:
 
     async def _run(self, case: HttpCase, check: bool) -> list[Finding]:
         findings: list[Finding] = []
+        self.answers = []
         for step in (case, *case.steps):
             if check:
                 answer, checked = await asyncio.gather(self._send(step), self._check())
                 findings += [checked] if checked is not None else []
             else:
                 answer = await self._send(step)
+            self.answers.append((step, answer))
             finding = judge_http(step, answer, self.files)
             findings += [finding] if finding is not None else []
         if case.surface == "shm":
@@ -206,6 +209,7 @@ class WireHttp:
         self.files = served_files(repo)
         self.client = httpx.Client(base_url=f"http://{server.http_url}", timeout=TIMEOUT_S)
         self.rng = random.Random(tag)
+        self.answers: list[tuple[HttpCase, Answer]] = []
 
     def close(self) -> None:
         self.client.close()
@@ -228,8 +232,11 @@ class WireHttp:
 
     def run(self, case: HttpCase, check: bool = False) -> list[Finding]:
         findings: list[Finding] = []
+        self.answers = []
         for step in (case, *case.steps):
-            finding = judge_http(step, self.send(step), self.files)
+            answer = self.send(step)
+            self.answers.append((step, answer))
+            finding = judge_http(step, answer, self.files)
             findings += [finding] if finding is not None else []
         if case.surface == "shm":
             findings += self._shm_clean()
@@ -261,6 +268,8 @@ class WireHttp:
             cut = data.index(b"\r\n\r\n") + 4
             data = mutate_bytes(rng, data[:cut]) + data[cut:]
         status = _raw_exchange(self.server.http_url, data)
+        self.answers = [(HttpCase("http_raw", "RAW", case.path, (), data), Answer(
+            status=int(status) if status.isdigit() else None, body=status.encode()))]
         findings: list[Finding] = []
         if status == "hang" or (status.isdigit() and int(status) >= 500 and int(status) != 501):
             findings.append(Finding("http_raw", "hang" if status == "hang" else "5xx",
@@ -292,6 +301,7 @@ class Grpc:
         self.server = server
         self.channel = grpc.insecure_channel(server.grpc_url)
         self.rng = random.Random(tag)
+        self.last: Answer = Answer()
 
     def close(self) -> None:
         self.channel.close()
@@ -314,7 +324,8 @@ class Grpc:
             return Answer(grpc_code=code.name, body=(exc.details() or "").encode())
 
     def run(self, case: GrpcCase, check: bool = False) -> list[Finding]:
-        finding = judge_grpc(case, self.send(case))
+        self.last = self.send(case)
+        finding = judge_grpc(case, self.last)
         findings = [finding] if finding is not None else []
         return findings + (self.check() if check else [])
 

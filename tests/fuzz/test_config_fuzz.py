@@ -40,3 +40,10 @@ def test_layout_case_runs_the_reader(tmp_path: Path) -> None:
     and a crash in the reader would be reported."""
     case = ConfigCase("layout", 'backend: "identity"', {"abc": None})
     assert run_config(case, tmp_path) == []
+
+
+@pytest.mark.parametrize("value", ["99999999999999999999", "-9223372036854775809", "4294967296"])
+def test_enum_given_an_out_of_range_integer_is_a_config_error(value: str) -> None:
+    """Found by the fuzzer: protobuf's text parser raised a bare ValueError for these."""
+    with pytest.raises(ConfigError, match=rf"config.pbtxt: syntax error: Value out of range: {value}"):
+        parse_config_text(f'output [ {{ name: "O" data_type: {value} dims: [ 4 ] }} ]')
