@@ -28,8 +28,8 @@ SHM_BYTES = 256
 INTS = (0, 1, -1, 2, 15, 16, 17, 64, 255, 256, 2**31 - 1, 2**31, -(2**31), 2**32, 2**53 + 1, 2**63 - 1, 2**63,
         2**64 - 1, 2**64, 2**70, -(2**70))
 INT64S = tuple(v for v in INTS if -(2**63) <= v < 2**63)
-ODD = (None, True, False, "", "x", "1", "-1", "\u00e9\u6f22", "\x00", "../..", [], [1], {}, {"a": 1}, 1.5, -0.0,
-       1e308, "A" * 300)
+ODD: tuple[Any, ...] = (None, True, False, "", "x", "1", "-1", "\u00e9\u6f22", "\x00", "../..", [], [1], {},
+                        {"a": 1}, 1.5, -0.0, 1e308, "A" * 300)
 NAMES = ("INPUT0", "INPUT1", "OUTPUT0", "OUTPUT1", "", "input0", "INPUT0\x00", "INPUT2", "\u00e9", "x" * 500)
 DATATYPES = ("INT32", "INT32", "BYTES", "FP32", "FP16", "BF16", "BOOL", "INT8", "UINT64", "int32", "", "TYPE_INT32",
              "FP128")
@@ -158,7 +158,7 @@ def _mutate_doc(rng: random.Random, doc: dict[str, Any]) -> None:
     elif op == 3:
         tensor["datatype"], tensor["name"] = rng.choice(DATATYPES), rng.choice(NAMES)
     elif op == 4:
-        data = tensor.get("data") if isinstance(tensor.get("data"), list) else []
+        data: list[Any] = tensor["data"] if isinstance(tensor.get("data"), list) else []
         k = rng.randint(0, len(data))
         tensor["data"] = data[:k] + [odd_value(rng) for _ in range(rng.randint(0, 3))] + data[k:]
     elif op == 5:
@@ -347,10 +347,11 @@ def shm_case(rng: random.Random, tag: str) -> HttpCase:
 
 def npz_bytes(rng: random.Random) -> bytes:
     buffer = io.BytesIO()
-    arrays = {f"{part}/INPUT0": np.arange(rng.randint(0, 8), dtype=np.int32) for part in ("input", "local", "cloud")}
+    arrays: dict[str, Any] = {f"{part}/INPUT0": np.arange(rng.randint(0, 8), dtype=np.int32)
+                              for part in ("input", "local", "cloud")}
     if rng.random() < 0.3:
         arrays[rng.choice(("x", "input/", "../a", "cloud/OUT"))] = np.zeros(2)
-    np.savez(buffer, **arrays)  # type: ignore[arg-type]
+    np.savez(buffer, **arrays)
     return buffer.getvalue()
 
 

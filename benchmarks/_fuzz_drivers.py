@@ -21,17 +21,17 @@ from typing import Any
 import grpc
 import httpx
 import numpy as np
-
 from _fuzz_cases import GRPC_INFER, SHM_BYTES, SHM_KEY, WIDTH, ConfigCase, GrpcCase, HttpCase, mutate_bytes
 from _fuzz_oracle import Answer, Finding, judge_grpc, judge_http
+
 from kiln.config.model_dir import open_model_dir
 from kiln.config.parse import parse_config_text
 from kiln.errors import KilnError
 from kiln.server.capture import CaptureStore
 from kiln.server.repository import scan_repositories
 from kiln.server.server import Server, ServerOptions
-from kiln.testing import onnx_add_sub_model, write_model
 from kiln.tensor import DataType
+from kiln.testing import onnx_add_sub_model, write_model
 from kiln.testing.serve import KilnProcess, kiln_serve
 from kiln.v2._generated import grpc_service_pb2 as pb
 
@@ -42,8 +42,10 @@ LIMIT = 64 * 1024  # --http-max-input-size of the fuzzed servers: small, so over
 SIMPLE_CONFIG = """name: "simple"
 backend: "onnxruntime"
 max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
+        { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
+         { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
 """
 STRINGS_CONFIG = """name: "strings"
 backend: "identity"
@@ -286,7 +288,7 @@ def _raw_exchange(address: str, data: bytes) -> str:
             sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
             reply = sock.recv(64)
-        except socket.timeout:
+        except TimeoutError:
             return "hang"
         except (ConnectionResetError, BrokenPipeError):
             return "closed"
@@ -340,8 +342,9 @@ class Grpc:
             reply = self.channel.unary_unary(GRPC_INFER)(request.SerializeToString(), timeout=TIMEOUT_S)
             response = pb.ModelInferResponse.FromString(reply)
             names = [o.name for o in response.outputs]
-            got = {n: np.frombuffer(raw, np.int32) for n, raw in zip(names, response.raw_output_contents)}
-            if np.array_equal(got.get("OUTPUT0"), a + b) and np.array_equal(got.get("OUTPUT1"), a - b):
+            got = {n: np.frombuffer(raw, np.int32).tolist()
+                   for n, raw in zip(names, response.raw_output_contents, strict=False)}
+            if got.get("OUTPUT0") == (a + b).tolist() and got.get("OUTPUT1") == (a - b).tolist():
                 return []
             detail = f"got {got}"
         except grpc.RpcError as exc:
@@ -352,7 +355,7 @@ class Grpc:
 def _stream_error(reply: bytes) -> str:
     try:
         return pb.ModelStreamInferResponse.FromString(reply).error_message
-    except Exception:  # noqa: BLE001 - a reply we cannot read is itself worth reporting
+    except Exception:
         return "internal error: unreadable stream reply"
 
 

@@ -13,15 +13,16 @@ Empty it as the fixes land: the tests then hold the server to the whole oracle.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from _fuzz_cases import GrpcCase, HttpCase
 from google.protobuf.message import DecodeError
 
-from _fuzz_cases import GrpcCase, HttpCase
 from kiln.v2._generated import grpc_service_pb2 as pb
 
 LEGIT_UNSUPPORTED = re.compile(
@@ -60,10 +61,11 @@ class Finding:
     kind: str  # 5xx, internal, hang, crash, accepted-invalid, wrong-error, file-leak, shm-leak, checker
     detail: str
     known: str | None = None  # the KNOWN_FINDINGS class it belongs to
+    shape: str = ""  # what makes it this class (status and message, parameter types); the detail when empty
 
     def signature(self) -> str:
         """One line per distinct class: digits and quoted values folded, so one bug counts once."""
-        text = re.sub(r"'[^']*'", "'_'", self.detail)
+        text = re.sub(r"'[^']*'", "'_'", self.shape or self.detail)
         return f"{self.surface}:{self.kind}:{re.sub(r'[0-9]+', 'N', text)[:160]}"
 
 
@@ -136,19 +138,43 @@ def _judge_http(case: HttpCase, answer: Answer, served_files: frozenset[bytes]) 
         return Finding(case.surface, kind, f"{where}: {answer.failure}")
     status = answer.status or 0
     if status >= 500 and not (status == 501 and LEGIT_UNSUPPORTED.search(answer.message())):
-        return Finding(case.surface, "5xx", f"{where}: {status} {answer.message()[:200]}")
+        return Finding(case.surface, "5xx", f"{where}: {status} {answer.message()[:200]}",
+                       shape=f"{status} {answer.message()[:100]}")
     if status == 200:
         violations = http_parameter_violations(_infer_json(case))
         if violations:
-            return Finding(case.surface, "accepted-invalid", f"{where}: served with {', '.join(violations)}")
+            return Finding(case.surface, "accepted-invalid", f"{where}: served with {', '.join(violations)}",
+                           shape=_kinds(violations))
         if "/files/" in case.path and case.method == "GET" and answer.body not in served_files \
                 and not _is_listing(answer.body):
             return Finding(case.surface, "file-leak", f"{where}: 200 with {len(answer.body)} bytes that are no "
                                                       f"file of the version")
     if case.surface == "http_oversize" and "/models/simple/" not in case.path and status != 404:
         return Finding(case.surface, "wrong-error", f"{where}: {status} '{answer.message()[:120]}' for an unknown "
-                                                    f"model, expected 404")
+                                                    f"model, expected 404", shape=f"{status} {answer.message()[:60]}")
     return None
+
+
+def _kinds(violations: list[str]) -> str:
+    """'priority=-5, timeout='x'' as 'priority=negative int, timeout=str': the class, not the values."""
+    def kind(violation: str) -> str:
+        key, _, value = violation.partition("=")
+        if ":" in value and value.split(":", 1)[0].endswith("_param"):  # gRPC: kind:value
+            param, number = value.split(":", 1)
+            return f"{key}={param}" + ("<0" if number.startswith("-") else "")
+        if re.fullmatch(r"-\d+", value):
+            return f"{key}=negative int"
+        if re.fullmatch(r"\d+", value):
+            return f"{key}=int" + (" >= 2**64" if int(value) >= U64 else "")
+        return f"{key}={type(eval_literal(value)).__name__}"
+    return ", ".join(sorted(kind(v) for v in violations))
+
+
+def eval_literal(text: str) -> object:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def _is_listing(body: bytes) -> bool:
@@ -172,14 +198,15 @@ def _judge_grpc(case: GrpcCase, answer: Answer) -> Finding | None:
     code = answer.grpc_code or "?"
     message = answer.message()
     if code not in GRPC_CLIENT_CODES or (code == "UNIMPLEMENTED" and not LEGIT_UNSUPPORTED.search(message)):
-        return Finding(case.surface, "internal", f"{method}: {code} {message[:200]}")
+        return Finding(case.surface, "internal", f"{method}: {code} {message[:200]}", shape=f"{code} {message[:60]}")
     for error in answer.stream_errors:
         if error.startswith("internal error"):
             return Finding(case.surface, "internal", f"{method} stream reply: {error[:200]}")
     if method == "ModelInfer" and code == "OK":
         violations = grpc_parameter_violations(_parse(case.payloads[0]) or pb.ModelInferRequest())
         if violations:
-            return Finding(case.surface, "accepted-invalid", f"{method}: served with {', '.join(violations)}")
+            return Finding(case.surface, "accepted-invalid", f"{method}: served with {', '.join(violations)}",
+                           shape=_kinds(violations))
     return None
 
 
@@ -201,7 +228,10 @@ def _http_params_known(finding: Finding, case: Case) -> bool:
     """priority true / -1, timeout -5, sequence_id 2**70 served over HTTP."""
     if finding.kind != "accepted-invalid" or not isinstance(case, HttpCase):
         return False
-    params = (_infer_json(case) or {}).get("parameters", {})  # type: ignore[union-attr]
+    doc = _infer_json(case)
+    params = doc.get("parameters") if isinstance(doc, dict) else None
+    if not isinstance(params, dict):
+        return False
     return all(_known_http_param(key, params[key]) for key in ("priority", "timeout", "sequence_id",
                                                                "sequence_start", "sequence_end")
                if key in params and http_parameter_violations({"parameters": {key: params[key]}}))

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from _common import describe, header, table, write_outputs  # first: puts this checkout's src/ on the path
-
 from _fuzz_cases import ConfigCase, GrpcCase, HttpCase, config_case, grpc_case, http_case
 from _fuzz_drivers import LIMIT, Grpc, InProcessHttp, WireHttp, fuzz_server, run_config
 from _fuzz_oracle import Answer, Finding
@@ -125,18 +124,17 @@ def _one(rng: random.Random, surface: str, where: str, check: bool, app: InProce
         findings = run_config(config, work)
         state.count(key, findings, config, [(config.surface, "ok" if not findings else findings[0].kind)])
     elif where == "grpc":
-        case = grpc_case(rng, surface, wire_tag)
-        findings = grpc.run(case, check)
-        state.count(key, findings, case, [_answer_class(case.surface, grpc.last)])
+        message = grpc_case(rng, surface, wire_tag)
+        findings = grpc.run(message, check)
+        state.count(key, findings, message, [_answer_class(message.surface, grpc.last)])
     elif surface == "http_raw":
-        case = http_case(rng, "http_paths", LIMIT, wire_tag)
-        findings = wire.raw(case, rng)
+        findings = wire.raw(http_case(rng, "http_paths", LIMIT, wire_tag), rng)
         state.count(key, findings, wire.answers[0][0], [(s.surface, a.body.decode()) for s, a in wire.answers])
     else:
         driver: InProcessHttp | WireHttp = app if where == "app" else wire
-        case = http_case(rng, surface, LIMIT, app.tag if where == "app" else wire_tag)
-        findings = driver.run(case, check)
-        state.count(key, findings, case, [_answer_class(s.surface, a) for s, a in driver.answers])
+        request = http_case(rng, surface, LIMIT, app.tag if where == "app" else wire_tag)
+        findings = driver.run(request, check)
+        state.count(key, findings, request, [_answer_class(s.surface, a) for s, a in driver.answers])
 
 
 def _answer_class(surface: str, answer: Answer) -> tuple[str, str]:
