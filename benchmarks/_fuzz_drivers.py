@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import os
 import random
+import re
 import shutil
 import socket
 import tempfile
@@ -260,7 +261,7 @@ class WireHttp:
         leak = shm_leak(Path(f"/proc/{self.server.process.pid}/maps").read_text(), self.tag)
         return [leak] if leak is not None else []
 
-    def raw(self, case: HttpCase, rng: random.Random) -> list[Finding]:
+    def raw(self, case: HttpCase, rng: random.Random, check: bool = True) -> list[Finding]:
         """The case as raw HTTP/1.1 bytes, its head sometimes mangled, for uvicorn's parser; then the checker
         (a parser that lost its footing must not take the server down)."""
         head = f"{case.method} {case.path} HTTP/1.1\r\nHost: kiln\r\n"
@@ -276,7 +277,7 @@ class WireHttp:
         if status == "hang" or (status.isdigit() and int(status) >= 500 and int(status) != 501):
             findings.append(Finding("http_raw", "hang" if status == "hang" else "5xx",
                                     f"raw request {data[:80]!r}: {status}"))
-        return findings + self.check()
+        return findings + (self.check() if check else [])
 
 
 def _raw_exchange(address: str, data: bytes) -> str:
@@ -391,6 +392,16 @@ def run_config(case: ConfigCase, workdir: Path) -> list[Finding]:
         return []
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def config_outcome(text: str) -> str:
+    """The parser's answer to ``text`` as a class: 'ok', or the error's type and message shape."""
+    try:
+        parse_config_text(text)
+    except Exception as exc:
+        shape = re.sub(r"'[^']*'|\"[^\"]*\"|\d+", "_", str(exc).removeprefix("config.pbtxt: "))
+        return f"{type(exc).__name__}: {shape[:70]}"
+    return "ok"
 
 
 def _lay_out(model: Path, files: dict[str, bytes | str | None]) -> None:
