@@ -7,6 +7,7 @@ briefly under hypothesis with a fixed seed (derandomized, no example database), 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,9 +26,20 @@ settings.register_profile("kiln-fuzz", derandomize=True, database=None, deadline
 FUZZ = settings.get_profile("kiln-fuzz")
 
 
+KNOWN_HIT: Counter[str] = Counter()
+"""How often each KNOWN_FINDINGS class let an input through in this session (shown in the terminal summary)."""
+
+
 def unexpected(findings: list[Finding]) -> list[str]:
     """The findings outside KNOWN_FINDINGS, as lines for the assertion message."""
+    KNOWN_HIT.update(f.known for f in findings if f.known is not None)
     return [f"{f.kind} on {f.surface}: {f.detail}" for f in findings if f.known is None]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if KNOWN_HIT:
+        classes = ", ".join(f"{name} x{count}" for name, count in sorted(KNOWN_HIT.items()))
+        terminalreporter.write_line(f"fuzz: known findings let through (KNOWN_FINDINGS): {classes}")
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ import random
 from pathlib import Path
 
 import pytest
+from _fuzz_cases import ConfigCase, config_case
+from _fuzz_drivers import run_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fuzz_cases import ConfigCase, config_case
-from _fuzz_drivers import run_config
 from kiln.config.parse import parse_config_text
 from kiln.errors import ConfigError
 

@@ -3,14 +3,14 @@ memory, sample capture and model download. The checker runs alongside every tent
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from _fuzz_cases import HttpCase, http_case, infer_path
+from _fuzz_cases import HttpCase, http_case, infer_path, simple_doc
 from _fuzz_drivers import LIMIT, InProcessHttp
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from .conftest import FUZZ, unexpected
 
@@ -42,4 +42,23 @@ def test_arbitrary_infer_bodies(in_process: InProcessHttp, body: bytes, rng: ran
 def test_checker_holds_after_fuzzing(in_process: InProcessHttp) -> None:
     """After everything above, a well-formed request still gets simple's answer and no region stays mapped."""
     findings = in_process.run(HttpCase("shm", "GET", "/v2/systemsharedmemory/status"), check=True)
+    assert not unexpected(findings), unexpected(findings)
+
+
+PARAMETER_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                             st.text(max_size=3), st.lists(st.integers(0, 3), max_size=1))
+
+
+@settings(FUZZ, max_examples=120)
+@given(key=st.sampled_from(["priority", "timeout", "sequence_id", "sequence_start", "sequence_end"]),
+       value=PARAMETER_VALUES)
+@example(key="priority", value=True)
+@example(key="priority", value=-1)
+@example(key="timeout", value=-5)
+@example(key="sequence_id", value=2**70)
+def test_request_parameters(in_process: InProcessHttp, key: str, value: object) -> None:
+    """Request-level parameters of any JSON type on an otherwise correct request: served only when Triton would."""
+    doc = simple_doc(random.Random(0))
+    doc["parameters"] = {key: value}
+    findings = in_process.run(HttpCase("http_json", "POST", "/v2/models/simple/infer", (), json.dumps(doc).encode()))
     assert not unexpected(findings), unexpected(findings)

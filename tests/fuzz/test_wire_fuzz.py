@@ -6,11 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from _fuzz_cases import GRPC_INFER, GrpcCase, grpc_case, http_case
+from _fuzz_cases import GRPC_INFER, GrpcCase, grpc_case, http_case, simple_message
 from _fuzz_drivers import LIMIT, Grpc, WireHttp
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from .conftest import FUZZ, unexpected
 
@@ -56,4 +55,20 @@ def test_raw_request_heads(wire: tuple[WireHttp, Grpc], rng: random.Random) -> N
     """uvicorn's parser on mangled request lines and headers; the server must answer the checker afterwards."""
     http, _ = wire
     findings = http.raw(http_case(rng, "http_paths", LIMIT, "wire"), rng)
+    assert not unexpected(findings), unexpected(findings)
+
+
+@settings(FUZZ, max_examples=60)
+@given(key=st.sampled_from(["priority", "timeout"]),
+       kind=st.sampled_from(["int64_param", "uint64_param", "bool_param", "string_param", "double_param"]),
+       number=st.integers(-(2**63), 2**63 - 1))
+@example(key="priority", kind="int64_param", number=-5)
+@example(key="timeout", kind="int64_param", number=-5)
+def test_grpc_request_parameters(wire: tuple[WireHttp, Grpc], key: str, kind: str, number: int) -> None:
+    """priority / timeout of every parameter kind on an otherwise correct ModelInfer: served only when valid."""
+    request = simple_message(random.Random(0))
+    values = {"int64_param": number, "uint64_param": abs(number), "bool_param": number % 2 == 0,
+              "string_param": str(number), "double_param": number / 7}
+    setattr(request.parameters[key], kind, values[kind])
+    findings = wire[1].run(GrpcCase("grpc_infer", GRPC_INFER, (request.SerializeToString(),)))
     assert not unexpected(findings), unexpected(findings)
