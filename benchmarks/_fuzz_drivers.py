@@ -302,6 +302,7 @@ class Grpc:
 
     def __init__(self, server: KilnProcess, tag: str) -> None:
         self.server = server
+        self.tag = tag
         self.channel = grpc.insecure_channel(server.grpc_url)
         self.rng = random.Random(tag)
         self.last: Answer = Answer()

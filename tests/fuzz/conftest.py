@@ -6,6 +6,7 @@ briefly under hypothesis with a fixed seed (derandomized, no example database), 
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -26,6 +27,10 @@ settings.register_profile("kiln-fuzz", derandomize=True, database=None, deadline
 FUZZ = settings.get_profile("kiln-fuzz")
 
 
+# The shared-memory object's name is one per test process (runs beside each other must not truncate each other's
+# object under a mapping), of a fixed length so that the generated inputs' bytes do not depend on the process.
+_PROCESS = f"{os.getpid() % 10**7:07d}"
+
 KNOWN_HIT: Counter[str] = Counter()
 """How often each KNOWN_FINDINGS class let an input through in this session (shown in the terminal summary)."""
 
@@ -44,7 +49,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 @pytest.fixture(scope="module")
 def in_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessHttp]:
-    driver = InProcessHttp(tmp_path_factory.mktemp("fuzz-app"), "inproc")
+    driver = InProcessHttp(tmp_path_factory.mktemp("fuzz-app"), f"app{_PROCESS}")
     yield driver
     driver.close()
 
@@ -52,8 +57,9 @@ def in_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessHt
 @pytest.fixture(scope="session")
 def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WireHttp, Grpc]]:
     workdir = tmp_path_factory.mktemp("fuzz-wire")
-    with fuzz_server(workdir, "wire") as server:
-        http, grpc = WireHttp(server, workdir / "repo", "wire"), Grpc(server, "wire")
+    tag = f"wire{_PROCESS}"
+    with fuzz_server(workdir, tag) as server:
+        http, grpc = WireHttp(server, workdir / "repo", tag), Grpc(server, tag)
         yield http, grpc
         http.close()
         grpc.close()

@@ -23,7 +23,7 @@ def test_grpc_surface(wire: tuple[WireHttp, Grpc], surface: str) -> None:
     @settings(FUZZ, max_examples=GRPC_SURFACES[surface])
     @given(rng=st.randoms(use_true_random=False), check=st.integers(0, 4))
     def fuzz(rng: random.Random, check: int) -> None:
-        findings = grpc.run(grpc_case(rng, surface, "wire"), check=check == 0)
+        findings = grpc.run(grpc_case(rng, surface, grpc.tag), check=check == 0)
         assert not unexpected(findings), unexpected(findings)
 
     fuzz()
@@ -43,7 +43,7 @@ def test_http_over_the_wire(wire: tuple[WireHttp, Grpc], surface: str) -> None:
     @settings(FUZZ, max_examples=25)
     @given(rng=st.randoms(use_true_random=False))
     def fuzz(rng: random.Random) -> None:
-        findings = http.run(http_case(rng, surface, LIMIT, "wire"), check=True)
+        findings = http.run(http_case(rng, surface, LIMIT, http.tag), check=True)
         assert not unexpected(findings), unexpected(findings)
 
     fuzz()
@@ -54,7 +54,7 @@ def test_http_over_the_wire(wire: tuple[WireHttp, Grpc], surface: str) -> None:
 def test_raw_request_heads(wire: tuple[WireHttp, Grpc], rng: random.Random) -> None:
     """uvicorn's parser on mangled request lines and headers; the server must answer the checker afterwards."""
     http, _ = wire
-    findings = http.raw(http_case(rng, "http_paths", LIMIT, "wire"), rng)
+    findings = http.raw(http_case(rng, "http_paths", LIMIT, http.tag), rng)
     assert not unexpected(findings), unexpected(findings)
 
 
