@@ -22,6 +22,7 @@ import argparse
 import base64
 import json
 import multiprocessing
+import os
 import random
 import re
 import sys
@@ -91,7 +92,7 @@ def worker(seed: int, deadline_s: float) -> dict[str, Any]:
     # A numpy warning on client input (an overflowing cast) becomes the exception it is under pytest: a 500 here.
     warnings.simplefilter("error", RuntimeWarning)
     rng = random.Random(seed)
-    tag = f"w{seed}"
+    tag = f"w{seed}p{os.getpid()}"  # shared-memory object names: one per worker, also beside other runs
     state = _State()
     with tempfile.TemporaryDirectory(prefix=f"kiln-fuzz-{tag}-") as tmp:
         work = Path(tmp)
