@@ -22,6 +22,9 @@ def parse_config_text(text: str, source: str = CONFIG_FILENAME) -> pb.ModelConfi
         text_format.Parse(text, config)
     except text_format.ParseError as exc:
         raise ConfigError(_describe_parse_error(str(exc), source)) from None
+    except ValueError as exc:  # an enum field given an integer outside int32 ("Value out of range"), no position
+        raise ConfigError(f"{source}: syntax error: {exc} (an enum field takes a value name, e.g. TYPE_FP32, or "
+                          f"a 32-bit integer)") from None
     return config
 
 
