@@ -62,6 +62,14 @@ InputMessage = pb.ModelInferRequest.InferInputTensor
 # -- requests ----------------------------------------------------------------------------------------------------
 
 
+def parse_request(payload: bytes) -> pb.ModelInferRequest:
+    """A serialized ModelInferRequest; bytes that are none are the client's error, in one line."""
+    try:
+        return pb.ModelInferRequest.FromString(payload)
+    except Exception as exc:  # protobuf's DecodeError (its class differs between protobuf's implementations)
+        raise InvalidArgumentError(f"could not parse the ModelInfer request ({len(payload)} bytes): {exc}") from None
+
+
 def decode_request(message: pb.ModelInferRequest) -> InferRequest:
     """Build the protocol-free request; tensor data stays a view over the received bytes where possible."""
     # Repeated fields are read with [:] (one list per field): iterating upb containers directly is several
@@ -165,13 +173,14 @@ def _from_contents(model: str, tensor: InputMessage) -> InputTensor:
     if field is None:
         raise InvalidArgumentError(f"model '{model}': input '{tensor.name}' is {datatype.wire_name}, which has no "
                                    f"typed contents field; send its data in raw_input_contents")
-    values = getattr(tensor.contents, field)[:]
+    contents = getattr(tensor.contents, field)
     count = element_count(shape)
-    if len(values) != count:
+    if (given := len(contents)) != count:  # counted in the message: a wrong count never becomes a Python list
         raise InvalidArgumentError(
-            f"model '{model}': input '{tensor.name}' has {len(values)} element(s) in contents.{field}; its shape "
+            f"model '{model}': input '{tensor.name}' has {given} element(s) in contents.{field}; its shape "
             f"{list(shape)} needs {count} ({datatype.wire_name} data goes in contents.{field})"
         )
+    values = contents[:]
     array: npt.NDArray[Any]
     if datatype is DataType.BYTES:
         array = np.empty(count, dtype=object)

@@ -13,11 +13,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[import-untyped]  # no type info
 
-from kiln.frontends.grpc.servicer import GRPCInferenceService
+from kiln.frontends.grpc.servicer import RAW_REQUEST_METHODS, GRPCInferenceService
 from kiln.server.server import Server
-from kiln.v2._generated import grpc_service_pb2, grpc_service_pb2_grpc
+from kiln.v2._generated import grpc_service_pb2 as pb
 
-SERVICE_NAME: str = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+SERVICE_NAME: str = SERVICE.full_name
 MAX_MESSAGE_BYTES = 2**31 - 1
 """Triton's limit (INT32_MAX) for both directions."""
 HEALTH_POLL_S = 1.0
@@ -55,6 +56,22 @@ class ReadinessHealth:
             await self._refresh()
 
 
+def service_handler(servicer: GRPCInferenceService) -> grpc.GenericRpcHandler:
+    """The service's methods as the generated ``add_..._to_server`` registers them, except that the methods in
+    :data:`RAW_REQUEST_METHODS` get their requests as bytes (the servicer parses them)."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in SERVICE.methods:
+        parse = None if method.name in RAW_REQUEST_METHODS else getattr(pb, method.input_type.name).FromString
+        kind = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = kind(getattr(servicer, method.name), request_deserializer=parse,
+                                     response_serializer=_serialize)
+    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
+
+
+def _serialize(message: Any) -> bytes:
+    return bytes(message.SerializeToString())
+
+
 async def start_grpc_server(server: Server, host: str, port: int, *,
                             max_message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.aio.Server, int]:
     """Serve ``server`` over gRPC on ``host:port`` (port 0 picks a free port) and return the started
@@ -65,8 +82,7 @@ async def start_grpc_server(server: Server, host: str, port: int, *,
         ("grpc.so_reuseport", 0),  # a port already in use is an error, not a silently shared listener
     ]
     grpc_server = grpc.aio.server(options=options)
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]  # generated
-        GRPCInferenceService(server), grpc_server)
+    grpc_server.add_generic_rpc_handlers([service_handler(GRPCInferenceService(server))])
     health_pb2_grpc.add_HealthServicer_to_server(ReadinessHealth(server), grpc_server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
