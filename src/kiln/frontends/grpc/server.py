@@ -8,6 +8,7 @@ every :data:`HEALTH_POLL_S` seconds while a Watch is open.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -23,6 +24,29 @@ MAX_MESSAGE_BYTES = 2**31 - 1
 """Triton's limit (INT32_MAX) for both directions."""
 HEALTH_POLL_S = 1.0
 """How often an open health Watch re-reads the Server's readiness."""
+
+
+@dataclass(frozen=True)
+class GrpcConnectionLimits:
+    """grpc core's connection management, which grpcio otherwise leaves at: no idle limit, keepalive pings after
+    two hours."""
+
+    keepalive_s: float = 7200.0
+    """Ping a client after this long without activity; close its connection when the ping goes unanswered for
+    :data:`KEEPALIVE_TIMEOUT_S`."""
+    max_connection_idle_s: float = 3600.0
+    """Send GOAWAY to a connection with no call in progress for this long (0: never); clients reconnect."""
+
+    def options(self) -> list[tuple[str, int]]:
+        options = [("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
+                   ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000))]
+        if self.max_connection_idle_s > 0:
+            options.append(("grpc.max_connection_idle_ms", int(self.max_connection_idle_s * 1000)))
+        return options
+
+
+KEEPALIVE_TIMEOUT_S = 20.0
+"""How long a keepalive ping may go unanswered (grpc core's default)."""
 
 
 class ReadinessHealth:
@@ -72,14 +96,15 @@ def _serialize(message: Any) -> bytes:
     return bytes(message.SerializeToString())
 
 
-async def start_grpc_server(server: Server, host: str, port: int, *,
-                            max_message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[grpc.aio.Server, int]:
+async def start_grpc_server(server: Server, host: str, port: int, *, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                            limits: GrpcConnectionLimits | None = None) -> tuple[grpc.aio.Server, int]:
     """Serve ``server`` over gRPC on ``host:port`` (port 0 picks a free port) and return the started
     ``grpc.aio.Server`` with the port it bound. Stop it with ``await grpc_server.stop(grace)``."""
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),  # a port already in use is an error, not a silently shared listener
+        *(limits or GrpcConnectionLimits()).options(),
     ]
     grpc_server = grpc.aio.server(options=options)
     grpc_server.add_generic_rpc_handlers([service_handler(GRPCInferenceService(server))])

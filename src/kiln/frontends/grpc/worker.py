@@ -45,6 +45,7 @@ from kiln.frontends.grpc.bridge import (
     method_index,
     releases,
 )
+from kiln.frontends.grpc.server import GrpcConnectionLimits
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import unpack_offsets
 from kiln.frontends.handoff.tensors import decode_response, encode_request, response_slot
@@ -285,6 +286,7 @@ async def run(args: argparse.Namespace) -> int:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 1),  # the workers share the port; the kernel spreads connections over them
+        *GrpcConnectionLimits(args.keepalive_secs, args.max_connection_idle_secs).options(),
     ])
     server.add_generic_rpc_handlers(_handlers(bridge))
     try:
@@ -312,6 +314,8 @@ def main() -> int:
     parser.add_argument("--address", required=True, help="HOST:PORT to serve gRPC on")
     parser.add_argument("--max-message-bytes", type=int, required=True)
     parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight calls get after SIGTERM")
+    parser.add_argument("--keepalive-secs", type=float, default=GrpcConnectionLimits.keepalive_s)
+    parser.add_argument("--max-connection-idle-secs", type=float, default=GrpcConnectionLimits.max_connection_idle_s)
     args = parser.parse_args()
     # A Ctrl-C reaches the whole process group; the server process answers it by stopping the workers in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

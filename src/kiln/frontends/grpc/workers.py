@@ -15,7 +15,7 @@ import socket
 import sys
 
 from kiln.frontends.grpc.bridge import BridgeCore
-from kiln.frontends.grpc.server import ReadinessHealth
+from kiln.frontends.grpc.server import GrpcConnectionLimits, ReadinessHealth
 from kiln.frontends.grpc.servicer import GRPCInferenceService
 from kiln.frontends.handoff.arena import ARENA_BYTES, Arena, create_arena_file
 from kiln.frontends.handoff.supervisor import WorkerPool
@@ -26,8 +26,9 @@ class GrpcWorkers:
     """The running workers; ``stop(grace)`` mirrors ``grpc.aio.Server.stop``."""
 
     def __init__(self, server: Server, address: str, count: int, max_message_bytes: int, grace_s: float,
-                 arena_bytes: int = ARENA_BYTES) -> None:
+                 arena_bytes: int = ARENA_BYTES, limits: GrpcConnectionLimits | None = None) -> None:
         self._address = address
+        self._limits = limits or GrpcConnectionLimits()
         self._max_message_bytes = max_message_bytes
         self._grace_s = grace_s
         self._arena_bytes = arena_bytes
@@ -51,7 +52,8 @@ class GrpcWorkers:
                 sys.executable, "-m", "kiln.frontends.grpc.worker", "--link-fd", str(theirs.fileno()),
                 "--request-arena-fd", str(request_fd), "--response-arena-fd", str(response_fd),
                 "--address", self._address, "--max-message-bytes", str(self._max_message_bytes),
-                "--grace", str(self._grace_s),
+                "--grace", str(self._grace_s), "--keepalive-secs", str(self._limits.keepalive_s),
+                "--max-connection-idle-secs", str(self._limits.max_connection_idle_s),
                 pass_fds=[theirs.fileno(), *(fd for fd in arena_fds if fd is not None)])
         finally:
             theirs.close()  # the child has its copies; the mappings stay in this process
@@ -64,13 +66,14 @@ class GrpcWorkers:
 
 
 async def start_grpc_workers(server: Server, host: str, port: int, count: int, *, max_message_bytes: int,
-                             grace_s: float, arena_bytes: int = ARENA_BYTES) -> tuple[GrpcWorkers, int]:
+                             grace_s: float, arena_bytes: int = ARENA_BYTES,
+                             limits: GrpcConnectionLimits | None = None) -> tuple[GrpcWorkers, int]:
     """Start ``count`` worker processes serving gRPC on ``host:port`` (port 0 picks a free port first, since
     every worker must bind the same one) and return them with the port."""
     if port == 0:
         port = _free_port(host)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    workers = GrpcWorkers(server, address, count, max_message_bytes, grace_s, arena_bytes)
+    workers = GrpcWorkers(server, address, count, max_message_bytes, grace_s, arena_bytes, limits)
     await workers.start()
     return workers, port
 
