@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("kiln.http")
@@ -84,18 +85,37 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._in_head:
             self._head_received += len(data)
-        super().data_received(data)
+        try:
+            self._feed(data)
+        except _HeadTooLarge:
+            self._refuse_head()
+            return
         # httptools buffers a header until it ends: a head still incomplete after more bytes than the limit
         # is refused here, before the parser holds any more of it.
         if self._in_head and not self._refusal and self._head_received > self.limits.max_header_bytes:
             self._refusal = f"request head over {self.limits.max_header_bytes} bytes"
-            self.send_400_response(self._refusal)
+            self._refuse_head()
 
-    def send_400_response(self, msg: str) -> None:
-        if not self._refusal:
-            super().send_400_response(msg)
-            return
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's data_received, except that a head over the limits raises :class:`_HeadTooLarge` (uvicorn
+        would log and answer it as an invalid request)."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self._refusal:
+                raise _HeadTooLarge(self._refusal) from None
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+
+    def _refuse_head(self) -> None:
         log.warning("HTTP client %s: %s; answered 431", _peer(self.client), self._refusal)
+        self._cancel_deadline()
         self._close_with(_HEAD_TOO_LARGE, self._refusal)
 
     def on_message_begin(self) -> None:
