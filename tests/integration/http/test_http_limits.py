@@ -131,8 +131,8 @@ def test_connection_cap(capped: KilnProcess) -> None:
     try:
         time.sleep(0.5)
         with _connect(capped.http_url) as refused:
-            refused.settimeout(5)
-            assert _until_closed(refused) == b""  # closed at once, not after a timeout
+            refused.settimeout(20)  # well before the 30 s head timeout, even on a loaded machine
+            assert _until_closed(refused) == b""  # closed when accepted, not answered
     finally:
         for sock in held:
             sock.close()

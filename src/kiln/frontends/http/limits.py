@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import httptools
+from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("kiln.http")
@@ -45,6 +45,12 @@ class HttpLimits:
     @classmethod
     def from_json(cls, text: str) -> HttpLimits:
         return cls(**json.loads(text))
+
+
+# httptools as uvicorn's protocol uses it (kiln reaches it through uvicorn, which brings it).
+_httptools: Any = httptools_impl.httptools  # type: ignore[attr-defined]  # uvicorn imports it, does not export it
+_ParserError: type[Exception] = _httptools.HttpParserError
+_ParserUpgrade: type[Exception] = _httptools.HttpParserUpgrade
 
 
 class _HeadTooLarge(Exception):
@@ -102,12 +108,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
+        except _ParserError:
             if self._refusal:
                 raise _HeadTooLarge(self._refusal) from None
             self.logger.warning("Invalid HTTP request received.")
             self.send_400_response("Invalid HTTP request received.")
-        except httptools.HttpParserUpgrade:
+        except _ParserUpgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
             else:
