@@ -46,7 +46,7 @@ def capped(repo: Path, request: pytest.FixtureRequest) -> Iterator[KilnProcess]:
 
 def _connect(url: str) -> socket.socket:
     host, port = url.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock = socket.create_connection((host, int(port)), timeout=30)
     return sock
 
 
@@ -101,7 +101,7 @@ def test_slow_head_is_closed_while_others_are_served(short: KilnProcess) -> None
         answer = _until_closed(slow)
     waited = time.monotonic() - started
     assert _status(answer) == 408 and b"did not arrive within 1 s" in answer
-    assert TIMEOUT_S * 0.8 < waited < TIMEOUT_S + 5
+    assert TIMEOUT_S * 0.8 < waited < TIMEOUT_S + 15
 
 
 def test_slow_body_is_closed(short: KilnProcess) -> None:
@@ -109,7 +109,7 @@ def test_slow_body_is_closed(short: KilnProcess) -> None:
     with _connect(short.http_url) as sock:
         sock.sendall(b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: kiln\r\nContent-Length: 100\r\n\r\n{")
         assert _until_closed(sock) == b""
-    assert time.monotonic() - started < TIMEOUT_S + 5
+    assert time.monotonic() - started < TIMEOUT_S + 15
 
 
 def test_idle_connections_are_closed_and_do_not_starve_others(short: KilnProcess) -> None:
