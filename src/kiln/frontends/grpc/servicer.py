@@ -75,7 +75,7 @@ def _detached(exc: Exception) -> Exception:
     if isinstance(exc, grpc.aio.AbortError):  # already aborted: abort_with re-raises it
         return cast(Exception, exc)
     error = status.as_kiln_error(exc)
-    error.__traceback__ = None
+    error.__traceback__ = error.__context__ = error.__cause__ = None  # each chained one has its frames too
     return error
 
 
@@ -162,11 +162,15 @@ class GRPCInferenceService:
 
     @rpc
     async def ModelInfer(self, request: pb.ModelInferRequest | bytes, context: Context) -> pb.ModelInferResponse:
-        message = codec.parse_request(request) if isinstance(request, bytes) else request
+        try:
+            message = codec.parse_request(request) if isinstance(request, bytes) else request
+        except codec.RefusedRequest as exc:  # an unknown model is NOT_FOUND whatever else is wrong, as in Triton
+            self._server.model_metadata(exc.model, exc.version)
+            raise
         del request  # the serialized bytes are not needed past here
         try:
             decoded = codec.decode_request(message)
-        except InvalidArgumentError:  # an unknown model is NOT_FOUND whatever else is wrong, as in Triton
+        except InvalidArgumentError:
             self._server.model_metadata(message.model_name, message.model_version)
             raise
         try:

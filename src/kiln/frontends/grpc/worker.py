@@ -207,6 +207,8 @@ def _decode(payload: bytes) -> tuple[InferRequest | None, str, tuple[str, str] |
         message = codec.parse_request(payload)
         model = (message.model_name, message.model_version)
         return codec.decode_request(message), "", model
+    except codec.RefusedRequest as exc:
+        return None, exc.message, (exc.model, exc.version)
     except InvalidArgumentError as exc:
         return None, exc.message, model
 
