@@ -150,8 +150,9 @@ class ServiceOptions:
     def http_limits(self) -> HttpLimits:
         from kiln.frontends.http.limits import HttpLimits  # uvicorn comes with the server extra only
 
-        return HttpLimits(self.http_max_header_bytes, self.http_max_header_count, self.http_header_timeout_s,
-                          self.http_idle_timeout_s, self.http_body_timeout_s, self.http_max_connections)
+        return HttpLimits(max_header_bytes=self.http_max_header_bytes, max_headers=self.http_max_header_count,
+                          header_timeout_s=self.http_header_timeout_s, idle_timeout_s=self.http_idle_timeout_s,
+                          body_timeout_s=self.http_body_timeout_s, max_connections=self.http_max_connections)
 
     @property
     def capture_max_bytes(self) -> int:
