@@ -57,6 +57,8 @@ class _HeadTooLarge(Exception):
     """Raised from a parser callback to stop parsing a head over the limits."""
 
 
+_HEAD = ("the request head", "--http-header-timeout-secs")
+_BODY = ("the request body", "--http-body-timeout-secs")
 _HEAD_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
 _TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\n"
 
@@ -80,7 +82,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._expire_after(self.limits.header_timeout_s, "the request head")
+        self._expire_after(self.limits.header_timeout_s, _HEAD)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
@@ -99,7 +101,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # httptools buffers a header until it ends: a head still incomplete after more bytes than the limit
         # is refused here, before the parser holds any more of it.
         if self._in_head and not self._refusal and self._head_received > self.limits.max_header_bytes:
-            self._refusal = f"request head over {self.limits.max_header_bytes} bytes"
+            self._refusal = f"request head over {self.limits.max_header_bytes} bytes (--http-max-header-size)"
             self._refuse_head()
 
     def _feed(self, data: bytes) -> None:
@@ -129,7 +131,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = self._header_count = 0
         if self._deadline is None:  # a keep-alive connection's next request (the first one's runs already)
-            self._expire_after(self.limits.header_timeout_s, "the request head")
+            self._expire_after(self.limits.header_timeout_s, _HEAD)
 
     def on_url(self, url: bytes) -> None:
         self._count_head(len(url))
@@ -138,7 +140,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
         if self._header_count > self.limits.max_headers:
-            self._refusal = f"more than {self.limits.max_headers} header fields"
+            self._refusal = f"more than {self.limits.max_headers} header fields (--http-max-header-count)"
             raise _HeadTooLarge(self._refusal)
         self._count_head(len(name) + len(value) + 4)  # ": " and CRLF
         super().on_header(name, value)
@@ -147,7 +149,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._head_received = 0
         self._cancel_deadline()
-        self._expire_after(self.limits.body_timeout_s, "the request body")
+        self._expire_after(self.limits.body_timeout_s, _BODY)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -157,10 +159,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
         if self._head_bytes > self.limits.max_header_bytes:
-            self._refusal = f"request head over {self.limits.max_header_bytes} bytes"
+            self._refusal = f"request head over {self.limits.max_header_bytes} bytes (--http-max-header-size)"
             raise _HeadTooLarge(self._refusal)
 
-    def _expire_after(self, seconds: float, what: str) -> None:
+    def _expire_after(self, seconds: float, what: tuple[str, str]) -> None:
         self._cancel_deadline()
         if seconds > 0:
             self._deadline = self.loop.call_later(seconds, self._expired, seconds, what)
@@ -170,11 +172,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._deadline.cancel()
             self._deadline = None
 
-    def _expired(self, seconds: float, what: str) -> None:
+    def _expired(self, seconds: float, what: tuple[str, str]) -> None:
         self._deadline = None
         if self.transport.is_closing():
             return
-        reason = f"{what} did not arrive within {seconds:g} s"
+        reason = f"{what[0]} did not arrive within {seconds:g} s ({what[1]})"
         log.debug("HTTP client %s: %s; closing the connection", _peer(self.client), reason)
         if self._in_head and (self.cycle is None or self.cycle.response_complete):
             self._close_with(_TIMEOUT, reason)  # nothing else is being answered on this connection
