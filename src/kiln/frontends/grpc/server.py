@@ -80,8 +80,8 @@ class ReadinessHealth:
             await self._refresh()
 
 
-def service_handler(servicer: GRPCInferenceService) -> grpc.GenericRpcHandler:
-    """The service's methods as the generated ``add_..._to_server`` registers them, except that the methods in
+def method_handlers(servicer: GRPCInferenceService) -> dict[str, grpc.RpcMethodHandler]:
+    """The service's methods as the generated ``add_..._to_server`` makes them, except that the methods in
     :data:`RAW_REQUEST_METHODS` get their requests as bytes (the servicer parses them)."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in SERVICE.methods:
@@ -89,7 +89,7 @@ def service_handler(servicer: GRPCInferenceService) -> grpc.GenericRpcHandler:
         kind = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = kind(getattr(servicer, method.name), request_deserializer=parse,
                                      response_serializer=_serialize)
-    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
+    return handlers
 
 
 def _serialize(message: Any) -> bytes:
@@ -107,7 +107,10 @@ async def start_grpc_server(server: Server, host: str, port: int, *, max_message
         *(limits or GrpcConnectionLimits()).options(),
     ]
     grpc_server = grpc.aio.server(options=options)
-    grpc_server.add_generic_rpc_handlers([service_handler(GRPCInferenceService(server))])
+    handlers = method_handlers(GRPCInferenceService(server))
+    # Registered as the generated code registers them: by name (grpc's fast path), and as a generic handler.
+    grpc_server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)])
+    grpc_server.add_registered_method_handlers(SERVICE.full_name, handlers)
     health_pb2_grpc.add_HealthServicer_to_server(ReadinessHealth(server), grpc_server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:

@@ -122,7 +122,7 @@ def is_wrapped(method: object) -> bool:
 
 
 class GRPCInferenceService:
-    """Servicer for :func:`kiln.frontends.grpc.server.service_handler`; method names are the RPC names."""
+    """Servicer for :func:`kiln.frontends.grpc.server.method_handlers`; method names are the RPC names."""
 
     def __init__(self, server: Server) -> None:
         self._server = server
