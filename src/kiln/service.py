@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from kiln.console import ConsoleOptions
 from kiln.frontends.grpc.access import GrpcTls
-from kiln.frontends.grpc.server import start_grpc_server
+from kiln.frontends.grpc.server import GrpcConnectionLimits, start_grpc_server
 from kiln.frontends.grpc.workers import start_grpc_workers
 from kiln.frontends.http.app import build_app
 from kiln.frontends.http.capture import CaptureOptions
@@ -71,12 +71,12 @@ class Service:
             grpc_server, self.bound["grpc"] = await start_grpc_workers(
                 self.server, self.options.host, self.options.grpc_port, self.options.grpc_workers,
                 max_message_bytes=self.options.grpc_max_message_bytes, grace_s=self.options.exit_timeout_s,
-                access=self.options.grpc_access, tls=self.grpc_tls)
+                access=self.options.grpc_access, tls=self.grpc_tls, limits=self._grpc_limits())
         elif self.options.allow_grpc:
             grpc_server, self.bound["grpc"] = await start_grpc_server(
                 self.server, self.options.host, self.options.grpc_port,
                 max_message_bytes=self.options.grpc_max_message_bytes, access=self.options.grpc_access,
-                tls=self.grpc_tls)
+                tls=self.grpc_tls, limits=self._grpc_limits())
         # HTTP starts last: its readiness endpoint answering means every frontend listens (gRPC workers take a
         # moment to start).
         tasks = [asyncio.create_task(u.serve()) for u in (http, metrics) if u is not None]
@@ -119,11 +119,15 @@ class Service:
 
     def _uvicorn(self, app: Any, port: int, *, tls: bool = False) -> HttpServer:
         options = self.options
+        limits = options.http_limits
         if not tls:
-            return HttpServer(http_config(app, options.host, port, options.exit_timeout_s))
+            return HttpServer(http_config(app, options.host, port, options.exit_timeout_s, limits=limits))
         return HttpServer(http_config(app, options.host, port, options.exit_timeout_s,
                                       certfile=options.https_certfile, keyfile=options.https_keyfile,
-                                      client_ca=options.https_client_ca))
+                                      client_ca=options.https_client_ca, limits=limits))
+
+    def _grpc_limits(self) -> GrpcConnectionLimits:
+        return GrpcConnectionLimits(self.options.grpc_keepalive_s, self.options.grpc_max_connection_idle_s)
 
     async def _start_http_workers(self) -> HttpWorkers:
         """HTTP from worker processes (--http-workers N > 1); they serve the same app through this process."""
@@ -131,7 +135,7 @@ class Service:
         settings = WorkerSettings(options.host, options.http_port, options.http_workers, options.http_max_input_size,
                                   options.exit_timeout_s, options.https_certfile, options.https_keyfile,
                                   options.https_client_ca, log_level="DEBUG" if options.log_verbose else "INFO",
-                                  access=options.http_access)
+                                  access=options.http_access, limits=options.http_limits)
         workers = HttpWorkers(self.server, self._http_app(), settings)
         try:
             self.bound["http"] = await workers.start()

@@ -20,6 +20,7 @@ from kiln.server.server import ServerOptions
 
 if TYPE_CHECKING:
     from kiln.frontends.grpc.access import GrpcTls
+    from kiln.frontends.http.limits import HttpLimits
     from kiln.frontends.metrics import MetricsOptions
 
 
@@ -47,6 +48,37 @@ class ServiceOptions:
     http_max_input_size: int = field(default=64 * 2**20, metadata=flag(
         "--http-max-input-size", metavar="BYTES", help="largest accepted HTTP request body (default 64 MiB)"))
     grpc_max_message_bytes: int = field(default=2**31 - 1, metadata=flag("--grpc-max-message-size", metavar="BYTES"))
+    # -- connection limits and timeouts (frontends/http/limits.py, frontends/grpc/server.py; docs/serving.md) --
+    http_max_header_bytes: int = field(default=64 * 2**10, metadata=flag(
+        "--http-max-header-size", parse=non_negative, metavar="BYTES",
+        help="largest HTTP request head (request line and headers); larger ones are answered 431 (default 65536)"))
+    http_max_header_count: int = field(default=100, metadata=flag(
+        "--http-max-header-count", parse=non_negative, metavar="N",
+        help="most header fields in one HTTP request; more are answered 431 (default 100)"))
+    http_header_timeout_s: float = field(default=30.0, metadata=flag(
+        "--http-header-timeout-secs", metavar="SECS",
+        help="time a client has to send a request head, from connecting or from a keep-alive request's first byte; "
+             "then 408 and close (default 30; 0: none)"))
+    http_idle_timeout_s: float = field(default=60.0, metadata=flag(
+        "--http-idle-timeout-secs", metavar="SECS",
+        help="close a keep-alive HTTP connection idle this long between requests (default 60)"))
+    http_body_timeout_s: float = field(default=300.0, metadata=flag(
+        "--http-body-timeout-secs", metavar="SECS",
+        help="time a client has to send a request body once its head is in; then the connection is closed "
+             "(default 300; 0: none)"))
+    http_max_connections: int = field(default=4096, metadata=flag(
+        "--http-max-connections", parse=non_negative, metavar="N",
+        help="open HTTP connections per process (each HTTP worker, or the server process); new ones beyond it are "
+             "accepted and closed at once (default 4096)"))
+    grpc_keepalive_s: float = field(default=7200.0, metadata=flag(
+        "--grpc-keepalive-secs", metavar="SECS",
+        help="ping a gRPC client after this long without activity, and close its connection when the ping goes "
+             "unanswered for 20 s (default 7200, gRPC's)"))
+    grpc_max_connection_idle_s: float = field(default=3600.0, metadata=flag(
+        "--grpc-max-connection-idle-secs", metavar="SECS",
+        help="close a gRPC connection without calls for this long (GOAWAY; clients reconnect) (default 3600; "
+             "0: never)"))
+    # -- end of connection limits and timeouts --
     grpc_workers: int = field(default=0, metadata=flag(  # 0: gRPC in this process
         "--grpc-workers", parse=non_negative, metavar="N",
         help="serve gRPC from N worker processes sharing the port, which forward each call to this process (0, the "
@@ -147,6 +179,14 @@ class ServiceOptions:
 
         return dataclasses.replace(parse_metrics_config(list(self.metrics_config)),
                                    cpu_metrics=self.allow_cpu_metrics, gpu_metrics=self.allow_gpu_metrics)
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        from kiln.frontends.http.limits import HttpLimits  # uvicorn comes with the server extra only
+
+        return HttpLimits(max_header_bytes=self.http_max_header_bytes, max_headers=self.http_max_header_count,
+                          header_timeout_s=self.http_header_timeout_s, idle_timeout_s=self.http_idle_timeout_s,
+                          body_timeout_s=self.http_body_timeout_s, max_connections=self.http_max_connections)
 
     @property
     def capture_max_bytes(self) -> int:

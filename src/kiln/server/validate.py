@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from kiln.config.spec import ModelSpec
 from kiln.engines.checks import check_shape
@@ -10,10 +11,16 @@ from kiln.errors import InvalidArgumentError
 from kiln.tensor import element_count
 from kiln.v2.types import InferRequest
 
+_UINT64_MAX = 2**64 - 1
+_UNSIGNED_PARAMETERS = {"priority": "a priority level", "timeout": "microseconds"}
+"""Request parameters every model reads the same way, as Triton's unsigned 64-bit fields."""
+
 
 def validate_request(spec: ModelSpec, request: InferRequest) -> int:
     """Check names, datatypes, shapes, batch sizes and requested outputs. Returns the request's batch size
     (1 for models without batching)."""
+    if request.parameters:
+        check_reserved_parameters(spec.name, request.parameters)
     expected = spec.input_map
     seen: set[str] = set()
     for tensor in request.inputs:
@@ -70,3 +77,21 @@ def _batch_size(spec: ModelSpec, request: InferRequest) -> int:
         raise InvalidArgumentError(f"model '{spec.name}': inputs disagree on the batch size ({listed}); "
                                    f"every input needs the same first dimension")
     return next(iter(sizes.values()), 1)
+
+
+def check_reserved_parameters(model: str, parameters: Mapping[str, object]) -> None:
+    """``priority`` and ``timeout`` are unsigned 64-bit integers and ``sequence_id`` one or a string, for every
+    model: one that ignores them (no dynamic batching, no sequences) still refuses a value no model could take."""
+    for key, meaning in _UNSIGNED_PARAMETERS.items():
+        value = parameters.get(key)
+        if value is not None and not _is_uint64(value):
+            raise InvalidArgumentError(f"model '{model}': request parameter '{key}' is {value!r}; expected an "
+                                       f"integer 0..{_UINT64_MAX} ({meaning})")
+    value = parameters.get("sequence_id")
+    if value is not None and not (isinstance(value, str) or _is_uint64(value)):
+        raise InvalidArgumentError(f"model '{model}': request parameter 'sequence_id' is {value!r}; expected an "
+                                   f"integer 0..{_UINT64_MAX} or a string")
+
+
+def _is_uint64(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _UINT64_MAX

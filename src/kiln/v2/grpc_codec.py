@@ -62,6 +62,122 @@ InputMessage = pb.ModelInferRequest.InferInputTensor
 # -- requests ----------------------------------------------------------------------------------------------------
 
 
+class RefusedRequest(InvalidArgumentError):
+    """A serialized request refused before it was parsed whole; names the model it is for."""
+
+    def __init__(self, message: str, model: str, version: str) -> None:
+        super().__init__(message)
+        self.model = model
+        self.version = version
+
+
+PRECHECK_BYTES = 1 << 20
+"""Serialized requests from this size on have their raw_input_contents sizes checked before they are parsed."""
+_RAW_FIELD = pb.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
+
+
+def parse_request(payload: bytes) -> pb.ModelInferRequest:
+    """A serialized ModelInferRequest; bytes that are none are the client's error, in one line. A large one whose
+    raw_input_contents do not have the sizes its inputs declare is refused (:class:`RefusedRequest`) before it is
+    parsed, which would hold its tensor bytes twice more."""
+    if len(payload) >= PRECHECK_BYTES:
+        _check_raw_sizes(payload)
+    try:
+        return pb.ModelInferRequest.FromString(payload)
+    except Exception as exc:  # protobuf's DecodeError (its class differs between protobuf's implementations)
+        raise InvalidArgumentError(f"could not parse the ModelInfer request ({len(payload)} bytes): {exc}") from None
+
+
+def _check_raw_sizes(payload: bytes) -> None:
+    """Parse every field but raw_input_contents, whose entries are only measured, and refuse sizes that cannot
+    be right (a wrong entry count, a fixed-size input with a wrong byte size). Anything unusual is left to the
+    full parse, which reports it."""
+    fields = _top_level_fields(memoryview(payload))
+    if fields is None:
+        return
+    head = b"".join(payload[start:end] for number, start, _, end in fields if number != _RAW_FIELD)
+    raw_sizes = [end - value for number, _, value, end in fields if number == _RAW_FIELD]
+    if not raw_sizes:
+        return
+    try:
+        message = pb.ModelInferRequest.FromString(head)
+    except Exception:  # the full parse reports it
+        return
+    model = message.model_name
+    try:
+        refusal = _raw_size_refusal(model, message.inputs[:], raw_sizes)
+    except InvalidArgumentError:  # a bad input header: the full decode reports it
+        return
+    if refusal is not None:  # raised here, not in an except block: nothing chains this frame, which holds payload
+        raise RefusedRequest(refusal.message, model, message.model_version)
+
+
+def _raw_size_refusal(model: str, inputs: list[InputMessage], raw_sizes: list[int]) -> InvalidArgumentError | None:
+    plain = [tensor for tensor in inputs if _shared_memory(model, tensor) is None]
+    if len(raw_sizes) != len(plain):
+        return _raw_count_error(model, len(plain), len(raw_sizes))
+    for tensor, size in zip(plain, raw_sizes, strict=True):
+        datatype, shape = _header(model, tensor)
+        if datatype is not DataType.BYTES and size != element_count(shape) * datatype.numpy_dtype.itemsize:
+            return _raw_size_error(model, tensor.name, datatype, shape, size)
+    return None
+
+
+def _top_level_fields(data: memoryview) -> list[tuple[int, int, int, int]] | None:
+    """(field number, start of its tag, start of its value, end) of each top-level field of a serialized message;
+    None for anything but varint, fixed and length-delimited fields, or a truncated one."""
+    fields = []
+    at, end = 0, len(data)
+    while at < end:
+        start = at
+        key, at = _varint(data, at)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, at = _varint(data, at)
+            value = at
+        elif wire_type == 2:
+            length, value = _varint(data, at)
+            at = value + length
+        elif wire_type in (1, 5):
+            value = at
+            at += 8 if wire_type == 1 else 4
+        else:
+            return None
+        if at > end or value > end:
+            return None
+        fields.append((number, start, value, at))
+    return fields
+
+
+def _varint(data: memoryview, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while at < len(data) and shift < 64:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+    return value, len(data) + 1  # truncated: past the end, which the caller refuses
+
+
+def _raw_count_error(model: str, plain: int, raw: int) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"model '{model}': the request has {plain} input(s) but {raw} raw_input_contents entries; "
+        f"raw_input_contents needs exactly one entry per input (except inputs in shared memory), in "
+        f"'inputs' order"
+    )
+
+
+def _raw_size_error(model: str, name: str, datatype: DataType, shape: tuple[int, ...],
+                    size: int) -> InvalidArgumentError:
+    itemsize = datatype.numpy_dtype.itemsize
+    return InvalidArgumentError(
+        f"model '{model}': input '{name}': unexpected total byte size {size} in raw_input_contents, expecting "
+        f"{element_count(shape) * itemsize} (shape {list(shape)} x {itemsize}-byte {datatype.wire_name})"
+    )
+
+
 def decode_request(message: pb.ModelInferRequest) -> InferRequest:
     """Build the protocol-free request; tensor data stays a view over the received bytes where possible."""
     # Repeated fields are read with [:] (one list per field): iterating upb containers directly is several
@@ -73,11 +189,7 @@ def decode_request(message: pb.ModelInferRequest) -> InferRequest:
     if raw:
         plain = len(tensors) - sum(ref is not None for ref in shm)
         if len(raw) != plain:
-            raise InvalidArgumentError(
-                f"model '{model}': the request has {plain} input(s) but {len(raw)} raw_input_contents entries; "
-                f"raw_input_contents needs exactly one entry per input (except inputs in shared memory), in "
-                f"'inputs' order"
-            )
+            raise _raw_count_error(model, plain, len(raw))
         entries = iter(raw)
         inputs = [_from_raw(model, tensor, next(entries)) if ref is None else _from_shm(model, tensor, ref)
                   for tensor, ref in zip(tensors, shm, strict=True)]
@@ -150,11 +262,7 @@ def _from_raw(model: str, tensor: InputMessage, data: bytes) -> InputTensor:
         dtype = datatype.numpy_dtype
         expected = count * dtype.itemsize
         if len(data) != expected:
-            raise InvalidArgumentError(
-                f"model '{model}': input '{tensor.name}': unexpected total byte size {len(data)} in "
-                f"raw_input_contents, expecting {expected} (shape {list(shape)} x {dtype.itemsize}-byte "
-                f"{datatype.wire_name})"
-            )
+            raise _raw_size_error(model, tensor.name, datatype, shape, len(data))
         array = np.frombuffer(data, dtype=dtype)
     return InputTensor(tensor.name, datatype, shape, array.reshape(shape), _input_parameters(model, tensor))
 
@@ -165,13 +273,14 @@ def _from_contents(model: str, tensor: InputMessage) -> InputTensor:
     if field is None:
         raise InvalidArgumentError(f"model '{model}': input '{tensor.name}' is {datatype.wire_name}, which has no "
                                    f"typed contents field; send its data in raw_input_contents")
-    values = getattr(tensor.contents, field)[:]
+    contents = getattr(tensor.contents, field)
     count = element_count(shape)
-    if len(values) != count:
+    if (given := len(contents)) != count:  # counted in the message: a wrong count never becomes a Python list
         raise InvalidArgumentError(
-            f"model '{model}': input '{tensor.name}' has {len(values)} element(s) in contents.{field}; its shape "
+            f"model '{model}': input '{tensor.name}' has {given} element(s) in contents.{field}; its shape "
             f"{list(shape)} needs {count} ({datatype.wire_name} data goes in contents.{field})"
         )
+    values = contents[:]
     array: npt.NDArray[Any]
     if datatype is DataType.BYTES:
         array = np.empty(count, dtype=object)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from kiln.errors import CancelledError, InvalidArgumentError, UnsupportedError
+from kiln.errors import CancelledError, InvalidArgumentError
 
 DEFAULT_MAX_INPUT_SIZE = 64 * 2**20
 """Triton's ``--http-max-input-size`` default (``HTTP_DEFAULT_MAX_INPUT_SIZE``)."""
@@ -74,7 +74,9 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
         return body
     wbits = _WBITS.get(name)
     if wbits is None:
-        raise UnsupportedError(f"Content-Encoding '{encoding}' is not supported; use gzip, deflate or identity")
+        # The client's choice, not a missing server feature: 400 (INVALID_ARG) rather than 501.
+        raise InvalidArgumentError(f"Content-Encoding '{encoding}' is not supported; send the request body as "
+                                   f"gzip, deflate (zlib), or identity (uncompressed)")
     inflater = zlib.decompressobj(wbits)
     try:
         data = inflater.decompress(body, limit + 1)

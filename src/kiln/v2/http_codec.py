@@ -12,7 +12,7 @@ model's single input. Responses are JSON, or a JSON header plus raw bytes when a
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,6 +64,17 @@ def header_length(value: str | None, body_size: int) -> int | None:
         raise InvalidArgumentError(f"Inference-Header-Content-Length is {length} but the request body has only "
                                    f"{body_size} bytes")
     return length
+
+
+def decode_or_not_found(lookup: Callable[[str, str], object], model: str, version: str, body: bytes,
+                        json_size: int | None) -> InferRequest:
+    """:func:`decode_request`; when the request is bad, ``lookup(model, version)`` (which raises for a model the
+    server does not have) runs first, so that an unknown model is NOT_FOUND whatever else is wrong, as in Triton."""
+    try:
+        return decode_request(model, version, body, json_size)
+    except InvalidArgumentError:
+        lookup(model, version)
+        raise
 
 
 def decode_request(model: str, version: str, body: bytes, json_size: int | None) -> InferRequest:

@@ -304,7 +304,8 @@ async def test_compressed_body_errors(client: httpx.AsyncClient) -> None:
     corrupt = await client.post("/v2/models/simple/infer", content=b"nope", headers={"Content-Encoding": "gzip"})
     assert "not valid gzip data" in _error(corrupt)
     brotli = await client.post("/v2/models/simple/infer", content=b"x", headers={"Content-Encoding": "br"})
-    assert "Content-Encoding 'br' is not supported" in _error(brotli, 501)
+    assert "Content-Encoding 'br' is not supported" in _error(brotli, 400)
+    assert "gzip, deflate (zlib), or identity" in _error(brotli, 400)
 
 
 def _counting_body(chunks: int, size: int, pulled: list[int]) -> AsyncIterator[bytes]:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from kiln.config.spec import TensorSpec
-from kiln.errors import InvalidArgumentError, UnsupportedError
+from kiln.errors import InvalidArgumentError
 from kiln.frontends.http import documents
 from kiln.server.registry import IndexEntry
 from kiln.server.stats import BatchStats, Duration, ModelStats
@@ -384,5 +384,6 @@ def test_decompress_errors() -> None:
         decompress(b"not gzip", "gzip", 100)
     with pytest.raises(InvalidArgumentError, match="truncated"):
         decompress(gzip.compress(b"x" * 50)[:-12], "gzip", 100)
-    with pytest.raises(UnsupportedError, match="Content-Encoding 'br' is not supported"):
+    with pytest.raises(InvalidArgumentError, match="Content-Encoding 'br' is not supported; send the request body "
+                                                   "as gzip"):
         decompress(b"x", "br", 100)

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]  # no type info
 
-from kiln.frontends.grpc.servicer import GRPCInferenceService, model_infer_error
+from kiln.frontends.grpc.servicer import RAW_REQUEST_METHODS, GRPCInferenceService, model_infer_error
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import FrameProtocol, Releases
 from kiln.frontends.handoff.infer import InferHandoff
@@ -50,11 +50,13 @@ class Method:
     name: str
     streaming: bool  # a stream of requests and of responses (ModelStreamInfer); all others are unary
     request_type: Any
+    raw: bool = False  # the servicer takes the request as bytes (RAW_REQUEST_METHODS)
 
 
 # Both sides index this list; Health.Watch is served by the workers from Check (see worker.py).
 METHODS: tuple[Method, ...] = (
-    *(Method(SERVICE.full_name, m.name, m.client_streaming, getattr(pb, m.input_type.name)) for m in SERVICE.methods),
+    *(Method(SERVICE.full_name, m.name, m.client_streaming, getattr(pb, m.input_type.name),
+             m.name in RAW_REQUEST_METHODS) for m in SERVICE.methods),
     Method(HEALTH_SERVICE, "Check", False, health_pb2.HealthCheckRequest),
 )
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -166,7 +168,7 @@ class BridgeCore:
 
     async def _unary(self, protocol: FrameProtocol, call: int, method: int, payload: bytes) -> None:
         try:
-            request = METHODS[method].request_type.FromString(payload)
+            request = payload if METHODS[method].raw else METHODS[method].request_type.FromString(payload)
         except Exception as exc:  # protobuf's DecodeError: bytes that are no such message
             protocol.send(frame(call, END, end_payload(grpc.StatusCode.INVALID_ARGUMENT,
                                                        f"could not parse the {METHODS[method].name} request: {exc}")))
@@ -182,11 +184,11 @@ class BridgeCore:
 
     async def _stream(self, protocol: FrameProtocol, call: int, method: int,
                       queue: asyncio.Queue[bytes | None], streams: dict[int, Any]) -> None:
-        request_type = METHODS[method].request_type
+        parse = (lambda item: item) if METHODS[method].raw else METHODS[method].request_type.FromString
 
         async def requests() -> AsyncIterator[Any]:
             while (item := await queue.get()) is not None:
-                yield request_type.FromString(item)
+                yield parse(item)
 
         try:
             async for response in self._handlers[method](requests(), self._context):

@@ -8,6 +8,7 @@ every :data:`HEALTH_POLL_S` seconds while a Watch is open.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -15,15 +16,39 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[i
 
 from kiln.frontends.access import AccessPolicy
 from kiln.frontends.grpc.access import GrpcTls, interceptors, listen
-from kiln.frontends.grpc.servicer import GRPCInferenceService
+from kiln.frontends.grpc.servicer import RAW_REQUEST_METHODS, GRPCInferenceService
 from kiln.server.server import Server
-from kiln.v2._generated import grpc_service_pb2, grpc_service_pb2_grpc
+from kiln.v2._generated import grpc_service_pb2 as pb
 
-SERVICE_NAME: str = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+SERVICE_NAME: str = SERVICE.full_name
 MAX_MESSAGE_BYTES = 2**31 - 1
 """Triton's limit (INT32_MAX) for both directions."""
 HEALTH_POLL_S = 1.0
 """How often an open health Watch re-reads the Server's readiness."""
+
+
+@dataclass(frozen=True)
+class GrpcConnectionLimits:
+    """grpc core's connection management, which grpcio otherwise leaves at: no idle limit, keepalive pings after
+    two hours."""
+
+    keepalive_s: float = 7200.0
+    """Ping a client after this long without activity; close its connection when the ping goes unanswered for
+    :data:`KEEPALIVE_TIMEOUT_S`."""
+    max_connection_idle_s: float = 3600.0
+    """Send GOAWAY to a connection with no call in progress for this long (0: never); clients reconnect."""
+
+    def options(self) -> list[tuple[str, int]]:
+        options = [("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
+                   ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000))]
+        if self.max_connection_idle_s > 0:
+            options.append(("grpc.max_connection_idle_ms", int(self.max_connection_idle_s * 1000)))
+        return options
+
+
+KEEPALIVE_TIMEOUT_S = 20.0
+"""How long a keepalive ping may go unanswered (grpc core's default)."""
 
 
 class ReadinessHealth:
@@ -57,8 +82,24 @@ class ReadinessHealth:
             await self._refresh()
 
 
-async def start_grpc_server(server: Server, host: str, port: int, *,
-                            max_message_bytes: int = MAX_MESSAGE_BYTES, access: AccessPolicy | None = None,
+def method_handlers(servicer: GRPCInferenceService) -> dict[str, grpc.RpcMethodHandler]:
+    """The service's methods as the generated ``add_..._to_server`` makes them, except that the methods in
+    :data:`RAW_REQUEST_METHODS` get their requests as bytes (the servicer parses them)."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in SERVICE.methods:
+        parse = None if method.name in RAW_REQUEST_METHODS else getattr(pb, method.input_type.name).FromString
+        kind = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = kind(getattr(servicer, method.name), request_deserializer=parse,
+                                     response_serializer=_serialize)
+    return handlers
+
+
+def _serialize(message: Any) -> bytes:
+    return bytes(message.SerializeToString())
+
+
+async def start_grpc_server(server: Server, host: str, port: int, *, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                            limits: GrpcConnectionLimits | None = None, access: AccessPolicy | None = None,
                             tls: GrpcTls | None = None) -> tuple[grpc.aio.Server, int]:
     """Serve ``server`` over gRPC on ``host:port`` (port 0 picks a free port) and return the started
     ``grpc.aio.Server`` with the port it bound. Stop it with ``await grpc_server.stop(grace)``. ``access``:
@@ -67,10 +108,13 @@ async def start_grpc_server(server: Server, host: str, port: int, *,
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),  # a port already in use is an error, not a silently shared listener
+        *(limits or GrpcConnectionLimits()).options(),
     ]
     grpc_server = grpc.aio.server(options=options, interceptors=interceptors(access))
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]  # generated
-        GRPCInferenceService(server), grpc_server)
+    handlers = method_handlers(GRPCInferenceService(server))
+    # Registered as the generated code registers them: by name (grpc's fast path), and as a generic handler.
+    grpc_server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)])
+    grpc_server.add_registered_method_handlers(SERVICE.full_name, handlers)
     health_pb2_grpc.add_HealthServicer_to_server(ReadinessHealth(server), grpc_server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:

@@ -39,6 +39,10 @@ T = TypeVar("T")
 WRAPPED_MARK = "__kiln_grpc_rpc__"
 """Attribute that :func:`rpc` sets on every method it wraps (checked by the tests)."""
 
+RAW_REQUEST_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})
+"""RPCs whose requests the servicer takes as bytes and parses itself: bytes that are no request are then the
+client's error (INVALID_ARGUMENT, or one error_message in a stream), not grpc's UNKNOWN from its deserializer."""
+
 STREAM_WINDOW = 64
 """ModelStreamInfer runs up to this many requests of one stream at once; answers still go out in order."""
 
@@ -56,12 +60,23 @@ def error_message(exc: BaseException) -> str:
 
 
 async def abort_with(context: Context, exc: Exception) -> NoReturn:
-    """Abort the call with the status and message :mod:`kiln.v2.status` gives ``exc``."""
+    """Abort the call with the status and message :mod:`kiln.v2.status` gives ``exc``. Call it outside the
+    ``except`` block that caught ``exc`` (see :func:`rpc`)."""
     if isinstance(exc, grpc.aio.AbortError):  # the RPC is already aborted: keep its status
         raise exc
     error = status.as_kiln_error(exc)
     await context.abort(status.grpc_code(error), error.message)
     raise AssertionError("context.abort() returned")  # pragma: no cover - grpc.aio's abort always raises
+
+
+def _detached(exc: Exception) -> Exception:
+    """``exc`` without its traceback. The frames it lists hold the request (a ModelInfer's input bytes): kept
+    alive as the abort's context, they would stay in memory until the garbage collector's next full pass."""
+    if isinstance(exc, grpc.aio.AbortError):  # already aborted: abort_with re-raises it
+        return cast(Exception, exc)
+    error = status.as_kiln_error(exc)
+    error.__traceback__ = error.__context__ = error.__cause__ = None  # each chained one has its frames too
+    return error
 
 
 def rpc(method: F) -> F:
@@ -71,11 +86,14 @@ def rpc(method: F) -> F:
 
         @functools.wraps(method)
         async def streaming(self: Any, requests: Any, context: Context) -> AsyncIterator[Any]:
+            failure: Exception | None = None
             try:
                 async for response in method(self, requests, context):
                     yield response
             except Exception as exc:
-                await abort_with(context, exc)
+                failure = _detached(exc)
+            if failure is not None:  # aborted here, not in the except block: see _detached
+                await abort_with(context, failure)
 
         wrapped: Callable[..., Any] = streaming
     else:
@@ -85,7 +103,11 @@ def rpc(method: F) -> F:
             try:
                 return await method(self, request, context)
             except Exception as exc:
-                await abort_with(context, exc)
+                failure = _detached(exc)
+            # The abort's exception lists this frame, and grpc keeps it until the collector's next full pass: the
+            # request (up to --grpc-max-message-size bytes) must not be held there.
+            del request
+            await abort_with(context, failure)  # not in the except block: see _detached
 
         wrapped = unary
     setattr(wrapped, WRAPPED_MARK, True)
@@ -100,8 +122,7 @@ def is_wrapped(method: object) -> bool:
 
 
 class GRPCInferenceService:
-    """Servicer for ``grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server``; method names are the
-    RPC names."""
+    """Servicer for :func:`kiln.frontends.grpc.server.method_handlers`; method names are the RPC names."""
 
     def __init__(self, server: Server) -> None:
         self._server = server
@@ -140,25 +161,42 @@ class GRPCInferenceService:
         )
 
     @rpc
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+    async def ModelInfer(self, request: pb.ModelInferRequest | bytes, context: Context) -> pb.ModelInferResponse:
         try:
-            return codec.encode_response(await self._server.infer(codec.decode_request(request)))
+            message = codec.parse_request(request) if isinstance(request, bytes) else request
+        except codec.RefusedRequest as exc:  # an unknown model is NOT_FOUND whatever else is wrong, as in Triton
+            self._server.model_metadata(exc.model, exc.version)
+            raise
+        del request  # the serialized bytes are not needed past here
+        try:
+            decoded = codec.decode_request(message)
+        except InvalidArgumentError:
+            self._server.model_metadata(message.model_name, message.model_version)
+            raise
+        try:
+            return codec.encode_response(await self._server.infer(decoded))
         except DecoupledModelError as exc:
             raise model_infer_error(exc) from None
 
     @rpc
-    async def ModelStreamInfer(self, requests: AsyncIterator[pb.ModelInferRequest],
+    async def ModelStreamInfer(self, requests: AsyncIterator[pb.ModelInferRequest | bytes],
                                context: Context) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        async for reply in answer_streams(requests, self._stream_replies, self._in_order, STREAM_WINDOW):
+        async for reply in answer_streams(_parsed(requests), self._stream_replies, self._in_order, STREAM_WINDOW):
             yield reply
 
-    def _in_order(self, request: pb.ModelInferRequest) -> bool:
+    def _in_order(self, request: pb.ModelInferRequest | InvalidArgumentError) -> bool:
+        if isinstance(request, InvalidArgumentError):
+            return True
         try:
             return not self._server.model_is_decoupled(request.model_name, request.model_version)
         except Exception:  # the request itself will say what is wrong; reading the stream goes on
             return True
 
-    async def _stream_replies(self, request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    async def _stream_replies(self, request: pb.ModelInferRequest | InvalidArgumentError,
+                              ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        if isinstance(request, InvalidArgumentError):  # bytes that are no request: answered, the stream goes on
+            yield _error_reply(pb.ModelInferRequest(), request.message, False, True, "")
+            return
         flagged = False
         try:
             flagged = _wants_final_flag(request)
@@ -267,6 +305,19 @@ def model_infer_error(exc: Exception) -> Exception:
     if isinstance(exc, DecoupledModelError):
         return UnsupportedError("ModelInfer RPC doesn't support models with decoupled transaction policy")
     return exc
+
+
+async def _parsed(requests: AsyncIterator[pb.ModelInferRequest | bytes],
+                  ) -> AsyncIterator[pb.ModelInferRequest | InvalidArgumentError]:
+    """A stream's requests, parsed here when they come as bytes; one that does not parse becomes its error."""
+    async for request in requests:
+        if not isinstance(request, bytes):
+            yield request
+            continue
+        try:
+            yield codec.parse_request(request)
+        except InvalidArgumentError as exc:
+            yield exc
 
 
 def _wants_final_flag(request: pb.ModelInferRequest) -> bool:

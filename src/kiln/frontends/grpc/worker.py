@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]  # no type info
 
+from kiln.errors import InvalidArgumentError
 from kiln.frontends.access import policy_from_environment
 from kiln.frontends.grpc.access import interceptors, listen, tls_from_args
 from kiln.frontends.grpc.bridge import (
@@ -47,7 +48,7 @@ from kiln.frontends.grpc.bridge import (
     method_index,
     releases,
 )
-from kiln.frontends.grpc.servicer import abort_with
+from kiln.frontends.grpc.server import GrpcConnectionLimits
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import unpack_offsets
 from kiln.frontends.handoff.tensors import decode_response, encode_request, response_slot
@@ -58,6 +59,7 @@ from kiln.v2.types import InferRequest, InferResponse
 HEALTH_POLL_S = 1.0  # how often an open health Watch asks the server process again
 GONE = "the server process is not answering (it is shutting down or has stopped)"
 MODEL_INFER = method_index(SERVICE.full_name, "ModelInfer")
+MODEL_METADATA = method_index(SERVICE.full_name, "ModelMetadata")
 
 
 class CallFailed(Exception):
@@ -177,24 +179,50 @@ def _unary_handler(bridge: BridgeClient, index: int) -> Any:
 def _infer_handler(bridge: BridgeClient) -> Any:
     """ModelInfer, decoded and encoded here as the in-process servicer does, the tensors in the arenas."""
     async def infer(payload: bytes, context: Any) -> bytes:
-        try:
-            message = pb.ModelInferRequest.FromString(payload)
-        except Exception as exc:  # protobuf's DecodeError: bytes that are no such message
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                         f"could not parse the ModelInfer request: {exc}".encode())
-        try:
-            request = codec.decode_request(message)
-        except Exception as exc:  # the client's mistake, reported as the servicer's rpc wrapper does
-            await abort_with(context, exc)
+        request, refused, model = _decode(payload)
+        # Dropped before any abort: its exception lists this frame, and grpc keeps that until the collector's
+        # next full pass (see servicer.rpc), so nothing here may hold the request's bytes by then.
+        del payload
+        if request is None:
+            if model is not None:
+                await _abort_if_unknown(bridge, context, *model)
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT.value[0], refused.encode())
         try:
             response, slot = await bridge.infer(request)
-        except CallFailed as failed:
+        except CallFailed as exc:
+            failed: CallFailed | None = exc
+        else:
+            failed = None
+        del request
+        if failed is not None:
             await _abort(context, failed.code, failed.details)
         try:
             return bytes(codec.encode_response(response).SerializeToString())
         finally:
             bridge.release(slot)  # the message holds a copy of every output now
     return infer
+
+
+def _decode(payload: bytes) -> tuple[InferRequest | None, str, tuple[str, str] | None]:
+    """The request; else None, what is wrong with it, and the (model, version) it names if it parsed."""
+    model = None
+    try:
+        message = codec.parse_request(payload)
+        model = (message.model_name, message.model_version)
+        return codec.decode_request(message), "", model
+    except codec.RefusedRequest as exc:
+        return None, exc.message, (exc.model, exc.version)
+    except InvalidArgumentError as exc:
+        return None, exc.message, model
+
+
+async def _abort_if_unknown(bridge: BridgeClient, context: Any, name: str, version: str) -> None:
+    """Abort with NOT_FOUND when the server process has no such model: that comes before what else is wrong with
+    a request, as in Triton."""
+    query = pb.ModelMetadataRequest(name=name, version=version).SerializeToString()
+    code, details = await bridge.unary(MODEL_METADATA, query)
+    if code == grpc.StatusCode.NOT_FOUND.value[0]:
+        await _abort(context, code, details)
 
 
 def _stream_handler(bridge: BridgeClient, index: int) -> Any:
@@ -263,6 +291,7 @@ async def run(args: argparse.Namespace) -> int:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 1),  # the workers share the port; the kernel spreads connections over them
+        *GrpcConnectionLimits(args.keepalive_secs, args.max_connection_idle_secs).options(),
     ], interceptors=interceptors(policy_from_environment()))  # the server process's --grpc-restricted-protocol
     server.add_generic_rpc_handlers(_handlers(bridge))
     try:
@@ -294,6 +323,8 @@ def main() -> int:
     parser.add_argument("--server-key", type=Path)
     parser.add_argument("--root-cert", type=Path)
     parser.add_argument("--ssl-mutual", action="store_true", help="require client certificates from --root-cert")
+    parser.add_argument("--keepalive-secs", type=float, default=GrpcConnectionLimits.keepalive_s)
+    parser.add_argument("--max-connection-idle-secs", type=float, default=GrpcConnectionLimits.max_connection_idle_s)
     args = parser.parse_args()
     # A Ctrl-C reaches the whole process group; the server process answers it by stopping the workers in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

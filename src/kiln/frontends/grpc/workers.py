@@ -17,7 +17,7 @@ import sys
 from kiln.frontends.access import AccessPolicy, worker_environment
 from kiln.frontends.grpc.access import GrpcTls
 from kiln.frontends.grpc.bridge import BridgeCore
-from kiln.frontends.grpc.server import ReadinessHealth
+from kiln.frontends.grpc.server import GrpcConnectionLimits, ReadinessHealth
 from kiln.frontends.grpc.servicer import GRPCInferenceService
 from kiln.frontends.handoff.arena import ARENA_BYTES, Arena, create_arena_file
 from kiln.frontends.handoff.supervisor import WorkerPool
@@ -29,10 +29,11 @@ class GrpcWorkers:
 
     def __init__(self, server: Server, address: str, count: int, max_message_bytes: int, grace_s: float,
                  arena_bytes: int = ARENA_BYTES, access: AccessPolicy | None = None,
-                 tls: GrpcTls | None = None) -> None:
+                 tls: GrpcTls | None = None, limits: GrpcConnectionLimits | None = None) -> None:
         self._address = address
         self._access = access
         self._tls = tls
+        self._limits = limits or GrpcConnectionLimits()
         self._max_message_bytes = max_message_bytes
         self._grace_s = grace_s
         self._arena_bytes = arena_bytes
@@ -57,6 +58,8 @@ class GrpcWorkers:
                 "--request-arena-fd", str(request_fd), "--response-arena-fd", str(response_fd),
                 "--address", self._address, "--max-message-bytes", str(self._max_message_bytes),
                 "--grace", str(self._grace_s), *(self._tls.worker_args() if self._tls is not None else ()),
+                "--keepalive-secs", str(self._limits.keepalive_s),
+                "--max-connection-idle-secs", str(self._limits.max_connection_idle_s),
                 pass_fds=[theirs.fileno(), *(fd for fd in arena_fds if fd is not None)],
                 env=worker_environment(self._access))
         finally:
@@ -71,14 +74,15 @@ class GrpcWorkers:
 
 async def start_grpc_workers(server: Server, host: str, port: int, count: int, *, max_message_bytes: int,
                              grace_s: float, arena_bytes: int = ARENA_BYTES, access: AccessPolicy | None = None,
-                             tls: GrpcTls | None = None) -> tuple[GrpcWorkers, int]:
+                             tls: GrpcTls | None = None,
+                             limits: GrpcConnectionLimits | None = None) -> tuple[GrpcWorkers, int]:
     """Start ``count`` worker processes serving gRPC on ``host:port`` (port 0 picks a free port first, since
     every worker must bind the same one) and return them with the port; ``access`` and ``tls`` as the in-process
     server takes them (server.py)."""
     if port == 0:
         port = _free_port(host)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    workers = GrpcWorkers(server, address, count, max_message_bytes, grace_s, arena_bytes, access, tls)
+    workers = GrpcWorkers(server, address, count, max_message_bytes, grace_s, arena_bytes, access, tls, limits)
     await workers.start()
     return workers, port
 

@@ -19,6 +19,7 @@ from kiln.frontends.http.routing import apply_routing_header
 from kiln.server.server import DecoupledModelError, Server
 from kiln.v2 import http_codec as codec
 from kiln.v2.http_body import read_body
+from kiln.v2.http_codec import decode_or_not_found
 from kiln.v2.http_responses import json_response
 from kiln.v2.status import error_body
 
@@ -78,7 +79,7 @@ class Endpoints:
             metadata = self.server.model_metadata(name, version)
             infer_request = codec.decode_raw_request(name, version, body, metadata)
         else:
-            infer_request = codec.decode_request(name, version, body, json_size)
+            infer_request = decode_or_not_found(self.server.model_metadata, name, version, body, json_size)
         apply_routing_header(self.server, request, infer_request)
         try:
             response = await self.server.infer(infer_request)

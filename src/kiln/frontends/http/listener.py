@@ -20,6 +20,7 @@ from collections.abc import Callable
 log = logging.getLogger("kiln.http")
 
 RETRY_AFTER_S = 1.0  # out of file descriptors: stop accepting this long, as asyncio does
+FULL_LOG_INTERVAL_S = 10.0  # at the connection limit: one warning this often
 _RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 ProtocolFactory = Callable[[], asyncio.Protocol]
@@ -54,8 +55,12 @@ class Listener:
     ``servers`` list (``sockets``, ``close()``, ``wait_closed()``)."""
 
     def __init__(self, sockets: list[socket.socket], factory: ProtocolFactory, tls: ssl.SSLContext | None,
-                 burst: int) -> None:
+                 burst: int, *, max_connections: int | None = None,
+                 open_connections: Callable[[], int] = lambda: 0) -> None:
         self.sockets = sockets
+        self._max_connections = max_connections
+        self._open_connections = open_connections
+        self._refused_logged_at = -FULL_LOG_INTERVAL_S
         self._factory = factory
         self._tls = tls
         self._burst = max(1, burst)
@@ -79,8 +84,24 @@ class Listener:
                 self._loop.remove_reader(sock.fileno())
                 self._loop.call_later(RETRY_AFTER_S, self._resume, sock)
                 return taken
-            self._start(connection)
+            if self._full():
+                connection.close()  # at once, rather than left waiting in the kernel's queue
+            else:
+                self._start(connection)
         return self._burst
+
+    def _full(self) -> bool:
+        """Whether the process has its maximum of open connections (those starting count too)."""
+        if self._max_connections is None:
+            return False
+        if self._open_connections() + len(self._starting) < self._max_connections:
+            return False
+        now = self._loop.time()
+        if now - self._refused_logged_at >= FULL_LOG_INTERVAL_S:
+            self._refused_logged_at = now
+            log.warning("%d HTTP connections open (--http-max-connections): closing new ones until some end",
+                        self._max_connections)
+        return True
 
     def close(self) -> None:
         """Stop accepting; connections already made are uvicorn's to shut down."""

@@ -14,6 +14,7 @@ from typing import Any
 import uvicorn
 
 from kiln.frontends.http import listener
+from kiln.frontends.http.limits import HttpLimits, protocol_class
 
 log = logging.getLogger("kiln.service")
 
@@ -41,8 +42,11 @@ class HttpServer(uvicorn.Server):
                 log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
                 raise SystemExit(1) from None
         await super().startup(sockets=[])  # uvicorn's state, without a server of its own
-        self.servers.append(listener.Listener(bound, self._protocol, config.ssl,  # type: ignore[arg-type]
-                                              burst=config.backlog))
+        limits: HttpLimits | None = getattr(config.http_protocol_class, "limits", None)
+        self.servers.append(listener.Listener(  # type: ignore[arg-type]
+            bound, self._protocol, config.ssl, burst=config.backlog,
+            max_connections=limits.max_connections if limits is not None else None,
+            open_connections=lambda: len(self.server_state.connections)))
 
     def _protocol(self) -> asyncio.Protocol:
         return self.config.http_protocol_class(config=self.config, server_state=self.server_state,  # type: ignore[call-arg]
@@ -50,13 +54,18 @@ class HttpServer(uvicorn.Server):
 
 
 def http_config(app: Any, host: str, port: int, exit_timeout_s: float, *, certfile: Path | None = None,
-                keyfile: Path | None = None, client_ca: Path | None = None) -> uvicorn.Config:
+                keyfile: Path | None = None, client_ca: Path | None = None,
+                limits: HttpLimits | None = None) -> uvicorn.Config:
     """uvicorn's settings for a kiln frontend; with ``certfile`` it serves TLS, with ``client_ca`` it requires
-    client certificates signed by that CA (mTLS)."""
+    client certificates signed by that CA (mTLS); ``limits``: the connection limits and timeouts (limits.py;
+    default :class:`HttpLimits`' defaults)."""
     tls: dict[str, Any] = {}
     if certfile is not None:
         tls = {"ssl_certfile": str(certfile), "ssl_keyfile": str(keyfile) if keyfile else None}
         if client_ca is not None:
             tls |= {"ssl_ca_certs": str(client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    limits = limits or HttpLimits()
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                          http="httptools", loop="none", timeout_graceful_shutdown=int(exit_timeout_s), **tls)
+                          http=protocol_class(limits), loop="none",
+                          timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]  # a float works (call_later)
+                          timeout_graceful_shutdown=int(exit_timeout_s), **tls)

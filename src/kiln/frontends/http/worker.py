@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena
+from kiln.frontends.http.limits import HttpLimits
 from kiln.frontends.http.server import HttpServer, http_config
 from kiln.frontends.http.worker_app import CoreClient, WorkerApp
 
@@ -39,7 +40,7 @@ async def run(args: argparse.Namespace) -> int:
     for sock in sockets:
         sock.setblocking(False)
     config = http_config(WorkerApp(core, args.max_input_size), "", 0, args.grace, certfile=args.certfile,
-                         keyfile=args.keyfile, client_ca=args.client_ca)
+                         keyfile=args.keyfile, client_ca=args.client_ca, limits=HttpLimits.from_json(args.limits))
     server = HttpServer(config, sockets)
     loop.add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
 
@@ -68,6 +69,7 @@ def main() -> int:
     parser.add_argument("--keyfile", type=Path)
     parser.add_argument("--client-ca", type=Path)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--limits", default=HttpLimits().to_json(), help="connection limits and timeouts (JSON)")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname).1s %(name)s] %(message)s",
                         datefmt="%H:%M:%S")

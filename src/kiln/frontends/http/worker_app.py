@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from kiln.errors import ErrorCode, UnavailableError, error_for_code
+from kiln.errors import ErrorCode, InvalidArgumentError, UnavailableError, error_for_code
 from kiln.frontends.access import AccessPolicy, policy_from_environment
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena
@@ -145,7 +145,11 @@ class WorkerApp:
             if json_size == 0:  # raw body: decoding needs the model's metadata, which the server process has
                 await self._forward(scope, receive, send, body, decoded=True)
                 return
-            infer_request = codec.decode_request(params["model"], params.get("version", ""), body, json_size)
+            try:
+                infer_request = codec.decode_request(params["model"], params.get("version", ""), body, json_size)
+            except InvalidArgumentError:  # the server process knows whether the model exists, and says first
+                await self._forward(scope, receive, send, body, decoded=True)
+                return
             response = await self._infer(infer_request, request.headers.get(ROUTING_KEY_HEADER))
         except Exception as exc:  # as the in-process endpoint's guard (app.py) answers it
             response = error_response(exc)

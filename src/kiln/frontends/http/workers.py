@@ -25,6 +25,7 @@ from kiln.frontends.handoff.arena import ARENA_BYTES, Arena, create_arena_file
 from kiln.frontends.handoff.supervisor import WorkerPool
 from kiln.frontends.http import listener
 from kiln.frontends.http.core import CoreLink
+from kiln.frontends.http.limits import HttpLimits
 from kiln.server.server import Server
 
 log = logging.getLogger("kiln.http.workers")
@@ -45,6 +46,7 @@ class WorkerSettings:
     arena_bytes: int = ARENA_BYTES
     log_level: str = "INFO"
     access: AccessPolicy | None = None  # --http-restricted-api, handed down in the environment
+    limits: HttpLimits = HttpLimits()
 
 
 class HttpWorkers:
@@ -88,7 +90,8 @@ class HttpWorkers:
         command = [sys.executable, "-m", "kiln.frontends.http.worker", "--link-fd", str(theirs.fileno()),
                    "--listen-fds", ",".join(map(str, listen_fds)), "--request-arena-fd", str(request_fd),
                    "--response-arena-fd", str(response_fd), "--max-input-size", str(settings.max_input_size),
-                   "--grace", str(settings.grace_s), "--log-level", settings.log_level]
+                   "--grace", str(settings.grace_s), "--log-level", settings.log_level,
+                   "--limits", settings.limits.to_json()]
         for name, path in (("--certfile", settings.certfile), ("--keyfile", settings.keyfile),
                            ("--client-ca", settings.client_ca)):
             if path is not None:

@@ -1,0 +1,173 @@
+"""HTTP connection limits and timeouts, and hostile request values, against a real `kiln serve` with HTTP in the
+server process and in two HTTP worker processes: oversized heads are answered 431, slow heads 408, slow bodies
+and idle connections are closed, the connection cap holds, and a normal client is served throughout."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kiln.demo import build_demo_repository
+from kiln.serve_process import KilnProcess, kiln_serve
+
+TIMEOUT_S = 1.0
+MODES = {"in-process": ["--http-workers", "1"], "2 workers": ["--http-workers", "2"]}
+SHORT = ["--http-header-timeout-secs", str(TIMEOUT_S), "--http-body-timeout-secs", str(TIMEOUT_S),
+         "--http-idle-timeout-secs", str(TIMEOUT_S)]
+CAP = 20
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("repo")
+    build_demo_repository(root)
+    return root
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def short(repo: Path, request: pytest.FixtureRequest) -> Iterator[KilnProcess]:
+    """Timeouts of one second."""
+    with kiln_serve([repo], *MODES[request.param], *SHORT) as process:
+        yield process
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def capped(repo: Path, request: pytest.FixtureRequest) -> Iterator[KilnProcess]:
+    """At most CAP connections per process, default timeouts."""
+    with kiln_serve([repo], *MODES[request.param], "--http-max-connections", str(CAP)) as process:
+        yield process
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    return sock
+
+
+def _until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return received
+
+
+def _get(url: str, path: str = "/v2/health/ready") -> bytes:
+    with _connect(url) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: kiln\r\nConnection: close\r\n\r\n".encode())
+        return _until_closed(sock)
+
+
+def _post(url: str, path: str, body: bytes, **headers: str) -> tuple[int, dict[str, Any]]:
+    lines = "".join(f"{name.replace('_', '-')}: {value}\r\n" for name, value in headers.items())
+    with _connect(url) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: kiln\r\nConnection: close\r\nContent-Length: {len(body)}\r\n"
+                     f"{lines}\r\n".encode() + body)
+        answer = _until_closed(sock)
+    head, _, content = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(content)
+
+
+def _status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_oversized_heads_are_answered_431(short: KilnProcess) -> None:
+    for head in (b"X-Big: " + b"a" * 2**20 + b"\r\n",  # one header of 1 MiB
+                 b"X-Big: " + b"a" * 70_000 + b"\r\n",  # over 64 KiB, in the same read as the rest
+                 b"".join(b"X-%d: 1\r\n" % i for i in range(150))):  # 150 header fields
+        with _connect(short.http_url) as sock:
+            sock.sendall(b"GET /v2 HTTP/1.1\r\nHost: kiln\r\n" + head + b"\r\n")
+            answer = _until_closed(sock)
+        assert _status(answer) == 431, answer[:200]
+    assert _status(_get(short.http_url)) == 200
+
+
+def test_slow_head_is_closed_while_others_are_served(short: KilnProcess) -> None:
+    started = time.monotonic()
+    with _connect(short.http_url) as slow:
+        slow.sendall(b"GET /v2 HTTP/1.1\r\nHo")  # and no more
+        for _ in range(3):
+            assert _status(_get(short.http_url)) == 200
+        answer = _until_closed(slow)
+    waited = time.monotonic() - started
+    assert _status(answer) == 408 and b"did not arrive within 1 s" in answer
+    assert TIMEOUT_S * 0.8 < waited < TIMEOUT_S + 15
+
+
+def test_slow_body_is_closed(short: KilnProcess) -> None:
+    started = time.monotonic()
+    with _connect(short.http_url) as sock:
+        sock.sendall(b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: kiln\r\nContent-Length: 100\r\n\r\n{")
+        assert _until_closed(sock) == b""
+    assert time.monotonic() - started < TIMEOUT_S + 15
+
+
+def test_idle_connections_are_closed_and_do_not_starve_others(short: KilnProcess) -> None:
+    idle = [_connect(short.http_url) for _ in range(200)]
+    try:
+        assert _status(_get(short.http_url)) == 200
+        for sock in idle[:5]:
+            assert _status(_until_closed(sock)) == 408  # nothing sent: no head within the timeout
+    finally:
+        for sock in idle:
+            sock.close()
+    with _connect(short.http_url) as keep_alive:  # after an answer: closed once idle for the timeout
+        keep_alive.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: kiln\r\n\r\n")
+        assert _until_closed(keep_alive).startswith(b"HTTP/1.1 200")
+
+
+def test_connection_cap(capped: KilnProcess) -> None:
+    held = [_connect(capped.http_url) for _ in range(5 * CAP)]  # every process full, however they are spread
+    try:
+        time.sleep(0.5)
+        with _connect(capped.http_url) as refused:
+            refused.settimeout(20)  # well before the 30 s head timeout, even on a loaded machine
+            assert _until_closed(refused) == b""  # closed when accepted, not answered
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while _get(capped.http_url) == b"" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _status(_get(capped.http_url)) == 200
+
+
+def _simple(**parameters: Any) -> bytes:
+    data = {"datatype": "INT32", "shape": [1, 16], "data": [1] * 16}
+    return json.dumps({"inputs": [{"name": "INPUT0", **data}, {"name": "INPUT1", **data}],
+                       "parameters": parameters}).encode()
+
+
+@pytest.mark.parametrize(("key", "value"), [("priority", True), ("priority", -1), ("timeout", -5),
+                                          ("sequence_id", 2**70)])
+def test_out_of_range_parameters_are_refused(short: KilnProcess, key: str, value: Any) -> None:
+    status, answer = _post(short.http_url, "/v2/models/simple/infer", _simple(**{key: value}))
+    assert status == 400
+    assert f"model 'simple': request parameter '{key}' is " in answer["error"]
+    assert "expected an integer 0..18446744073709551615" in answer["error"]
+    assert _post(short.http_url, "/v2/models/simple/infer", _simple(priority=0, timeout=0))[0] == 200
+
+
+def test_unknown_model_is_not_found_before_its_sizes(short: KilnProcess) -> None:
+    header = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16],
+                                     "parameters": {"binary_data_size": 10 * 2**20}}]}).encode()
+    status, answer = _post(short.http_url, "/v2/models/nope/infer", header + bytes(10 * 2**20),
+                           Inference_Header_Content_Length=str(len(header)))
+    assert status == 404 and "nope" in answer["error"]
+
+
+def test_unsupported_content_encoding(short: KilnProcess) -> None:
+    status, answer = _post(short.http_url, "/v2/models/simple/infer", _simple(), Content_Encoding="br")
+    assert status == 400
+    assert answer["error"] == ("Content-Encoding 'br' is not supported; send the request body as gzip, deflate "
+                               "(zlib), or identity (uncompressed)")
