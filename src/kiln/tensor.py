@@ -59,6 +59,12 @@ class DataType(enum.Enum):
         return _NUMPY[self]
 
     @property
+    def largest_finite(self) -> float | None:
+        """The largest finite value of a floating-point type (None for the others)."""
+        floats = (DataType.FP16, DataType.FP32, DataType.FP64, DataType.BF16)
+        return float(ml_dtypes.finfo(self.numpy_dtype).max) if self in floats else None  # type: ignore[no-untyped-call]
+
+    @property
     def byte_size(self) -> int | None:
         """Bytes per element, or None for the variable-size BYTES type."""
         return None if self is DataType.BYTES else _NUMPY[self].itemsize

@@ -61,7 +61,7 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "capture": (PRODUCT | {"server"}, {"numpy"}),
     # kiln on a Ray cluster: each Ray Serve replica runs the public Server behind the HTTP frontend's app; config:
     # the repository's instance groups decide the GPUs a replica asks for.
-    "cluster": (PROTOCOL | {"config", "frontends", "kiln"}, {"ray", "starlette", "orjson"}),
+    "cluster": (PROTOCOL | {"config", "frontends", "kiln"}, {"ray", "starlette", "orjson", "google"}),
     # The commands wire everything together; nothing imports them.
     "cli": (PRODUCT | {"server", "frontends", "service", "service_options", "build", "bench", "advise", "edge",
                        "demo", "ab", "capture", "cluster"}, {"numpy"}),

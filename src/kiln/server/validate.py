@@ -80,17 +80,21 @@ def _batch_size(spec: ModelSpec, request: InferRequest) -> int:
 
 
 def check_reserved_parameters(model: str, parameters: Mapping[str, object]) -> None:
-    """``priority`` and ``timeout`` are unsigned 64-bit integers and ``sequence_id`` one or a string, for every
-    model: one that ignores them (no dynamic batching, no sequences) still refuses a value no model could take."""
+    """``priority`` and ``timeout`` are unsigned 64-bit integers, ``sequence_id`` one or a string and
+    ``sequence_start`` / ``sequence_end`` booleans, for every model: one that ignores them (no dynamic batching, no
+    sequences) still refuses a value no model could take."""
     for key, meaning in _UNSIGNED_PARAMETERS.items():
-        value = parameters.get(key)
-        if value is not None and not _is_uint64(value):
+        if key in parameters and not _is_uint64(value := parameters[key]):
             raise InvalidArgumentError(f"model '{model}': request parameter '{key}' is {value!r}; expected an "
                                        f"integer 0..{_UINT64_MAX} ({meaning})")
-    value = parameters.get("sequence_id")
-    if value is not None and not (isinstance(value, str) or _is_uint64(value)):
+    if "sequence_id" in parameters and not (isinstance(value := parameters["sequence_id"], str)
+                                            or _is_uint64(value)):
         raise InvalidArgumentError(f"model '{model}': request parameter 'sequence_id' is {value!r}; expected an "
                                    f"integer 0..{_UINT64_MAX} or a string")
+    for key in ("sequence_start", "sequence_end"):
+        if key in parameters and not isinstance(value := parameters[key], bool):
+            raise InvalidArgumentError(f"model '{model}': request parameter '{key}' is {value!r}; expected true "
+                                       f"or false")
 
 
 def _is_uint64(value: object) -> bool:

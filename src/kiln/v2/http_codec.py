@@ -200,11 +200,23 @@ def _from_json(model: str, where: str, datatype: DataType, shape: tuple[int, ...
             if low < info.min or high > info.max:
                 raise _bad(model, where, f"field 'data' holds {low if low < info.min else high}, outside the "
                                          f"{datatype.wire_name} range {info.min}..{info.max}")
+        if datatype in _FLOATS and array.size and array.dtype.kind == "f" and array.dtype != target:
+            _check_float_range(model, where, datatype, array)
         array = array.astype(target, copy=False)
     count = element_count(shape)
     if array.size != count:
         raise _bad(model, where, f"field 'data' has {array.size} elements but shape {list(shape)} needs {count}")
     return array.reshape(shape)
+
+
+def _check_float_range(model: str, where: str, datatype: DataType, array: npt.NDArray[Any]) -> None:
+    """A JSON number beyond the type's largest finite value would become inf (numpy warns, the model computes
+    on inf): refused, as an INT32 value outside its range is."""
+    largest = float(np.abs(array).max())
+    limit = datatype.largest_finite
+    if limit is not None and largest > limit:
+        raise _bad(model, where, f"field 'data' holds {largest:g}, beyond the {datatype.wire_name} range "
+                                 f"-{limit:g}..{limit:g}")
 
 
 def _bytes_from_json(model: str, where: str, data: object) -> npt.NDArray[np.object_]:

@@ -121,3 +121,10 @@ def test_unknown_model_is_not_found_before_its_sizes(channel: grpc.Channel) -> N
     error = _refused(_unary(channel, "ModelInfer"), _simple(10 * 2**20, model="nope").SerializeToString())
     assert error.code() == grpc.StatusCode.NOT_FOUND
     assert "nope" in str(error.details())
+
+
+@pytest.mark.parametrize("method", ["ModelMetadata", "ModelConfig", "ModelStatistics", "RepositoryIndex"])
+def test_bytes_that_are_no_message_are_invalid_argument_on_every_rpc(channel: grpc.Channel, method: str) -> None:
+    error = _refused(_unary(channel, method), b"\x0a\xff\xff\xff\x0f")
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"could not parse the {method} request" in str(error.details())

@@ -158,6 +158,33 @@ def test_out_of_range_parameters_are_refused(short: KilnProcess, key: str, value
     assert _post(short.http_url, "/v2/models/simple/infer", _simple(priority=0, timeout=0))[0] == 200
 
 
+@pytest.mark.parametrize(("key", "value", "expected"), [
+    ("timeout", "x", "expected an integer"), ("priority", 1.5, "expected an integer"),
+    ("priority", 2**64, "expected an integer"), ("sequence_id", None, "or a string"),
+    ("sequence_start", 1, "expected true or false"), ("sequence_end", "x", "expected true or false")])
+def test_parameters_of_the_wrong_type_are_refused(short: KilnProcess, key: str, value: Any, expected: str) -> None:
+    status, answer = _post(short.http_url, "/v2/models/simple/infer", _simple(**{key: value}))
+    assert status == 400 and f"request parameter '{key}' is " in answer["error"] and expected in answer["error"]
+
+
+def test_a_float_beyond_its_type_is_refused_not_cast_to_inf(short: KilnProcess) -> None:
+    logits = {"name": "LOGITS", "datatype": "FP32", "shape": [1, 10], "data": [1e308] + [0.0] * 9}
+    status, answer = _post(short.http_url, "/v2/models/mlp_postprocess/infer",
+                           json.dumps({"inputs": [logits]}).encode())
+    assert status == 400 and "holds 1e+308, beyond the FP32 range" in answer["error"], answer
+    logits["data"] = [3e38] + [0.0] * 9  # within FP32's range: served
+    assert _post(short.http_url, "/v2/models/mlp_postprocess/infer", json.dumps({"inputs": [logits]}).encode()
+                 )[0] == 200
+
+
+def test_a_body_over_the_limit_to_an_unknown_model_is_not_found(short: KilnProcess) -> None:
+    with _connect(short.http_url) as sock:  # the answer comes from the declared length: no need to send 80 MiB
+        sock.sendall(f"POST /v2/models/nope/infer HTTP/1.1\r\nHost: kiln\r\nConnection: close\r\n"
+                     f"Content-Length: {80 * 2**20}\r\n\r\n".encode() + bytes(4096))
+        head, _, content = _until_closed(sock).partition(b"\r\n\r\n")
+    assert int(head.split()[1]) == 404 and "nope" in json.loads(content)["error"], (head, content)
+
+
 def test_unknown_model_is_not_found_before_its_sizes(short: KilnProcess) -> None:
     header = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16],
                                      "parameters": {"binary_data_size": 10 * 2**20}}]}).encode()

@@ -83,15 +83,29 @@ class ReadinessHealth:
 
 
 def method_handlers(servicer: GRPCInferenceService) -> dict[str, grpc.RpcMethodHandler]:
-    """The service's methods as the generated ``add_..._to_server`` makes them, except that the methods in
-    :data:`RAW_REQUEST_METHODS` get their requests as bytes (the servicer parses them)."""
+    """The service's methods as the generated ``add_..._to_server`` makes them, except that every request arrives
+    as bytes: the methods in :data:`RAW_REQUEST_METHODS` parse them in the servicer, the others here, so bytes that
+    are no request message answer INVALID_ARGUMENT (grpc's own deserializer would answer UNKNOWN)."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in SERVICE.methods:
-        parse = None if method.name in RAW_REQUEST_METHODS else getattr(pb, method.input_type.name).FromString
+        behaviour = getattr(servicer, method.name)
+        if method.name not in RAW_REQUEST_METHODS:
+            behaviour = _parsed(method.name, getattr(pb, method.input_type.name), behaviour)
         kind = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[method.name] = kind(getattr(servicer, method.name), request_deserializer=parse,
-                                     response_serializer=_serialize)
+        handlers[method.name] = kind(behaviour, request_deserializer=None, response_serializer=_serialize)
     return handlers
+
+
+def _parsed(name: str, request_type: Any, behaviour: Any) -> Any:
+    """A unary method taking bytes: parsed into ``request_type``, then handed to ``behaviour``."""
+    async def unary(payload: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            request = request_type.FromString(payload)
+        except Exception as exc:  # protobuf's DecodeError: bytes that are no such message
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"could not parse the {name} request ({len(payload)} bytes): {exc}")
+        return await behaviour(request, context)
+    return unary
 
 
 def _serialize(message: Any) -> bytes:

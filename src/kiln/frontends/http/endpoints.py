@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.config.render import config_to_json
-from kiln.errors import ModelNotReadyError, UnsupportedError
+from kiln.errors import InvalidArgumentError, ModelNotReadyError, UnsupportedError
 from kiln.frontends.http import documents
 from kiln.frontends.http.routing import apply_routing_header
 from kiln.server.server import DecoupledModelError, Server
@@ -73,7 +73,11 @@ class Endpoints:
 
     async def infer(self, request: Request) -> Response:
         name, version = _model(request)
-        body = await read_body(request, self.max_input_size)
+        try:
+            body = await read_body(request, self.max_input_size)
+        except InvalidArgumentError:
+            self.server.model_metadata(name, version)  # an unknown model is NOT_FOUND before its body's size
+            raise
         json_size = codec.header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
         if json_size == 0:
             metadata = self.server.model_metadata(name, version)

@@ -135,7 +135,8 @@ class WorkerApp:
         if scope["type"] != "http":
             return  # lifespan is off; websockets are no route of the protocol
         params = _infer_params(scope) if scope["method"] == "POST" else None
-        if params is None:
+        # A body over the limit goes as it is: the server process says first whether the model exists.
+        if params is None or self._over_limit(scope):
             await self._forward(scope, receive, send, await self._read_raw(scope, receive), decoded=False)
             return
         request = Request(scope, receive)
@@ -165,6 +166,10 @@ class WorkerApp:
         if header_size is None:
             return Response(content, media_type=codec.JSON_TYPE)
         return Response(content, media_type=codec.BINARY_TYPE, headers={codec.HEADER_LENGTH: str(header_size)})
+
+    def _over_limit(self, scope: Scope) -> bool:
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        return declared.isdigit() and int(declared) > self.max_input_size
 
     async def _read_raw(self, scope: Scope, receive: Receive) -> bytes:
         """The body as received, cut after the limit: the server process's route applies the limit itself (its
