@@ -145,8 +145,8 @@ def _judge_http(case: HttpCase, answer: Answer, served_files: frozenset[bytes]) 
         if violations:
             return Finding(case.surface, "accepted-invalid", f"{where}: served with {', '.join(violations)}",
                            shape=_kinds(violations))
-        if "/files/" in case.path and case.method == "GET" and answer.body not in served_files \
-                and not _is_listing(answer.body):
+        if "/files/" in _without_dot_segments(case.path) and case.method == "GET" \
+                and answer.body not in served_files and not _is_listing(answer.body):
             return Finding(case.surface, "file-leak", f"{where}: 200 with {len(answer.body)} bytes that are no "
                                                       f"file of the version")
     if case.surface == "http_oversize" and "/models/simple/" not in case.path and status != 404:
@@ -175,6 +175,19 @@ def eval_literal(text: str) -> object:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+
+
+def _without_dot_segments(path: str) -> str:
+    """The path the server sees from a client that folds '.' and '..' segments (httpx does): '/v2/kiln/models/../
+    versions/../files/../..' asks for '/v2', which answers the server's metadata, no file."""
+    kept: list[str] = []
+    for segment in path.split("?", 1)[0].split("/"):
+        if segment == "..":
+            if len(kept) > 1:
+                kept.pop()
+        elif segment != ".":
+            kept.append(segment)
+    return "/".join(kept)
 
 
 def _is_listing(body: bytes) -> bool:

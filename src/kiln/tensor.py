@@ -132,6 +132,21 @@ _NUMPY: dict[DataType, np.dtype[Any]] = {
 }
 
 
+MAX_SHAPE_ELEMENTS = 2**40
+"""The most elements a request's tensor shape may describe, a zero dimension counted as one: numpy cannot describe
+even an empty array much beyond it, and no real request comes near it."""
+
+
+def shape_fits(shape: Iterable[int]) -> bool:
+    """Whether ``shape`` (non-negative dimensions) stays within :data:`MAX_SHAPE_ELEMENTS`."""
+    count = 1
+    for dim in shape:
+        count *= max(int(dim), 1)
+        if count > MAX_SHAPE_ELEMENTS:
+            return False
+    return True
+
+
 def element_count(shape: Iterable[int]) -> int:
     count = 1
     for dim in shape:

@@ -65,7 +65,8 @@ def check_npz(model: str, payload: bytes) -> None:
             names = list(npz.files)
             for name in names:
                 npz[name]  # reads every array: a truncated or pickled one fails here
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+    # NotImplementedError: an entry compressed with a method zipfile lacks, or a zip version it cannot read.
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError, NotImplementedError) as exc:
         raise InvalidArgumentError(f"capture for model '{model}': the body is not a readable npz of arrays "
                                    f"({exc})") from None
     bad = [name for name in names if name.partition("/")[0] not in KINDS or not name.partition("/")[2]]

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kiln.errors import InternalError, InvalidArgumentError
-from kiln.tensor import DataType, decode_bytes, element_count
+from kiln.tensor import MAX_SHAPE_ELEMENTS, DataType, decode_bytes, element_count, shape_fits
 from kiln.v2._generated import grpc_service_pb2 as pb
 from kiln.v2.layout import from_raw, to_raw
 from kiln.v2.types import (
@@ -218,6 +218,9 @@ def _header(model: str, tensor: InputMessage) -> tuple[DataType, tuple[int, ...]
     if shape and min(shape) < 0:
         raise InvalidArgumentError(f"model '{model}': input '{tensor.name}' has shape {list(shape)}; "
                                    f"dimensions cannot be negative")
+    if not shape_fits(shape):
+        raise InvalidArgumentError(f"model '{model}': input '{tensor.name}' has shape {list(shape)}, more than "
+                                   f"{MAX_SHAPE_ELEMENTS} elements")
     return datatype, shape
 
 

@@ -20,7 +20,7 @@ import numpy.typing as npt
 import orjson
 
 from kiln.errors import InvalidArgumentError
-from kiln.tensor import DataType, decode_bytes, element_count
+from kiln.tensor import MAX_SHAPE_ELEMENTS, DataType, decode_bytes, element_count, shape_fits
 from kiln.v2.http_body import parse_json
 from kiln.v2.layout import from_raw, raw_view
 from kiln.v2.types import (
@@ -141,6 +141,9 @@ def _input(model: str, item: object, body: bytes, offset: int) -> tuple[InputTen
 
 def _shape(model: str, where: str, value: object) -> tuple[int, ...]:
     if isinstance(value, list) and all(type(d) is int and d >= 0 for d in value):
+        if not shape_fits(value):
+            raise _bad(model, where, f"field 'shape' {short_json(value)} describes more than "
+                                     f"{MAX_SHAPE_ELEMENTS} elements")
         return tuple(value)
     raise _bad(model, where, f"field 'shape' must be a list of non-negative integers, got {short_json(value)}")
 
@@ -200,7 +203,7 @@ def _from_json(model: str, where: str, datatype: DataType, shape: tuple[int, ...
             if low < info.min or high > info.max:
                 raise _bad(model, where, f"field 'data' holds {low if low < info.min else high}, outside the "
                                          f"{datatype.wire_name} range {info.min}..{info.max}")
-        if datatype in _FLOATS and array.size and array.dtype.kind == "f" and array.dtype != target:
+        if datatype in _FLOATS and array.size and array.dtype.kind in "iuf" and array.dtype != target:
             _check_float_range(model, where, datatype, array)
         array = array.astype(target, copy=False)
     count = element_count(shape)
@@ -212,7 +215,7 @@ def _from_json(model: str, where: str, datatype: DataType, shape: tuple[int, ...
 def _check_float_range(model: str, where: str, datatype: DataType, array: npt.NDArray[Any]) -> None:
     """A JSON number beyond the type's largest finite value would become inf (numpy warns, the model computes
     on inf): refused, as an INT32 value outside its range is."""
-    largest = float(np.abs(array).max())
+    largest = float(np.abs(array.astype(np.float64)).max())  # ints too: 70000 is beyond FP16
     limit = datatype.largest_finite
     if limit is not None and largest > limit:
         raise _bad(model, where, f"field 'data' holds {largest:g}, beyond the {datatype.wire_name} range "

@@ -128,3 +128,12 @@ def test_bytes_that_are_no_message_are_invalid_argument_on_every_rpc(channel: gr
     error = _refused(_unary(channel, method), b"\x0a\xff\xff\xff\x0f")
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"could not parse the {method} request" in str(error.details())
+
+
+def test_a_shape_beyond_any_array_is_refused(channel: grpc.Channel) -> None:
+    request = _simple()
+    del request.raw_input_contents[:]
+    request.inputs[0].shape[:] = [0, 2**62]
+    error = _refused(_unary(channel, "ModelInfer"), request.SerializeToString())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than 1099511627776 elements" in str(error.details())

@@ -177,6 +177,15 @@ def test_a_float_beyond_its_type_is_refused_not_cast_to_inf(short: KilnProcess) 
                  )[0] == 200
 
 
+def test_an_integer_beyond_fp16_and_a_shape_beyond_any_array_are_refused(short: KilnProcess) -> None:
+    item = {"name": "INPUT0", "datatype": "FP16", "shape": [1], "data": [70000]}
+    status, answer = _post(short.http_url, "/v2/models/simple/infer", json.dumps({"inputs": [item]}).encode())
+    assert status == 400 and "holds 70000, beyond the FP16 range" in answer["error"], answer
+    item = {"name": "INPUT0", "datatype": "INT32", "shape": [0, 2**62], "data": []}
+    status, answer = _post(short.http_url, "/v2/models/simple/infer", json.dumps({"inputs": [item]}).encode())
+    assert status == 400 and "describes more than 1099511627776 elements" in answer["error"], answer
+
+
 def test_a_body_over_the_limit_to_an_unknown_model_is_not_found(short: KilnProcess) -> None:
     with _connect(short.http_url) as sock:  # the answer comes from the declared length: no need to send 80 MiB
         sock.sendall(f"POST /v2/models/nope/infer HTTP/1.1\r\nHost: kiln\r\nConnection: close\r\n"

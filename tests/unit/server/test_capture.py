@@ -136,3 +136,16 @@ def test_export_refuses_arrays_that_do_not_concatenate(tmp_path: Path) -> None:
     store.add("mlp", "2", Sample("b"), buffer.getvalue())
     with pytest.raises(InvalidArgumentError, match="unlike the earlier samples"):
         export_samples(tmp_path, "mlp", None, tmp_path / "x.npz")
+
+
+def test_an_npz_compressed_with_a_method_zipfile_lacks_is_refused_as_bad_input(tmp_path: Path) -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, **{"input/x": np.arange(4, dtype=np.float32)})
+    payload = bytearray(buffer.getvalue())
+    # The compression method field (offset 8 of the local header, 10 of the central one) set to 99 (AES): zipfile
+    # raises NotImplementedError reading it.
+    payload[8:10] = (99).to_bytes(2, "little")
+    central = payload.rfind(b"PK\x01\x02")
+    payload[central + 10:central + 12] = (99).to_bytes(2, "little")
+    with pytest.raises(InvalidArgumentError, match="not a readable npz"):
+        CaptureStore(tmp_path, 1 << 20).add("simple", "1", Sample("a"), bytes(payload))
