@@ -15,42 +15,16 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from kiln.testing.pki import make_pki
 from kiln.testing.repo import make_repo, onnx_add_sub_model
 from kiln.testing.serve import KilnProcess, kiln_serve
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
                                 reason="the openssl command line is needed to make test certificates")
 
-LEAF = "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
-EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-
-
-def _openssl(folder: Path, *args: str) -> None:
-    subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
-
-
-def _authority(folder: Path, name: str) -> None:
-    _openssl(folder, "req", "-x509", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1",
-             "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-
-
-def _certificate(folder: Path, name: str, authority: str, usage: str) -> None:
-    _openssl(folder, "req", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-    (folder / f"{name}.ext").write_text(LEAF + usage)
-    _openssl(folder, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{authority}.pem", "-CAkey", f"{authority}.key",
-             "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext")
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("pki")
-    _authority(folder, "ca")
-    _authority(folder, "other-ca")
-    _certificate(folder, "server", "ca", "extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _certificate(folder, "client", "ca", "extendedKeyUsage=clientAuth\n")
-    _certificate(folder, "stranger", "other-ca", "extendedKeyUsage=clientAuth\n")
-    return folder
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")

@@ -30,44 +30,17 @@ from kiln.edge.sync import HttpSyncSource
 from kiln.edge.tls import client_context, cloud_endpoint, split_url
 from kiln.engines.base import Array
 from kiln.errors import ConfigError
+from kiln.testing.pki import make_pki
 from kiln.testing.repo import write_model
 from kiln.testing.serve import free_port, stop, wait_ready
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
                                 reason="the openssl command line is needed to make test certificates")
 
-LEAF_EXTENSIONS = ("basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
-                   "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n")
-
-
-def _openssl(folder: Path, *args: str) -> None:
-    subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
-
-
-def _make_ca(folder: Path, name: str) -> None:
-    _openssl(folder, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1", "-subj", f"/CN={name}",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-
-
-def _make_leaf(folder: Path, name: str, ca: str, extensions: str) -> None:
-    _openssl(folder, "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-    (folder / f"{name}.ext").write_text(LEAF_EXTENSIONS + extensions)
-    _openssl(folder, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-             "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext")
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ca.pem; server.pem/key (127.0.0.1, localhost); client.pem/key from ca; stranger.pem/key from another CA."""
-    folder = tmp_path_factory.mktemp("pki")
-    _make_ca(folder, "ca")
-    _make_ca(folder, "other-ca")
-    _make_leaf(folder, "server", "ca", "extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _make_leaf(folder, "client", "ca", "extendedKeyUsage=clientAuth\n")
-    _make_leaf(folder, "stranger", "other-ca", "extendedKeyUsage=clientAuth\n")
-    return folder
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")

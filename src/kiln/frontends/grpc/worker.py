@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
 import signal
 import socket
 import sys
@@ -49,7 +48,7 @@ from kiln.frontends.grpc.bridge import (
     releases,
 )
 from kiln.frontends.grpc.server import GrpcConnectionLimits
-from kiln.frontends.handoff.arena import Arena
+from kiln.frontends.handoff.arena import Arena, inherited_arena
 from kiln.frontends.handoff.frames import unpack_offsets
 from kiln.frontends.handoff.tensors import decode_response, encode_request, response_slot
 from kiln.v2 import grpc_codec as codec
@@ -274,17 +273,10 @@ def _watch_handler(bridge: BridgeClient) -> Any:
     return watch
 
 
-def _arena(fd: int) -> Arena | None:
-    if fd < 0:
-        return None
-    arena = Arena.from_fd(fd)
-    os.close(fd)  # the mapping stays
-    return arena
-
 
 async def run(args: argparse.Namespace) -> int:
     address, max_message_bytes, grace_s = args.address, args.max_message_bytes, args.grace
-    bridge = BridgeClient(_arena(args.request_arena_fd), _arena(args.response_arena_fd))
+    bridge = BridgeClient(inherited_arena(args.request_arena_fd), inherited_arena(args.response_arena_fd))
     await asyncio.get_running_loop().create_unix_connection(lambda: bridge.protocol,
                                                             sock=socket.socket(fileno=args.link_fd))
     server = grpc.aio.server(options=[

@@ -106,3 +106,13 @@ class Arena:
             self.readonly.release()
             self.buffer.release()
             self._map.close()
+
+
+def inherited_arena(fd: int) -> Arena | None:
+    """A worker's arena from the descriptor its server process passed down (-1: none), the descriptor closed
+    once mapped (the mapping stays)."""
+    if fd < 0:
+        return None
+    arena = Arena.from_fd(fd)
+    os.close(fd)
+    return arena

@@ -11,30 +11,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import socket
 import sys
 from pathlib import Path
 
 from kiln.frontends.handoff import frames
-from kiln.frontends.handoff.arena import Arena
+from kiln.frontends.handoff.arena import inherited_arena
 from kiln.frontends.http.limits import HttpLimits
 from kiln.frontends.http.server import HttpServer, http_config
 from kiln.frontends.http.worker_app import CoreClient, WorkerApp
 
 
-def _arena(fd: int) -> Arena | None:
-    if fd < 0:
-        return None
-    arena = Arena.from_fd(fd)
-    os.close(fd)  # the mapping stays
-    return arena
-
-
 async def run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
-    core = CoreClient(_arena(args.request_arena_fd), _arena(args.response_arena_fd))
+    core = CoreClient(inherited_arena(args.request_arena_fd), inherited_arena(args.response_arena_fd))
     await loop.create_unix_connection(lambda: core.protocol, sock=socket.socket(fileno=args.link_fd))
     sockets = [socket.socket(fileno=int(fd)) for fd in args.listen_fds.split(",")]
     for sock in sockets:
