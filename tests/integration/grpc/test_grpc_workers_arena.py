@@ -8,7 +8,7 @@ import asyncio
 import mmap
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +20,15 @@ import tritonclient.grpc.aio as tc_aio
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from kiln.config.spec import ModelSpec
 from kiln.demo import build_demo_repository
-from kiln.engines import Engine, EngineOptions, register_backend
-from kiln.engines.base import Array
+from kiln.engines import register_backend
 from kiln.frontends.grpc import server as grpc_frontend
 from kiln.frontends.grpc import start_grpc_server
 from kiln.frontends.grpc.workers import start_grpc_workers
 from kiln.frontends.handoff.arena import Arena
 from kiln.server.server import Server, ServerOptions
 from kiln.service import Service, ServiceOptions
+from kiln.testing.gated import ENTERED, GATE, GatedEngine
 from kiln.v2.types import InferRequest
 
 HOST = "127.0.0.1"
@@ -263,22 +262,6 @@ async def test_many_concurrent_requests_get_their_own_answers(urls: tuple[str, s
     assert failures == []
 
 
-GATE = threading.Event()
-ENTERED = threading.Event()
-
-
-class SlowEngine(Engine):
-    """Answers once the test opens the gate."""
-
-    def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
-        super().__init__(spec)
-
-    def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
-        ENTERED.set()
-        GATE.wait(30)
-        return {outputs[0]: inputs["x"] + 1}
-
-
 SLOW = """
 backend: "slow_for_grpc_workers_test" max_batch_size: 4
 input [ { name: "x" data_type: TYPE_FP32 dims: [ 2 ] } ]
@@ -287,7 +270,7 @@ output [ { name: "y" data_type: TYPE_FP32 dims: [ 2 ] } ]
 
 
 async def test_sigterm_drains_a_model_infer_in_flight_in_a_worker(tmp_path: Path) -> None:
-    register_backend("slow_for_grpc_workers_test", SlowEngine)
+    register_backend("slow_for_grpc_workers_test", GatedEngine)
     (tmp_path / "slow" / "1").mkdir(parents=True)
     (tmp_path / "slow" / "config.pbtxt").write_text(SLOW)
     service = Service(ServiceOptions(ServerOptions(repositories=[tmp_path]), http_port=0, grpc_port=0,
@@ -316,7 +299,7 @@ async def test_sigterm_drains_a_model_infer_in_flight_in_a_worker(tmp_path: Path
 
 async def test_a_call_the_client_gave_up_on_hands_its_output_slot_back(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    register_backend("slow_for_grpc_workers_test", SlowEngine)
+    register_backend("slow_for_grpc_workers_test", GatedEngine)
     (tmp_path / "slow" / "1").mkdir(parents=True)
     (tmp_path / "slow" / "config.pbtxt").write_text(SLOW)
     freed: list[int] = []

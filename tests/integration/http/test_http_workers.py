@@ -13,7 +13,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +24,11 @@ import pytest
 import tritonclient.http as th
 import tritonclient.utils.shared_memory as shm
 
-from kiln.config.spec import ModelSpec
 from kiln.demo import build_demo_repository
-from kiln.engines import Engine, EngineOptions, register_backend
-from kiln.engines.base import Array
+from kiln.engines import register_backend
 from kiln.server import ServerOptions
 from kiln.service import Service, ServiceOptions
+from kiln.testing.gated import ENTERED, GATE, GatedEngine
 from kiln.testing.serve import KilnProcess, kiln_serve
 
 WORKER_MODULE = "kiln.frontends.http.worker"
@@ -283,20 +282,6 @@ def test_a_worker_killed_is_replaced_and_requests_keep_succeeding(served: KilnPr
         client.close()
 
 
-GATE = threading.Event()
-ENTERED = threading.Event()
-
-
-class SlowEngine(Engine):
-    def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
-        super().__init__(spec)
-
-    def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
-        ENTERED.set()
-        GATE.wait(30)
-        return {outputs[0]: inputs["x"] + 1}
-
-
 SLOW = """
 backend: "slow_for_http_workers_test" max_batch_size: 4
 input [ { name: "x" data_type: TYPE_FP32 dims: [ 2 ] } ]
@@ -305,7 +290,7 @@ output [ { name: "y" data_type: TYPE_FP32 dims: [ 2 ] } ]
 
 
 async def test_sigterm_drains_a_request_in_flight_in_a_worker(tmp_path: Path) -> None:
-    register_backend("slow_for_http_workers_test", SlowEngine)
+    register_backend("slow_for_http_workers_test", GatedEngine)
     (tmp_path / "slow" / "1").mkdir(parents=True)
     (tmp_path / "slow" / "config.pbtxt").write_text(SLOW)
     service = Service(ServiceOptions(ServerOptions(repositories=[tmp_path]), http_port=0, metrics_port=0,

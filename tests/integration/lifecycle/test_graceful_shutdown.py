@@ -6,32 +6,16 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from kiln.config.spec import ModelSpec
-from kiln.engines import Engine, EngineOptions, register_backend
-from kiln.engines.base import Array
+from kiln.engines import register_backend
 from kiln.server import ServerOptions
 from kiln.service import Service, ServiceOptions
-
-GATE = threading.Event()
-ENTERED = threading.Event()
-
-
-class SlowEngine(Engine):
-    def __init__(self, spec: ModelSpec, model_file: Path, options: EngineOptions) -> None:
-        super().__init__(spec)
-
-    def execute(self, inputs: Mapping[str, Array], outputs: Sequence[str]) -> dict[str, Array]:
-        ENTERED.set()
-        GATE.wait(30)
-        return {outputs[0]: inputs["x"] + 1}
-
+from kiln.testing.gated import ENTERED, GATE, GatedEngine
 
 CONFIG = """
 backend: "slow_for_shutdown_test" max_batch_size: 4
@@ -41,7 +25,7 @@ output [ { name: "y" data_type: TYPE_FP32 dims: [ 2 ] } ]
 
 
 async def test_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
-    register_backend("slow_for_shutdown_test", SlowEngine)
+    register_backend("slow_for_shutdown_test", GatedEngine)
     (tmp_path / "slow" / "1").mkdir(parents=True)
     (tmp_path / "slow" / "config.pbtxt").write_text(CONFIG)
     service = Service(ServiceOptions(ServerOptions(repositories=[tmp_path]), http_port=0, grpc_port=0,
@@ -82,7 +66,7 @@ def test_an_unloading_version_is_listed_as_unloading_until_drained(tmp_path: Pat
     from kiln.server import InferRequest, InputTensor, Server, ServerOptions
     from kiln.tensor import DataType
 
-    register_backend("slow_for_shutdown_test", SlowEngine)
+    register_backend("slow_for_shutdown_test", GatedEngine)
     (tmp_path / "slow" / "1").mkdir(parents=True)
     (tmp_path / "slow" / "config.pbtxt").write_text(CONFIG)
     server = Server(ServerOptions(repositories=[tmp_path], control_mode="explicit", load_models=("slow",)))
