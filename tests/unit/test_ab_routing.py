@@ -17,6 +17,7 @@ from onnx import TensorProto, helper
 from kiln.config.spec import ModelSpec
 from kiln.errors import InvalidArgumentError, ModelNotFoundError, ModelNotReadyError
 from kiln.server import InferRequest, InputTensor, Server, ServerOptions
+from kiln.server.registry import UNLOADED_REMEMBERED
 from kiln.server.routing import parse_routing_config, parse_weights, rendezvous
 from kiln.tensor import DataType
 from kiln.testing import IR_VERSION, OPSET, write_model
@@ -242,3 +243,29 @@ def test_a_weight_change_moves_only_the_keys_it_must() -> None:
     assert 0.3 * len(keys) < moved < 0.5 * len(keys)  # about 40% (90 -> 50 of the share) move, not all
     added = {k: rendezvous(k, {1: 90.0, 2: 10.0, 3: 10.0}) for k in keys}
     assert all(added[k] in (before[k], 3) for k in keys)  # a new version takes keys, never reshuffles the rest
+
+
+def test_a_model_published_again_and_again_keeps_state_for_its_current_versions_only(tmp_path: Path) -> None:
+    """A long-running server whose model gets a new version every few seconds: the routing status and the index
+    must not grow with every version ever served (each kept a latency reservoir)."""
+    config = ab_config().replace("version_policy { all {} }", "version_policy { latest { num_versions: 2 } }")
+    write_ab(tmp_path, config, versions=(1,))
+    server = Server(ServerOptions(repositories=[tmp_path], control_mode="explicit", load_models=("ab",)))
+    assert server.start() == []
+    try:
+        published = 60
+        for version in range(2, published + 1):
+            write_ab(tmp_path, config, versions=(version,))
+            server.load_model("ab")
+            assert served(server, request()) == str(version)
+            assert served(server, request(str(version - 1))) == str(version - 1)
+        listed = [v.version for v in server.routing("ab").versions]
+        assert listed == [str(published - 1), str(published)]
+        assert all(v.routed + v.explicit >= 1 for v in server.routing("ab").versions)
+        index = [e for e in server.repository_index() if e.name == "ab"]
+        assert len(index) <= 2 + UNLOADED_REMEMBERED
+        assert {e.version for e in index} >= {str(published), str(published - 2)}  # the newest unloaded is named
+        with pytest.raises(ModelNotReadyError, match="version 50 is not available"):
+            server.infer_sync(request("50"))
+    finally:
+        server.close()

@@ -121,6 +121,7 @@ class Retirements:
         thread = threading.Thread(target=release, name=f"kiln-retire-{record.version}", daemon=True)
         thread.start()
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        self._draining = {key: t for key, t in self._draining.items() if t.is_alive()}  # a long run retires many
         if record.loaded is not None:
             self._draining[(record.loaded.name, record.version)] = thread
 

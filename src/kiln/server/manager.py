@@ -299,7 +299,7 @@ class RepositoryManager:
 
     def _retire(self, record: ModelRecord, version: int, why: str) -> None:
         old = record.versions.pop(version)
-        record.unloaded[version] = why
+        record.note_unloaded(version, why)
         self.retirements.retire(old, self._unused_staging(record, old))
 
     @staticmethod

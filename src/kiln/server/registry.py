@@ -18,6 +18,9 @@ class ModelState(enum.Enum):
     UNLOADING = "UNLOADING"
 
 
+UNLOADED_REMEMBERED = 32  # versions per model whose reason for no longer being served is kept
+
+
 @dataclass
 class VersionRecord:
     version: int
@@ -38,6 +41,14 @@ class ModelRecord:
     fingerprint: str = ""  # of the model folder as last applied; polling compares against it
     unloaded: dict[int, str] = field(default_factory=dict)  # versions no longer served -> why
     wanted: bool = True  # False once unloaded on purpose: strict readiness no longer waits for it
+
+    def note_unloaded(self, version: int, why: str) -> None:
+        """Remember why ``version`` stopped being served, for the index and for requests that name it; only the
+        newest :data:`UNLOADED_REMEMBERED` are kept, so a model published every few seconds for weeks stays small."""
+        self.unloaded.pop(version, None)
+        self.unloaded[version] = why
+        while len(self.unloaded) > UNLOADED_REMEMBERED:
+            del self.unloaded[min(self.unloaded)]
 
     def ready_versions(self) -> list[int]:
         # A snapshot first: the request path reads this while the manager's thread adds and drops versions, and

@@ -79,7 +79,7 @@ class Router:
         except KilnError:
             return  # bad kiln.* parameters: routed requests report it; explicit versions still serve
         served = int(response.model_version)
-        routing.observe(served, not request.model_version, time.monotonic_ns() - started_ns)
+        routing.observe(served, not request.model_version, time.monotonic_ns() - started_ns, record.versions)
         shadow = routing.shadow
         if shadow is None or shadow.version == served or uses_shared_memory(request) or not shadow.sample():
             return

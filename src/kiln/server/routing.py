@@ -24,7 +24,7 @@ import math
 import random
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -239,10 +239,16 @@ class ModelRouting:
                 return version
         return max(live)  # only rounding reaches here
 
-    def observe(self, version: int, routed: bool, latency_ns: int) -> None:
-        """A request this version answered successfully."""
+    def observe(self, version: int, routed: bool, latency_ns: int,
+                known: Container[int] | None = None) -> None:
+        """A request this version answered successfully. ``known``: the versions the model still has; the first
+        answer of a new version drops the counts of versions gone from it (and from the weights), so a model
+        published every few seconds keeps counts for its current versions only."""
         with self._lock:
             counts = self._counts.get(version)
+            if counts is None and known is not None:
+                for gone in [v for v in self._counts if v not in known and v not in self._weights]:
+                    del self._counts[gone], self._latencies[gone]
             if counts is None:
                 counts = self._counts[version] = [0, 0]
                 self._latencies[version] = deque(maxlen=LATENCY_RESERVOIR)

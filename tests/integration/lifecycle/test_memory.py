@@ -57,3 +57,41 @@ def test_an_unloaded_engine_is_garbage(tmp_path: Path) -> None:
     gc.collect()
     assert all(ref() is None for ref in refs)
     server.close()
+
+
+def test_publishing_version_after_version_does_not_grow_the_heap(tmp_path: Path) -> None:
+    """A model with a new version every few seconds for weeks: each retired version must leave nothing behind
+    (its drain thread, its routing counts and latencies, an ever longer list of unloaded versions)."""
+    import shutil
+    import tracemalloc
+
+    build_demo_repository(tmp_path)
+    folder = tmp_path / "mlp"
+    with (folder / "config.pbtxt").open("a") as config:
+        config.write("version_policy { latest { num_versions: 2 } }\n")
+    x = np.ones((1, 64), np.float32)
+    server = Server(ServerOptions(repositories=[tmp_path], control_mode="explicit", load_models=("mlp",)))
+    server.start()
+
+    def publish(versions: range) -> None:
+        for version in versions:
+            shutil.copytree(folder / str(version - 1), folder / str(version))
+            server.load_model("mlp")
+            for named in ("", str(version - 1)):
+                server.infer_sync(InferRequest("mlp", [InputTensor("INPUT0", DataType.FP32, x.shape, x)],
+                                               model_version=named))
+            shutil.rmtree(folder / str(version - 2), ignore_errors=True)
+        assert server.wait_unloaded(30)
+
+    try:
+        publish(range(2, 40))  # past the number of unloaded versions remembered
+        gc.collect()
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        publish(range(40, 160))
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+        server.close()
+    assert grown < 160 * 1024, f"the Python heap grew by {grown / 1024:.0f} KiB over 120 published versions"
