@@ -3,7 +3,7 @@ the text report and the plot."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,15 @@ def _by_window(client_windows: list[dict[str, Any]], windows: int) -> list[list[
     return grouped
 
 
+def _p99_by_operation(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Which traffic a slow window slowed: each operation's p99 in it."""
+    merged: dict[str, list[float]] = defaultdict(list)
+    for record in records:
+        for operation, values in record["latencies_ms"].items():
+            merged[operation].extend(values)
+    return {operation: _percentile(values, 99) for operation, values in sorted(merged.items())}
+
+
 def merge_windows(samples: list[dict[str, Any]], client_windows: list[dict[str, Any]], events: list[dict[str, Any]],
                   windows: int, window_s: float, toggled: str) -> list[dict[str, Any]]:
     """One row per window: the server sample taken at its end and what the clients saw in it."""
@@ -71,6 +80,7 @@ def merge_windows(samples: list[dict[str, Any]], client_windows: list[dict[str, 
         series.append({"window": index, "t_end_s": round((index + 1) * window_s, 1), **sample,
                        "requests": sum(sum(r["ok"].values()) + r["wrong"] + r["failed"] for r in records),
                        "p50_ms": _percentile(latencies, 50), "p99_ms": _percentile(latencies, 99),
+                       "p99_ms_by_operation": _p99_by_operation(records),
                        "wrong": sum(r["wrong"] for r in records), "failed": len(failures) - by_design,
                        "unavailable_by_design": by_design,
                        "chaos": dict(sum((Counter(r["chaos"]) for r in records), Counter())),
