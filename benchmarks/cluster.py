@@ -4,9 +4,10 @@
 - **Scaling**: a Python model whose every request holds its one instance for ``--work-ms`` without the GIL (a
   sleep, as a device or a native library would), so one replica answers at most 1000/work-ms requests a second and
   N replicas at most N times that. tritonclient (HTTP) clients in ``--client-processes`` processes keep
-  ``--concurrency`` requests in flight at Serve's proxy for ``--duration`` seconds per replica count.
-- **Overhead**: `simple` (an add, microseconds of work) at c=1 and c=16, through Ray Serve's proxy to one replica
-  and straight to a `kiln serve` of the same repository; p50 and p99 of each, and the difference.
+  ``--concurrency`` requests in flight at the cluster's ingress for ``--duration`` seconds per replica count.
+- **Overhead**: `simple` (an add, microseconds of work) at c=1 and c=16, through the cluster's ingress
+  (``--ingress``: Serve's HAProxy, the default as in `kiln cluster serve`, or its Python proxy) to one replica and
+  straight to a `kiln serve` of the same repository; p50 and p99 of each, and the difference.
 
 A local Ray cluster is started in this process (``ray.init``), one application at a time on it. Bars (printed as
 PASS/FAIL): 4 replicas at least ``--scaling-bar`` (3.2) times one replica's throughput; Ray's p50 overhead at c=1
@@ -161,14 +162,19 @@ def build_repository(root: Path, work_ms: float) -> Path:
 
 
 class RayServe:
-    """A local Ray cluster with Serve's proxy on ``port``; one kiln application at a time."""
+    """A local Ray cluster with Serve's ingress on ``port``; one kiln application at a time."""
 
-    def __init__(self, repository: Path, cpus: int) -> None:
+    def __init__(self, repository: Path, cpus: int, ingress: str) -> None:
         import ray
         from ray import serve
 
+        from kiln.cluster.ingress import ingress_environment
+
         self.repository = repository
         self.port = free_port()
+        # As `kiln cluster serve` starts a local cluster; a deleted application's replicas drain for 1 s, not 30.
+        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
+        os.environ.update(ingress_environment(ingress))
         ray.init(num_cpus=cpus, logging_level=logging.ERROR, log_to_driver=False, include_dashboard=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.url = f"127.0.0.1:{self.port}"
@@ -257,7 +263,7 @@ def report(info: dict[str, Any], scaled: list[dict[str, Any]], overheads: list[d
     text += table(["replicas", "req/s", "x one replica", "ceiling req/s", "failed", "p50 ms", "p99 ms"],
                   [[r["replicas"], r["per_second"], r["vs_one"], r["ceiling_per_second"], r["failed"], r["p50_ms"],
                     r["p99_ms"]] for r in scaled]) + "\n\n"
-    text += "## Latency: Ray Serve's proxy to one replica vs `kiln serve` (simple)\n\n"
+    text += f"## Latency: the cluster's ingress ({args.ingress}) to one replica vs `kiln serve` (simple)\n\n"
     text += table(["c", "Ray p50 ms", "kiln serve p50 ms", "p50 extra ms", "Ray p99 ms", "kiln serve p99 ms",
                    "p99 extra ms", "p50 ratio"],
                   [[r["concurrency"], r["ray"]["p50_ms"], r["kiln_serve"]["p50_ms"], r["p50_overhead_ms"],
@@ -280,6 +286,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ray-cpus", type=int, default=None,
                         help="CPUs the local Ray cluster declares (default: this machine's, at least the most "
                              "replicas asked for)")
+    parser.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy",
+                        help="Serve's HAProxy ingress straight to the replicas (default, as kiln cluster serve) or "
+                             "its Python proxy")
     parser.add_argument("--scaling-bar", type=float, default=3.2, help="4 replicas over 1, at least")
     parser.add_argument("--overhead-bar-ms", type=float, default=2.0, help="Ray's p50 overhead at c=1, at most")
     parser.add_argument("--label", default="", help="a name for the machine in the title (e.g. dev2core)")
@@ -292,10 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     cpus = args.ray_cpus or max(os.cpu_count() or 1, int(max(args.replicas) * args.replica_cpus + 0.999))
     title = "kiln on Ray Serve: replicas and the Ray path's latency" + (f" ({args.label})" if args.label else "")
-    info = describe(title, ray_cpus=cpus, ray_serve_env={k: v for k, v in os.environ.items()
-                                                         if k.startswith("RAY_SERVE_")})
     with tempfile.TemporaryDirectory(prefix="kiln-cluster-bench") as root:
-        ray_serve = RayServe(build_repository(Path(root), args.work_ms), cpus)
+        ray_serve = RayServe(build_repository(Path(root), args.work_ms), cpus, args.ingress)
+        info = describe(title, ray_cpus=cpus, ingress=args.ingress,
+                        ray_serve_env={k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")})
         try:
             scaled = scaling(ray_serve, args)
             overheads = overhead(ray_serve, args)

@@ -45,6 +45,9 @@ def add_command(commands: Commands) -> None:
     serve.add_argument("--http-port", type=int, default=8000, help="the proxies' HTTP port (default 8000)")
     serve.add_argument("--grpc-port", type=int, default=None,
                        help="Triton's gRPC protocol at Serve's gRPC proxies on this port (default: no gRPC)")
+    serve.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy",  # kiln.cluster.ingress
+                       help="haproxy: Ray Serve's HAProxy on every node, straight to the replicas' own HTTP servers "
+                            "(default); proxy: Serve's Python proxy actors (docs/cluster.md)")
     serve.set_defaults(run=run_serve)
 
 
@@ -66,4 +69,5 @@ def run_serve(args: argparse.Namespace) -> int:
                              num_cpus=args.num_cpus, num_gpus=args.num_gpus, name=args.name,
                              repository_poll_secs=args.repository_poll_secs,
                              allow_model_download=args.allow_model_download)
-    return serve_cluster(args.address, options, ProxyOptions(args.http_host, args.http_port, args.grpc_port))
+    return serve_cluster(args.address, options, ProxyOptions(args.http_host, args.http_port, args.grpc_port,
+                                                                    args.ingress))

@@ -4,6 +4,7 @@ SIGINT/SIGTERM, then delete it (and stop the local cluster this process started)
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from ray import serve
 
 from kiln.cluster.application import build_application
 from kiln.cluster.grpc_ingress import SERVICER_FUNCTION
+from kiln.cluster.ingress import ingress_environment
 from kiln.cluster.options import ClusterOptions
 
 log = logging.getLogger("kiln.cluster")
@@ -29,6 +31,7 @@ class ProxyOptions:
     host: str = "0.0.0.0"
     port: int = 8000
     grpc_port: int | None = None  # Triton's gRPC protocol at Serve's gRPC proxies on this port; None: no gRPC
+    ingress: str = "haproxy"  # ingress.py
 
     def grpc_options(self) -> dict[str, Any] | None:
         if self.grpc_port is None:
@@ -40,13 +43,17 @@ def serve_cluster(address: str, options: ClusterOptions, proxy: ProxyOptions, *,
                   stop: threading.Event | None = None) -> int:
     """Run the application on the cluster at ``address`` ("local": a one-node cluster started here) until
     ``stop`` is set or a signal arrives."""
-    ray.init(address=None if address == LOCAL else address, logging_level=logging.WARNING)
+    environment = ingress_environment(proxy.ingress)
+    os.environ.update(environment)  # a local cluster's processes inherit it
+    ray.init(address=None if address == LOCAL else address, logging_level=logging.WARNING,
+             runtime_env={"env_vars": environment})  # a running cluster gets it for this job's actors
     stop = stop or _stop_on_signals()  # after ray.init, which installs handlers of its own
     try:
-        serve.start(http_options={"host": proxy.host, "port": proxy.port}, grpc_options=proxy.grpc_options())
+        serve.start(http_options={"host": proxy.host, "port": proxy.port}, grpc_options=proxy.grpc_options(),
+                    controller_options={"runtime_env": {"env_vars": environment}})
         serve.run(build_application(options), name=options.name, route_prefix=options.route_prefix)
-        log.info("serving %s on the Ray cluster at %s: http://%s:%d%s (%s)", options.model_repository, address,
-                 proxy.host, proxy.port, options.route_prefix, _scaling(options))
+        log.info("serving %s on the Ray cluster at %s: http://%s:%d%s (%s, %s ingress)", options.model_repository,
+                 address, proxy.host, proxy.port, options.route_prefix, _scaling(options), proxy.ingress)
         stop.wait()
         log.info("deleting application %s", options.name)
         serve.delete(options.name)

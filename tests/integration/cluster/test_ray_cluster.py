@@ -5,6 +5,7 @@ tritonclient. The cluster starts once for the module; `ray stop` always runs at 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 
 import kiln
@@ -33,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from kiln import Server, ServerOptions  # noqa: E402
 from kiln.cluster import build_application  # noqa: E402
 from kiln.cluster.application import start_with_fallback  # noqa: E402
+from kiln.cluster.ingress import ingress_environment  # noqa: E402
 from kiln.cluster.metrics import merge_expositions, with_label  # noqa: E402
 from kiln.cluster.options import ClusterOptions, replica_gpus  # noqa: E402
 from kiln.cluster.stats import PUBLISH_INTERVAL_S, sum_documents  # noqa: E402
@@ -57,6 +60,10 @@ class RayCluster:
     process: subprocess.Popen[bytes]  # kiln cluster serve
 
 
+def _haproxies() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"}
+
+
 def _ray(*args: str, env: dict[str, str]) -> None:
     ray_cli = Path(sys.executable).parent / "ray"
     subprocess.run([str(ray_cli), *args], env=env, check=True, capture_output=True, timeout=120)
@@ -69,7 +76,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
     # Ray's socket paths must stay under the OS's limit: a short folder of its own, not pytest's deep one.
     temp = tempfile.mkdtemp(prefix="kr", dir="/tmp")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}
+           "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           # HAProxy's own metrics and stats ports, away from those of any other Serve on this machine.
+           "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+           # As docs/cluster.md says to start a cluster: every Serve process, whoever deploys to it, with them.
+           **ingress_environment("haproxy")}
+    haproxies_before = _haproxies()
     address, http_port, grpc_port = f"127.0.0.1:{free_port()}", free_port(), free_port()
     process = None
     try:
@@ -89,12 +101,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
         if process is not None:
             process.terminate()
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=60)  # the replicas drain a few seconds before the application is gone
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait(timeout=30)
         ray.shutdown()
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], env=env, capture_output=True,
                        timeout=120)
+        for orphan in _haproxies() - haproxies_before:  # `ray stop` leaves the HAProxy that Serve started running
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(orphan).kill()
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -241,19 +257,31 @@ def test_statistics_sum_across_replicas(cluster: RayCluster, client: Any) -> Non
 
 
 def test_metrics_of_every_replica_at_the_proxy_labelled_by_replica(cluster: RayCluster) -> None:
-    """After the statistics test (both replicas served `simple`): one scrape of the proxy has every replica's
-    nv_* series, told apart by a replica label naming its Ray actor; the exposition parses as Prometheus text."""
+    """Once both replicas served `simple`: one scrape at the cluster's door has every replica's nv_* series, told
+    apart by a replica label naming its Ray actor; the exposition parses as Prometheus text. (HAProxy sends a
+    request to the replica with the fewest open requests, so bursts of concurrent ones reach both.)"""
     replica_ids = {name[len(REPLICA_PREFIX):] for name in _replicas()}
-    deadline = time.monotonic() + 5  # every replica publishes its metrics each second
+
+    def infer_once(_: int) -> None:
+        own = tritonhttp.InferenceServerClient(cluster.http_url)
+        try:
+            _infer_simple(own)
+        finally:
+            own.close()
+
+    deadline = time.monotonic() + 30  # every replica publishes its metrics each second
     while True:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(infer_once, range(40)))
         response = httpx.get(f"http://{cluster.http_url}/metrics", timeout=30)
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
         families = {f.name: f for f in text_string_to_metric_families(response.text)}
         success = {s.labels["replica"]: s.value for s in families["nv_inference_request_success"].samples
                    if s.labels["model"] == "simple"}
-        if set(success) == replica_ids or time.monotonic() > deadline:
+        if (set(success) == replica_ids and all(count > 0 for count in success.values())) or \
+                time.monotonic() > deadline:
             break
-        time.sleep(0.3)
+        time.sleep(1.3)
     assert set(success) == replica_ids and len(replica_ids) == 2, (success, replica_ids)
     assert all(count > 0 for count in success.values()), success
     assert families["nv_inference_request_success"].type == "counter"
@@ -562,3 +590,22 @@ def test_replicas_ask_for_the_gpus_of_the_most_demanding_model(tmp_path: Path) -
     model("two", "instance_group [{ kind: KIND_GPU gpus: [0, 1] }, { kind: KIND_CPU }]")
     assert replica_gpus(tmp_path) == 2.0
     assert ClusterOptions(tmp_path, num_gpus=0.5).ray_actor_options() == {"num_cpus": 1.0, "num_gpus": 0.5}
+
+
+def test_the_haproxy_ingress_settings_fit_the_descriptor_limit_and_keep_the_users_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    from kiln.cluster.ingress import ingress_environment
+
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_MAXCONN", raising=False)
+    monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")  # the user's own value wins
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 20_000))
+    settings = ingress_environment("haproxy")
+    assert settings["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and settings["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
+    assert int(settings["RAY_SERVE_HAPROXY_MAXCONN"]) * 2.5 + 100 <= 20_000  # HAProxy refused to start at 20,000
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, resource.RLIM_INFINITY))
+    assert ingress_environment("haproxy")["RAY_SERVE_HAPROXY_MAXCONN"] == "20000"
+    assert ingress_environment("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    with pytest.raises(ValueError, match="haproxy, proxy"):
+        ingress_environment("nginx")
