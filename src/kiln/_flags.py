@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -84,6 +85,25 @@ def non_negative(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got '{text}'") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration flag where 0 means "no limit": a finite number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got '{text}'") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more seconds, got {text}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A duration flag that must be longer than zero."""
+    value = seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected more than 0 seconds, got {text}")
     return value
 
 

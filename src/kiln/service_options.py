@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kiln._flags import flag, non_negative
+from kiln._flags import flag, non_negative, positive_seconds, seconds
 from kiln.errors import InvalidArgumentError
 from kiln.frontends.access import GRPC_GROUPS, HTTP_GROUPS, AccessPolicy, grpc_policy, http_policy
 from kiln.server.server import ServerOptions
@@ -56,14 +56,14 @@ class ServiceOptions:
         "--http-max-header-count", parse=non_negative, metavar="N",
         help="most header fields in one HTTP request; more are answered 431 (default 100)"))
     http_header_timeout_s: float = field(default=30.0, metadata=flag(
-        "--http-header-timeout-secs", metavar="SECS",
+        "--http-header-timeout-secs", parse=seconds, metavar="SECS",
         help="time a client has to send a request head, from connecting or from a keep-alive request's first byte; "
              "then 408 and close (default 30; 0: none)"))
     http_idle_timeout_s: float = field(default=60.0, metadata=flag(
-        "--http-idle-timeout-secs", metavar="SECS",
+        "--http-idle-timeout-secs", parse=positive_seconds, metavar="SECS",
         help="close a keep-alive HTTP connection idle this long between requests (default 60)"))
     http_body_timeout_s: float = field(default=300.0, metadata=flag(
-        "--http-body-timeout-secs", metavar="SECS",
+        "--http-body-timeout-secs", parse=seconds, metavar="SECS",
         help="time a client has to send a request body once its head is in; then the connection is closed "
              "(default 300; 0: none)"))
     http_max_connections: int = field(default=4096, metadata=flag(
@@ -71,11 +71,11 @@ class ServiceOptions:
         help="open HTTP connections per process (each HTTP worker, or the server process); new ones beyond it are "
              "accepted and closed at once (default 4096)"))
     grpc_keepalive_s: float = field(default=7200.0, metadata=flag(
-        "--grpc-keepalive-secs", metavar="SECS",
+        "--grpc-keepalive-secs", parse=positive_seconds, metavar="SECS",
         help="ping a gRPC client after this long without activity, and close its connection when the ping goes "
              "unanswered for 20 s (default 7200, gRPC's)"))
     grpc_max_connection_idle_s: float = field(default=3600.0, metadata=flag(
-        "--grpc-max-connection-idle-secs", metavar="SECS",
+        "--grpc-max-connection-idle-secs", parse=seconds, metavar="SECS",
         help="close a gRPC connection without calls for this long (GOAWAY; clients reconnect) (default 3600; "
              "0: never)"))
     # -- end of connection limits and timeouts --

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from kiln.cli._arguments import add_flags, build
 from kiln.frontends.grpc.server import GrpcConnectionLimits
 from kiln.frontends.http.limits import HttpLimits, LimitedHttpToolsProtocol
@@ -42,3 +44,22 @@ def test_flags_reach_the_protocol_and_uvicorn() -> None:
 def test_grpc_idle_limit_can_be_turned_off() -> None:
     options = dict(GrpcConnectionLimits(keepalive_s=30, max_connection_idle_s=0).options())
     assert options == {"grpc.keepalive_time_ms": 30_000, "grpc.keepalive_timeout_ms": 20_000}
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--http-header-timeout-secs", "-5", "expected 0 or more seconds, got -5"),
+    ("--http-body-timeout-secs", "nan", "expected 0 or more seconds, got nan"),
+    ("--grpc-max-connection-idle-secs", "inf", "expected 0 or more seconds, got inf"),
+    ("--http-idle-timeout-secs", "0", "expected more than 0 seconds, got 0"),
+    ("--grpc-keepalive-secs", "soon", "expected a number of seconds, got 'soon'"),
+])
+def test_timeouts_that_mean_nothing_are_refused(flag: str, value: str, message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _options(flag, value)
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_zero_turns_the_head_and_body_timeouts_off() -> None:
+    limits = _options("--http-header-timeout-secs", "0", "--http-body-timeout-secs", "0").http_limits
+    assert (limits.header_timeout_s, limits.body_timeout_s) == (0.0, 0.0)
