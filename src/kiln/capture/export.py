@@ -21,26 +21,42 @@ from kiln.server.capture import live_samples
 Array = npt.NDArray[Any]
 
 
+REPLICA_STORE_PREFIX = "replica-"  # kiln.cluster: each replica stores its samples in a folder of its own
+
+
+def replica_stores(capture_dir: Path) -> list[Path]:
+    return sorted(p for p in capture_dir.glob(f"{REPLICA_STORE_PREFIX}*") if p.is_dir())
+
+
 def index_path(output: Path) -> Path:
     return output.with_suffix(".json")
 
 
 def export_samples(capture_dir: Path, model: str, version: str | None, output: Path) -> list[dict[str, Any]]:
-    """Write ``output`` (npz) and its JSON index; returns the index."""
-    folder = Path(capture_dir) / model
-    if not folder.is_dir():
+    """Write ``output`` (npz) and its JSON index; returns the index. ``capture_dir`` is one server's store, or
+    the folder of a cluster's replicas' stores (``replica-*``, docs/cluster.md): their samples are merged by time,
+    a sample id stored by two replicas (an edge's retry) once."""
+    stores = replica_stores(Path(capture_dir)) or [Path(capture_dir)]
+    folders = [store / model for store in stores if (store / model).is_dir()]
+    if not folders:
         raise NotFoundError(f"capture export: no samples of model '{model}' under '{capture_dir}'")
     versions = [version] if version is not None else sorted(
-        (p.name for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), key=int)
-    if version is not None and not (folder / version).is_dir():
+        {p.name for folder in folders for p in folder.iterdir() if p.is_dir() and p.name.isdigit()}, key=int)
+    if version is not None and not any((folder / version).is_dir() for folder in folders):
         raise NotFoundError(f"capture export: no samples of model '{model}' version {version} under "
                             f"'{capture_dir}'")
     parts: dict[str, list[Array]] = {}
     rows: dict[str, int] = {}
     index: list[dict[str, Any]] = []
     for v in versions:
-        for entry in live_samples(folder / v):
-            with np.load(folder / v / entry["file"], allow_pickle=False) as npz:
+        entries = sorted(((entry["time"], n, folder / v, entry) for n, folder in enumerate(folders)
+                          if (folder / v).is_dir() for entry in live_samples(folder / v)), key=lambda e: e[:2])
+        seen: set[str] = set()
+        for _, _, where, entry in entries:
+            if entry["id"] in seen:
+                continue
+            seen.add(entry["id"])
+            with np.load(where / entry["file"], allow_pickle=False) as npz:
                 arrays = {name: npz[name] for name in npz.files}
             spans = {}
             for name, array in arrays.items():

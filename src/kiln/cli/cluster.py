@@ -40,6 +40,11 @@ def add_command(commands: Commands) -> None:
                             "(default: models load once, at start)")
     serve.add_argument("--allow-model-download", action="store_true",
                        help="serve model files to syncing edges (kiln serve's --allow-model-download)")
+    serve.add_argument("--capture-dir", type=Path, default=None, metavar="DIR",
+                       help="accept samples from edges (kiln serve's --capture-dir): a folder every node shares; each "
+                            "replica stores into replica-<id>/ below it, `kiln capture export` merges them")
+    serve.add_argument("--capture-max-mb", type=int, default=1024, metavar="MB",
+                       help="the most each replica's capture store keeps, oldest samples going first (default 1024)")
     serve.add_argument("--name", default="kiln", help="the Ray Serve application's name (default kiln)")
     serve.add_argument("--http-host", default="0.0.0.0", help="where Serve's HTTP proxies listen (default 0.0.0.0)")
     serve.add_argument("--http-port", type=int, default=8000, help="the proxies' HTTP port (default 8000)")
@@ -68,6 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              upscale_delay_s=args.upscale_delay_s,
                              num_cpus=args.num_cpus, num_gpus=args.num_gpus, name=args.name,
                              repository_poll_secs=args.repository_poll_secs,
-                             allow_model_download=args.allow_model_download)
+                             allow_model_download=args.allow_model_download, capture_dir=args.capture_dir,
+                             capture_max_mb=args.capture_max_mb)
     return serve_cluster(args.address, options, ProxyOptions(args.http_host, args.http_port, args.grpc_port,
                                                                     args.ingress))

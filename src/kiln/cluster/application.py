@@ -20,6 +20,7 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from kiln import Server, ServerOptions
+from kiln.capture.export import REPLICA_STORE_PREFIX
 from kiln.cluster.grpc_ingress import call_servicer, statistics_response, with_grpc_methods
 from kiln.cluster.metrics import ClusterMetrics
 from kiln.cluster.options import ClusterOptions
@@ -27,9 +28,11 @@ from kiln.cluster.stats import ClusterStatistics, Document, StatsBoard, publish_
 from kiln.errors import UnavailableError
 from kiln.frontends.grpc.servicer import GRPCInferenceService
 from kiln.frontends.http import build_app
+from kiln.frontends.http.capture import CaptureOptions
 from kiln.frontends.http.documents import statistics_doc
 from kiln.frontends.http.files import DownloadOptions
 from kiln.frontends.metrics import metrics_registry, render_metrics
+from kiln.server.capture import CaptureStore
 
 log = logging.getLogger("kiln.cluster")
 
@@ -48,7 +51,8 @@ class KilnReplica:
 
     # Serve awaits an async constructor: the models load before the replica takes requests.
     async def __init__(self, repository: str, board: DeploymentHandle[Any],  # type: ignore[misc,unused-ignore]
-                       poll_secs: float | None = None, allow_model_download: bool = False) -> None:
+                       poll_secs: float | None = None, allow_model_download: bool = False,
+                       capture_dir: str | None = None, capture_max_mb: int = 1024) -> None:
         self.server = Server(ServerOptions(repositories=[Path(repository)],
                                            control_mode="none" if poll_secs is None else "poll"))
         self._board = board
@@ -57,6 +61,10 @@ class KilnReplica:
         self._metrics = metrics_registry(self.server)
         self.grpc_servicer = GRPCInferenceService(self.server)
         self._downloads = DownloadOptions(allow_model_download)
+        # A store per replica: a store numbers its samples and appends to one index, so two replicas writing into
+        # one folder would collide (kiln capture export merges the stores).
+        self._capture = CaptureOptions(None if capture_dir is None else CaptureStore(
+            Path(capture_dir) / f"{REPLICA_STORE_PREFIX}{self._label}", capture_max_mb * 2**20))
         failed = await asyncio.get_running_loop().run_in_executor(None, start_with_fallback, self.server)
         if failed:
             self.server.close()
@@ -68,8 +76,8 @@ class KilnReplica:
         self._poller = loop.create_task(poll_forever(self.server, poll_secs)) if poll_secs is not None else None
 
     def __serve_build_asgi_app__(self) -> Any:
-        statistics = ClusterStatistics(build_app(self.server, downloads=self._downloads), self._publish,
-                                       self._statistics)
+        app = build_app(self.server, downloads=self._downloads, capture=self._capture)
+        statistics = ClusterStatistics(app, self._publish, self._statistics)
         return ClusterMetrics(statistics, self._publish_metrics, self._metrics_text)
 
     async def check_health(self) -> None:
@@ -149,8 +157,9 @@ def build_application(options: ClusterOptions) -> Application:
     ingress = serve.deployment(name=options.name, ray_actor_options=options.ray_actor_options(),
                                max_ongoing_requests=MAX_ONGOING_REQUESTS, health_check_period_s=HEALTH_CHECK_PERIOD_S,
                                logging_config=LOGGING, **scaling)(serve.ingress()(KilnReplica))
+    capture_dir = None if options.capture_dir is None else str(options.capture_dir.resolve())
     return ingress.bind(str(options.model_repository.resolve()), board, options.repository_poll_secs,
-                        options.allow_model_download)
+                        options.allow_model_download, capture_dir, options.capture_max_mb)
 
 
 def app(args: dict[str, Any]) -> Application:

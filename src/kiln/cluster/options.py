@@ -14,7 +14,7 @@ from kiln.v2._generated import model_config_pb2 as pb
 
 _KNOWN = ("model_repository", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
           "num_cpus", "num_gpus", "name", "route_prefix", "repository_poll_secs", "upscale_delay_s",
-          "allow_model_download")
+          "allow_model_download", "capture_dir", "capture_max_mb")
 _EXPECTED = {int: "a whole number", float: "a number", str: "text", bool: "true or false"}
 _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -38,12 +38,18 @@ class ClusterOptions:
     repository_poll_secs: float | None = None
     # kiln serve's --allow-model-download: the /v2/kiln/models/.../files routes an edge syncs its model from.
     allow_model_download: bool = False
+    # kiln serve's --capture-dir: samples edges upload; each replica keeps its own store (replica-<id>/) below this
+    # shared folder, at most capture_max_mb each; `kiln capture export` merges them.
+    capture_dir: Path | None = None
+    capture_max_mb: int = 1024
 
     def __post_init__(self) -> None:
         if not self.model_repository.is_dir():
             raise InvalidArgumentError(f"model_repository '{self.model_repository}' is not a folder")
         if self.num_replicas < 1:
             raise InvalidArgumentError(f"num_replicas must be at least 1, got {self.num_replicas}")
+        if self.capture_max_mb < 1:
+            raise InvalidArgumentError(f"capture_max_mb must be at least 1, got {self.capture_max_mb}")
         if self.repository_poll_secs is not None and self.repository_poll_secs <= 0:
             raise InvalidArgumentError(f"repository_poll_secs must be positive, got {self.repository_poll_secs}")
         if self.max_replicas is not None and self.max_replicas < max(1, self.min_replicas or 0):
@@ -60,10 +66,12 @@ class ClusterOptions:
         if "model_repository" not in args:
             raise InvalidArgumentError("kiln.cluster needs model_repository=PATH (a model repository folder)")
         values: dict[str, Any] = {"model_repository": Path(str(args["model_repository"]))}
+        if args.get("capture_dir") is not None:
+            values["capture_dir"] = Path(str(args["capture_dir"]))
         for key, kind in (("num_replicas", int), ("min_replicas", int), ("max_replicas", int),
                           ("target_ongoing_requests", float), ("upscale_delay_s", float), ("num_cpus", float),
                           ("num_gpus", float), ("name", str), ("route_prefix", str), ("repository_poll_secs", float),
-                          ("allow_model_download", bool)):
+                          ("allow_model_download", bool), ("capture_max_mb", int)):
             if args.get(key) is not None:
                 values[key] = _convert(key, args[key], kind)
         return cls(**values)

@@ -33,6 +33,7 @@ tritongrpc = pytest.importorskip("tritonclient.grpc")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kiln import Server, ServerOptions  # noqa: E402
+from kiln.capture import export_samples  # noqa: E402
 from kiln.cluster import build_application  # noqa: E402
 from kiln.cluster.application import start_with_fallback  # noqa: E402
 from kiln.cluster.ingress import ingress_environment  # noqa: E402
@@ -42,6 +43,7 @@ from kiln.cluster.stats import PUBLISH_INTERVAL_S, sum_documents  # noqa: E402
 from kiln.demo import build_demo_repository  # noqa: E402
 from kiln.demo.models import build_mlp  # noqa: E402
 from kiln.edge import EdgeRunner, Policy  # noqa: E402
+from kiln.edge.capture import EdgeCapture  # noqa: E402
 from kiln.edge.sync import HttpSyncSource, ModelSync, SyncOptions  # noqa: E402
 from kiln.errors import InvalidArgumentError  # noqa: E402
 from kiln.serve_process import KilnProcess, free_port, kiln_serve, wait_ready  # noqa: E402
@@ -49,6 +51,7 @@ from kiln.serve_process import KilnProcess, free_port, kiln_serve, wait_ready  #
 SRC = Path(__file__).resolve().parents[3] / "src"
 APP = "kiln"
 REPLICA_PREFIX = f"SERVE_REPLICA::{APP}#{APP}#"
+CAPTURES = "captures"  # the cluster's --capture-dir, beside its repository
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
         process = subprocess.Popen(
             [sys.executable, "-m", "kiln.cli", "cluster", "serve", "--address", address, "--model-repository",
              str(repository), "--replicas", "2", "--http-host", "127.0.0.1", "--http-port", str(http_port),
-             "--grpc-port", str(grpc_port), "--repository-poll-secs", "0.5", "--allow-model-download"],
+             "--grpc-port", str(grpc_port), "--repository-poll-secs", "0.5", "--allow-model-download",
+             "--capture-dir", str(repository.parent / CAPTURES)],
             env=env)
         wait_ready(f"127.0.0.1:{http_port}", process, timeout_s=180)
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
@@ -487,6 +491,35 @@ def test_an_edge_forwards_to_the_cluster_and_syncs_a_version_published_there(clu
             sync.close()
         v2 = kiln.load(cluster.repository / "mlp", 2).infer(x)["OUTPUT0"]
         np.testing.assert_allclose(edge.infer(x).local_outputs["OUTPUT0"], v2, rtol=1e-5, atol=1e-6)
+
+
+def test_an_edge_uploads_its_captured_samples_to_the_cluster(cluster: RayCluster, tmp_path: Path) -> None:
+    """`kiln edge --capture`'s uploader with the cluster as its cloud: every sample lands in a replica's own store
+    under the shared --capture-dir, and `kiln capture export` over that folder gives each sample once."""
+    edge_dir = tmp_path / "edge" / "mlp"
+    shutil.copytree(cluster.repository / "mlp", edge_dir)
+    rows = np.random.default_rng(1).standard_normal((6, 64), dtype=np.float32)
+    runner = EdgeRunner(edge_dir, cluster.http_url, Policy(max_prob_below=1.0))  # every request forwarded
+    capture = EdgeCapture(runner, tmp_path / "edge", edge_id="edge-c", min_backoff_s=0.05, max_backoff_s=0.2).start()
+    try:
+        assert {runner.infer({"INPUT0": rows[i:i + 1]}).source for i in range(len(rows))} == {"cloud"}
+        deadline = time.monotonic() + 30
+        while capture.queue.pending():
+            assert time.monotonic() < deadline, f"{len(capture.queue.pending())} samples not uploaded in 30 s"
+            time.sleep(0.1)
+    finally:
+        capture.close()
+        runner.close()
+    assert capture.queue.stats.snapshot()["uploaded"] == len(rows)
+    captures = cluster.repository.parent / CAPTURES
+    stores = {p.name for p in captures.iterdir()}
+    assert stores and all(name.startswith("replica-") for name in stores), stores
+    index = export_samples(captures, "mlp", None, tmp_path / "export.npz")
+    mine = [s for s in index if s["edge"] == "edge-c"]
+    assert len(mine) == len(rows) and len({s["id"] for s in mine}) == len(rows)
+    with np.load(tmp_path / "export.npz") as exported:
+        inputs = exported["input/INPUT0"][[s["rows"]["input/INPUT0"][0] for s in mine]]
+    np.testing.assert_array_equal(inputs[np.argsort(inputs[:, 0])], rows[np.argsort(rows[:, 0])])
 
 
 _PY_CONFIG = """name: "py"

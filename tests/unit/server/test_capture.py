@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kiln.capture import export_samples
+from kiln.capture.export import REPLICA_STORE_PREFIX
 from kiln.cli import main
 from kiln.errors import InvalidArgumentError, NotFoundError
 from kiln.server.capture import INDEX, CaptureStore, Sample, live_samples, read_index
@@ -118,6 +119,23 @@ def test_export_concatenates_the_samples_and_writes_the_index(tmp_path: Path) ->
     assert index["samples"][2]["rows"]["cloud/OUTPUT0"] == [2, 5]
     only = export_samples(tmp_path / "captures", "mlp", "2", tmp_path / "v2.npz")
     assert [s["id"] for s in only] == ["c"]
+
+
+def test_export_merges_the_stores_of_a_clusters_replicas_by_time_and_keeps_a_retried_id_once(tmp_path: Path) -> None:
+    first = CaptureStore(tmp_path / f"{REPLICA_STORE_PREFIX}aaa", 1 << 20)
+    second = CaptureStore(tmp_path / f"{REPLICA_STORE_PREFIX}bbb", 1 << 20)
+    first.add("mlp", "1", Sample("a"), npz(1, 0.0))
+    second.add("mlp", "1", Sample("b"), npz(1, 10.0))
+    first.add("mlp", "1", Sample("c"), npz(1, 20.0))
+    second.add("mlp", "1", Sample("a"), npz(1, 99.0))  # an edge's retry that reached the other replica
+    second.add("mlp", "2", Sample("d"), npz(1, 30.0))
+    index = export_samples(tmp_path, "mlp", None, tmp_path / "out.npz")
+    assert [(s["id"], s["version"]) for s in index] == [("a", "1"), ("b", "1"), ("c", "1"), ("d", "2")]
+    with np.load(tmp_path / "out.npz") as exported:
+        assert exported["input/INPUT0"][:, 0].tolist() == [0, 10, 20, 30]
+    assert [s["id"] for s in export_samples(tmp_path, "mlp", "2", tmp_path / "v2.npz")] == ["d"]
+    with pytest.raises(NotFoundError, match="model 'mlp' version 3"):
+        export_samples(tmp_path, "mlp", "3", tmp_path / "x.npz")
 
 
 def test_export_of_an_unknown_model_or_version_is_not_found(tmp_path: Path) -> None:
