@@ -16,12 +16,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kiln.errors import InvalidArgumentError, NotFoundError
-from kiln.server.capture import live_samples
+from kiln.server.capture import REPLICA_STORE_PREFIX, live_samples
 
 Array = npt.NDArray[Any]
-
-
-REPLICA_STORE_PREFIX = "replica-"  # kiln.cluster: each replica stores its samples in a folder of its own
 
 
 def replica_stores(capture_dir: Path) -> list[Path]:

@@ -20,7 +20,6 @@ from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
 from kiln import Server, ServerOptions
-from kiln.capture.export import REPLICA_STORE_PREFIX
 from kiln.cluster.grpc_ingress import call_servicer, statistics_response, with_grpc_methods
 from kiln.cluster.metrics import ClusterMetrics
 from kiln.cluster.options import ClusterOptions
@@ -28,11 +27,10 @@ from kiln.cluster.stats import ClusterStatistics, Document, StatsBoard, publish_
 from kiln.errors import UnavailableError
 from kiln.frontends.grpc.servicer import GRPCInferenceService
 from kiln.frontends.http import build_app
-from kiln.frontends.http.capture import CaptureOptions
+from kiln.frontends.http.capture import CaptureOptions, replica_capture
 from kiln.frontends.http.documents import statistics_doc
 from kiln.frontends.http.files import DownloadOptions
 from kiln.frontends.metrics import metrics_registry, render_metrics
-from kiln.server.capture import CaptureStore
 
 log = logging.getLogger("kiln.cluster")
 
@@ -61,10 +59,8 @@ class KilnReplica:
         self._metrics = metrics_registry(self.server)
         self.grpc_servicer = GRPCInferenceService(self.server)
         self._downloads = DownloadOptions(allow_model_download)
-        # A store per replica: a store numbers its samples and appends to one index, so two replicas writing into
-        # one folder would collide (kiln capture export merges the stores).
-        self._capture = CaptureOptions(None if capture_dir is None else CaptureStore(
-            Path(capture_dir) / f"{REPLICA_STORE_PREFIX}{self._label}", capture_max_mb * 2**20))
+        self._capture = CaptureOptions() if capture_dir is None else replica_capture(
+            Path(capture_dir), self._label, capture_max_mb * 2**20)
         failed = await asyncio.get_running_loop().run_in_executor(None, start_with_fallback, self.server)
         if failed:
             self.server.close()

@@ -21,6 +21,10 @@ HAPROXY_MAXCONN = 20_000  # Serve's default
 # How long a stopping replica keeps answering while HAProxy learns it is gone (Serve's default: 30 s, which a
 # Ctrl-C of `kiln cluster serve` would wait out); HAProxy picks up a change within a second.
 DRAINING_S = 5
+# Also resend a request when its replica closed the connection without answering (a pooled connection to a replica
+# that just died): Serve's default, conn-failure only, fails those. A replica that closes without an answer has
+# died, and with it any sequence state the request could have changed, so the resent request cannot apply twice.
+RETRY_ON = "conn-failure empty-response"
 # HAProxy needs about 2.5 descriptors per connection it may hold, plus a few of its own; it refuses to start when
 # the process may not open that many, so the connection limit follows the descriptor limit.
 _FDS_PER_CONNECTION = 2.5
@@ -36,7 +40,8 @@ def ingress_environment(kind: str) -> dict[str, str]:
     else:
         wanted = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
                   "RAY_SERVE_HAPROXY_MAXCONN": str(haproxy_maxconn()),
-                  "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAINING_S)}
+                  "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAINING_S),
+                  "RAY_SERVE_HAPROXY_RETRY_ON": RETRY_ON}
     return {name: os.environ.get(name, value) for name, value in wanted.items()}
 
 

@@ -76,6 +76,9 @@ def check_npz(model: str, payload: bytes) -> None:
                                    f"{', '.join(names) or 'none'}")
 
 
+REPLICA_STORE_PREFIX = "replica-"  # kiln.cluster: each replica keeps a store of its own below the shared folder
+
+
 class CaptureStore:
     """Samples per model and version under ``root``, at most ``max_bytes`` of npz files in all (oldest go first)."""
 

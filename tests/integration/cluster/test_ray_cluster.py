@@ -83,7 +83,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
            # HAProxy's own metrics and stats ports, away from those of any other Serve on this machine.
            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
            # As docs/cluster.md says to start a cluster: every Serve process, whoever deploys to it, with them.
-           **ingress_environment("haproxy")}
+           **ingress_environment("haproxy"),
+           # Replicas report their load for autoscaling each second, not every 10 s, so the scale-up test is quick.
+           "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
     haproxies_before = _haproxies()
     address, http_port, grpc_port = f"127.0.0.1:{free_port()}", free_port(), free_port()
     process = None
@@ -346,7 +348,10 @@ def _replicas() -> dict[str, str]:
             if n["name"].startswith(REPLICA_PREFIX)}
 
 
-def test_a_killed_replica_under_load_fails_only_its_inflight_requests(cluster: RayCluster) -> None:
+def test_a_killed_replica_under_load_fails_only_requests_of_the_seconds_after(cluster: RayCluster) -> None:
+    """Through the HAProxy ingress a killed replica fails the requests inside it and those HAProxy sends it before
+    its health check marks it down (docs/cluster.md: 2 in flight + 2 over 3 s on the 2-core machine; `--ingress
+    proxy` fails only the ones in flight); then the other replica answers everything."""
     threads = 2  # at most this many requests are in flight at once
     load = _Load(cluster.http_url, threads)
     try:
@@ -357,13 +362,15 @@ def test_a_killed_replica_under_load_fails_only_its_inflight_requests(cluster: R
         while load.ok == ok_at_kill and time.monotonic() - killed < 10:
             time.sleep(0.05)
         answering_after_s = time.monotonic() - killed
+        failed_by_then = load.failed
         time.sleep(max(0.0, 10 - answering_after_s))
     finally:
         load.stop()  # a request that was inside the killed replica may still be waiting for its timeout here
     print(f"killed replica: {load.failed} failed, answering again after {answering_after_s:.2f} s, "
           f"{load.ok - ok_at_kill} answered since")
-    assert load.failed <= threads, f"{load.failed} requests failed; only the {threads} in flight may"
     assert load.ok > ok_at_kill and answering_after_s < 10, "the cluster did not answer again within 10 s"
+    assert load.failed == failed_by_then, "requests failed after the cluster answered again"
+    assert load.failed <= 2 * threads, f"{load.failed} requests failed around the kill"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # Serve starts a new replica in the dead one's place
         replicas = _replicas()
@@ -388,9 +395,9 @@ def test_replicas_scale_up_under_load(cluster: RayCluster) -> None:
         assert replicas() == 1
         load, started = _Load(f"{cluster.http_url}/scaled", 4), time.monotonic()
         try:
-            deadline = time.monotonic() + 45
+            deadline = time.monotonic() + 60
             while replicas() < 2:
-                assert time.monotonic() < deadline, "no second replica within 45 s of load"
+                assert time.monotonic() < deadline, "no second replica within 60 s of load"
                 time.sleep(0.5)
         finally:
             load.stop()

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from kiln.capture import export_samples
-from kiln.capture.export import REPLICA_STORE_PREFIX
 from kiln.cli import main
 from kiln.errors import InvalidArgumentError, NotFoundError
-from kiln.server.capture import INDEX, CaptureStore, Sample, live_samples, read_index
+from kiln.server.capture import INDEX, REPLICA_STORE_PREFIX, CaptureStore, Sample, live_samples, read_index
 
 
 def npz(rows: int = 1, value: float = 0.0, cloud: bool = True) -> bytes:

@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.errors import InvalidArgumentError, PermissionDeniedError
 from kiln.frontends.http.auth import require_key
-from kiln.server.capture import CaptureStore, Sample
+from kiln.server.capture import REPLICA_STORE_PREFIX, CaptureStore, Sample
 from kiln.server.server import Server
 from kiln.v2 import http_codec as codec
 
@@ -43,6 +44,13 @@ class CaptureOptions:
 
     store: CaptureStore | None = None
     api_key: str | None = None
+
+
+def replica_capture(capture_dir: Path, replica: str, max_bytes: int) -> CaptureOptions:
+    """Capture for one replica of a cluster: a store of its own below the folder the replicas share (a store
+    numbers its samples and appends to one index, so two replicas must not write into one); `kiln capture export`
+    merges the stores."""
+    return CaptureOptions(CaptureStore(capture_dir / f"{REPLICA_STORE_PREFIX}{replica}", max_bytes))
 
 
 class CaptureEndpoints:
