@@ -320,6 +320,7 @@ class _Load:
 
     def __init__(self, url: str, threads: int) -> None:
         self.ok = self.failed = 0
+        self.failed_at: list[float] = []  # time.monotonic() of each failure
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(url,)) for _ in range(threads)]
         for thread in self._threads:
@@ -334,6 +335,7 @@ class _Load:
                     self.ok += 1
                 except Exception:
                     self.failed += 1
+                    self.failed_at.append(time.monotonic())
         finally:
             client.close()
 
@@ -349,9 +351,9 @@ def _replicas() -> dict[str, str]:
 
 
 def test_a_killed_replica_under_load_fails_only_requests_of_the_seconds_after(cluster: RayCluster) -> None:
-    """Through the HAProxy ingress a killed replica fails the requests inside it and those HAProxy sends it before
-    its health check marks it down (docs/cluster.md: 2 in flight + 2 over 3 s on the 2-core machine; `--ingress
-    proxy` fails only the ones in flight); then the other replica answers everything."""
+    """Through the HAProxy ingress a killed replica fails at most the requests inside it and those HAProxy sends it
+    in the next seconds (docs/cluster.md: none, or 2 in flight + 2 that hang ~3 s, on the 2-core machine;
+    `--ingress proxy` fails only the ones in flight); after 5 s the other replica answers everything."""
     threads = 2  # at most this many requests are in flight at once
     load = _Load(cluster.http_url, threads)
     try:
@@ -362,14 +364,14 @@ def test_a_killed_replica_under_load_fails_only_requests_of_the_seconds_after(cl
         while load.ok == ok_at_kill and time.monotonic() - killed < 10:
             time.sleep(0.05)
         answering_after_s = time.monotonic() - killed
-        failed_by_then = load.failed
         time.sleep(max(0.0, 10 - answering_after_s))
     finally:
         load.stop()  # a request that was inside the killed replica may still be waiting for its timeout here
     print(f"killed replica: {load.failed} failed, answering again after {answering_after_s:.2f} s, "
           f"{load.ok - ok_at_kill} answered since")
     assert load.ok > ok_at_kill and answering_after_s < 10, "the cluster did not answer again within 10 s"
-    assert load.failed == failed_by_then, "requests failed after the cluster answered again"
+    late = [round(t - killed, 2) for t in load.failed_at if t - killed > 5]
+    assert not late, f"requests failed {late} s after the kill; the dead replica should be out of rotation by then"
     assert load.failed <= 2 * threads, f"{load.failed} requests failed around the kill"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # Serve starts a new replica in the dead one's place
