@@ -45,7 +45,6 @@ class ModelRecord:
     def note_unloaded(self, version: int, why: str) -> None:
         """Remember why ``version`` stopped being served, for the index and for requests that name it; only the
         newest :data:`UNLOADED_REMEMBERED` are kept, so a model published every few seconds for weeks stays small."""
-        self.unloaded.pop(version, None)
         self.unloaded[version] = why
         while len(self.unloaded) > UNLOADED_REMEMBERED:
             del self.unloaded[min(self.unloaded)]

@@ -239,17 +239,15 @@ class ModelRouting:
                 return version
         return max(live)  # only rounding reaches here
 
-    def observe(self, version: int, routed: bool, latency_ns: int,
-                known: Container[int] | None = None) -> None:
+    def observe(self, version: int, routed: bool, latency_ns: int, known: Container[int]) -> None:
         """A request this version answered successfully. ``known``: the versions the model still has; the first
         answer of a new version drops the counts of versions gone from it (and from the weights), so a model
         published every few seconds keeps counts for its current versions only."""
         with self._lock:
             counts = self._counts.get(version)
-            if counts is None and known is not None:
+            if counts is None:
                 for gone in [v for v in self._counts if v not in known and v not in self._weights]:
                     del self._counts[gone], self._latencies[gone]
-            if counts is None:
                 counts = self._counts[version] = [0, 0]
                 self._latencies[version] = deque(maxlen=LATENCY_RESERVOIR)
             counts[0 if routed else 1] += 1

@@ -151,6 +151,14 @@ def _infer_simple(client: Any, binary: bool = True) -> None:
     np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), difference)
 
 
+def _infer_simple_once(url: str) -> None:
+    own = tritonhttp.InferenceServerClient(url)  # one per thread: a client is not thread-safe
+    try:
+        _infer_simple(own)
+    finally:
+        own.close()
+
+
 def test_two_nodes_each_run_a_replica(cluster: RayCluster) -> None:
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
     replicas = [name for name in ray.util.list_named_actors(all_namespaces=True) if
@@ -225,13 +233,6 @@ def test_statistics_sum_across_replicas(cluster: RayCluster, client: Any) -> Non
     def count() -> int:
         return int(client.get_inference_statistics("simple")["model_stats"][0]["inference_count"])
 
-    def infer_once(_: int) -> None:
-        own = tritonhttp.InferenceServerClient(cluster.http_url)  # one per thread: a client is not thread-safe
-        try:
-            _infer_simple(own)
-        finally:
-            own.close()
-
     def settled_count() -> int:
         # Every replica's counts published since the earlier tests' requests: reads a publish interval apart agree.
         previous, current = -1, count()
@@ -243,7 +244,7 @@ def test_statistics_sum_across_replicas(cluster: RayCluster, client: Any) -> Non
     before = settled_count()
     # Concurrent requests spread over both replicas (Serve routes to the less loaded of two).
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        list(pool.map(infer_once, range(80)))
+        list(pool.map(_infer_simple_once, [cluster.http_url] * 80))
     deadline = time.monotonic() + 5  # the other replica publishes its counts every second
     while count() != before + 80 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -268,17 +269,10 @@ def test_metrics_of_every_replica_at_the_proxy_labelled_by_replica(cluster: RayC
     request to the replica with the fewest open requests, so bursts of concurrent ones reach both.)"""
     replica_ids = {name[len(REPLICA_PREFIX):] for name in _replicas()}
 
-    def infer_once(_: int) -> None:
-        own = tritonhttp.InferenceServerClient(cluster.http_url)
-        try:
-            _infer_simple(own)
-        finally:
-            own.close()
-
     deadline = time.monotonic() + 30  # every replica publishes its metrics each second
     while True:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            list(pool.map(infer_once, range(40)))
+            list(pool.map(_infer_simple_once, [cluster.http_url] * 40))
         response = httpx.get(f"http://{cluster.http_url}/metrics", timeout=30)
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
         families = {f.name: f for f in text_string_to_metric_families(response.text)}
