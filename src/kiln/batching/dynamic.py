@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from kiln.batching.answers import Answer, deliver
 from kiln.batching.inline import InlineRunner
 from kiln.batching.launched import LaunchRunner
-from kiln.batching.model import BatchModel
+from kiln.batching.model import BatchModel, arrivals
 from kiln.batching.policy import BatchingPolicy
 from kiln.batching.queue import Batch, BatchQueue, Pending, batch_signature
 from kiln.engines.base import Engine
@@ -146,7 +146,7 @@ class DynamicBatcher:
             try:
                 self._queue.put(pending)
             except QueueFullError:
-                self.model.stats.record_failure(0, "REJECTED")
+                self.model.stats.record_failure(0, "REJECTED", request.members)
                 raise
             self._inflight += 1
             if self._release is not None:
@@ -163,7 +163,7 @@ class DynamicBatcher:
                 early: list[tuple[Pending, InferResponse | BaseException]] = []  # answered before the batch runs
                 for pending in batch.expired:
                     waited_ns = self._clock() - pending.enqueued_ns
-                    self.model.stats.record_failure(waited_ns, "REJECTED")
+                    self.model.stats.record_failure(waited_ns, "REJECTED", pending.request.members)
                     early.append((pending, RequestTimeoutError(f"model '{self.model.name}': request timed out "
                                                                f"after waiting in the queue {waited_ns // 1000} us")))
                 live = self._drop_cancelled(batch.items, early)
@@ -182,7 +182,8 @@ class DynamicBatcher:
         live = [p for p in items if not p.answer.cancelled()]
         for pending in items:
             if pending.answer.cancelled():
-                self.model.stats.record_failure(self._clock() - pending.enqueued_ns, "CANCELED")
+                self.model.stats.record_failure(self._clock() - pending.enqueued_ns, "CANCELED",
+                                                pending.request.members)
                 answers.append((pending, CancelledError(f"model '{self.model.name}': the request was cancelled")))
         return live
 
@@ -211,10 +212,10 @@ class DynamicBatcher:
             error = exc if isinstance(exc, KilnError) else InternalError(f"model '{self.model.name}': {exc}")
             end = self._clock()
             for pending in items:
-                self.model.stats.record_failure(end - pending.enqueued_ns)
+                self.model.stats.record_failure(end - pending.enqueued_ns, requests=pending.request.members)
             return [(pending, error) for pending in items]
         self._inline.observe(times)
-        self.model.stats.record_success(times, [p.enqueued_ns for p in items], self._clock())
+        self.model.stats.record_success(times, arrivals((p.enqueued_ns, p.request) for p in items), self._clock())
         return list(zip(items, responses, strict=True))
 
     def _answer(self, answers: list[tuple[Pending, InferResponse | BaseException]]) -> None:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Hashable
 
 from kiln.batching.admission import Admission
-from kiln.batching.model import BatchModel, ExecutionTimes
+from kiln.batching.model import BatchModel, ExecutionTimes, arrivals
 from kiln.errors import InternalError, InvalidArgumentError, KilnError
 from kiln.v2.types import InferRequest, InferResponse
 
@@ -96,12 +96,12 @@ class InlineRunner:
             error = exc if isinstance(exc, KilnError) else InternalError(f"model '{self.model.name}': {exc}")
             now = time.monotonic_ns()
             for item in batch:
-                self.model.stats.record_failure(now - item[2])
+                self.model.stats.record_failure(now - item[2], requests=item[0].members)
                 if not item[3].done():
                     item[3].set_exception(error)
             return
         self.observe(times)
-        self.model.stats.record_success(times, [item[2] for item in batch], time.monotonic_ns())
+        self.model.stats.record_success(times, arrivals((item[2], item[0]) for item in batch), time.monotonic_ns())
         for item, response in zip(batch, responses, strict=True):
             if not item[3].done():
                 item[3].set_result(response)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from kiln.batching.admission import Admission
-from kiln.batching.model import BatchModel, ExecutionTimes
+from kiln.batching.model import BatchModel, ExecutionTimes, arrivals
 from kiln.batching.policy import BatchingPolicy
 from kiln.engines.base import LaunchedBatch
 from kiln.errors import InternalError, InvalidArgumentError, KilnError, VersionUnloadingError
@@ -167,7 +167,7 @@ class LaunchRunner:
             now = time.monotonic_ns()
             for item in items:
                 if item.future.done():
-                    self.model.stats.record_failure(now - item.enqueued_ns, "CANCELED")
+                    self.model.stats.record_failure(now - item.enqueued_ns, "CANCELED", item.request.members)
         return live
 
     def _take_batch(self, items: list[_Item]) -> list[_Item]:
@@ -272,7 +272,7 @@ class LaunchRunner:
             log.exception("model '%s': collecting a batch whose event loop has closed failed", self.model.name)
         now = time.monotonic_ns()
         for item in flight.items:
-            self.model.stats.record_failure(now - item.enqueued_ns, "CANCELED")
+            self.model.stats.record_failure(now - item.enqueued_ns, "CANCELED", item.request.members)
 
     def _finish(self, flight: _Flight) -> None:
         items = flight.items
@@ -297,7 +297,8 @@ class LaunchRunner:
                                    flight.infer_start_ns - flight.start_ns, infer_end - flight.infer_start_ns,
                                    end - infer_end)
             try:
-                self.model.stats.record_success(times, [item.enqueued_ns for item in items], end)
+                self.model.stats.record_success(times, arrivals((item.enqueued_ns, item.request) for item in items),
+                                                end)
             except Exception:  # a request observer's failure must not stop the next batches
                 log.exception("model '%s': recording a launched batch's statistics failed", self.model.name)
         self._flush_waiting(flight.loop)
@@ -326,6 +327,6 @@ class LaunchRunner:
         error = exc if isinstance(exc, KilnError) else InternalError(f"model '{self.model.name}': {exc}")
         now = time.monotonic_ns()
         for item in items:
-            self.model.stats.record_failure(now - item.enqueued_ns)
+            self.model.stats.record_failure(now - item.enqueued_ns, requests=item.request.members)
             if not item.future.done():
                 item.future.set_exception(error)

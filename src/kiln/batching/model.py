@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,7 +38,7 @@ class Recorder(Protocol):
 
     def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int) -> None: ...
 
-    def record_failure(self, request_ns: int, reason: str = "BACKEND") -> None: ...
+    def record_failure(self, request_ns: int, reason: str = "BACKEND", requests: int = 1) -> None: ...
 
 
 class BatchLog:
@@ -58,9 +59,15 @@ class BatchLog:
             self.batch_sizes[times.batch_size] = self.batch_sizes.get(times.batch_size, 0) + 1
             self.last_batch_size = times.batch_size
 
-    def record_failure(self, request_ns: int, reason: str = "BACKEND") -> None:
+    def record_failure(self, request_ns: int, reason: str = "BACKEND", requests: int = 1) -> None:
         with self._lock:
-            self.failures[reason] = self.failures.get(reason, 0) + 1
+            self.failures[reason] = self.failures.get(reason, 0) + requests
+
+
+def arrivals(enqueued: Iterable[tuple[int, InferRequest]]) -> list[int]:
+    """The arrival time of every client request in a batch, for ``record_success``: a request that stands for
+    several (InferRequest.members) counts as each of them."""
+    return [ns for ns, request in enqueued for _ in range(request.members)]
 
 
 class BatchModel:

@@ -22,7 +22,7 @@ from kiln.server.routing import (
     parse_fraction,
     parse_version,
 )
-from kiln.server.scheduler import Scheduler
+from kiln.server.scheduler import DynamicBatcher, Scheduler
 from kiln.server.shadow import ShadowStats, mirror_request, uses_shared_memory
 from kiln.server.validate import validate_request
 from kiln.v2.types import InferRequest, InferResponse
@@ -46,6 +46,24 @@ class Router:
             self._catalog.resolve(request.model_name, request.model_version)
         assert found.loaded is not None and found.scheduler is not None
         return found.scheduler, validate_request(found.loaded.spec, request)
+
+    def joined_rows(self, request: InferRequest) -> int:
+        """The most rows a request joined from several clients' requests (kiln.v2.joined) may have to run as one:
+        the max_batch_size of the version that serves it, when that version batches dynamically and its model
+        neither spreads requests over versions by weights nor mirrors them (each client's request must then be
+        routed on its own); 0 when members must run one by one."""
+        record = self._catalog.models.get(request.model_name)
+        if record is None or record.spec is None:
+            return 0
+        try:
+            if self._table.model(record.spec).splits_traffic:
+                return 0
+            found = self._catalog.resolve(request.model_name, request.model_version)
+        except KilnError:
+            return 0
+        if not isinstance(found.scheduler, DynamicBatcher) or found.loaded is None:
+            return 0
+        return found.loaded.spec.max_batch_size
 
     def route(self, request: InferRequest) -> VersionRecord:
         """The version a request that names none goes to: by the model's weights, else the newest ready one."""
@@ -79,7 +97,8 @@ class Router:
         except KilnError:
             return  # bad kiln.* parameters: routed requests report it; explicit versions still serve
         served = int(response.model_version)
-        routing.observe(served, not request.model_version, time.monotonic_ns() - started_ns, record.versions)
+        routing.observe(served, not request.model_version, time.monotonic_ns() - started_ns, record.versions,
+                        request.members)
         shadow = routing.shadow
         if shadow is None or shadow.version == served or uses_shared_memory(request) or not shadow.sample():
             return

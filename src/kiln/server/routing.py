@@ -239,10 +239,17 @@ class ModelRouting:
                 return version
         return max(live)  # only rounding reaches here
 
-    def observe(self, version: int, routed: bool, latency_ns: int, known: Container[int]) -> None:
-        """A request this version answered successfully. ``known``: the versions the model still has; the first
-        answer of a new version drops the counts of versions gone from it (and from the weights), so a model
-        published every few seconds keeps counts for its current versions only."""
+    @property
+    def splits_traffic(self) -> bool:
+        """True when requests without a version are spread by weights or mirrored to a shadow: each client's
+        request must then be routed on its own."""
+        return bool(self._weights) or self.shadow is not None
+
+    def observe(self, version: int, routed: bool, latency_ns: int, known: Container[int], requests: int = 1) -> None:
+        """A request this version answered successfully (``requests``: the clients' requests it stood for).
+        ``known``: the versions the model still has; the first answer of a new version drops the counts of
+        versions gone from it (and from the weights), so a model published every few seconds keeps counts for its
+        current versions only."""
         with self._lock:
             counts = self._counts.get(version)
             if counts is None:
@@ -250,7 +257,7 @@ class ModelRouting:
                     del self._counts[gone], self._latencies[gone]
                 counts = self._counts[version] = [0, 0]
                 self._latencies[version] = deque(maxlen=LATENCY_RESERVOIR)
-            counts[0 if routed else 1] += 1
+            counts[0 if routed else 1] += requests
             self._latencies[version].append(latency_ns)
 
     def update(self, weights: Mapping[int, float] | None, shadow_version: int | None,

@@ -240,6 +240,11 @@ class Server:
         """Run one request and return its answer (the path frontends take)."""
         return await self._path.infer(request)
 
+    def joined_rows(self, request: InferRequest) -> int:
+        """The most rows ``request``, several clients' same-shaped requests stacked (``members``), may have to run
+        as one; 0 when its members must run one by one (kiln.v2.joined)."""
+        return self._router.joined_rows(request)
+
     def infer_sync(self, request: InferRequest) -> InferResponse:
         """Run one request and return its answer, blocking the calling thread: for scripts and tests that drive an
         in-process server without an event loop, from any number of threads (docs/serving.md, "In process"). The

@@ -108,12 +108,14 @@ class StatsRecorder:
                 observer(RequestTimes(stats.name, stats.version, end_ns - enqueued, times.start_ns - enqueued,
                                       times.compute_input_ns, times.compute_infer_ns, times.compute_output_ns))
 
-    def record_failure(self, request_ns: int, reason: str = "BACKEND") -> None:
-        """A failed request. ``reason`` is Triton's failure label: REJECTED (queue full or timed out in the
-        queue), CANCELED, BACKEND (the engine failed) or OTHER."""
+    def record_failure(self, request_ns: int, reason: str = "BACKEND", requests: int = 1) -> None:
+        """A failed request (``requests``: the clients' requests it stood for, InferRequest.members). ``reason``
+        is Triton's failure label: REJECTED (queue full or timed out in the queue), CANCELED, BACKEND (the engine
+        failed) or OTHER."""
         with self._lock:
-            self._stats.fail.add(request_ns)
-            self._stats.failures_by_reason[reason] = self._stats.failures_by_reason.get(reason, 0) + 1
+            for _ in range(requests):
+                self._stats.fail.add(request_ns)
+            self._stats.failures_by_reason[reason] = self._stats.failures_by_reason.get(reason, 0) + requests
 
     def record_response(self, index: int, outcome: str, infer_ns: int, output_ns: int) -> None:
         """One response of a decoupled model's request, the ``index``-th of its request: ``outcome`` is "success"

@@ -77,12 +77,17 @@ class RequestedOutput:
 
 @dataclass
 class InferRequest:
+    """``members``: how many clients' requests this one stands for. A frontend worker joins same-shaped requests
+    that reach it together into one of their rows stacked (docs/serving.md, "HTTP workers"); statistics and routing
+    counts count each member."""
+
     model_name: str
     inputs: list[InputTensor]
     model_version: str = ""
     id: str = ""
     outputs: list[RequestedOutput] = field(default_factory=list)
     parameters: Parameters = field(default_factory=dict)
+    members: int = 1
 
 
 @dataclass

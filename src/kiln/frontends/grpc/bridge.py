@@ -11,8 +11,9 @@ scheduling, statistics, shared-memory registries and model control stay in one p
 Each frame is a header (payload size, call id, kind, method index) and a payload. A forwarded unary call is one
 CALL and one REPLY or END; a stream is OPEN, MESSAGE..., HALF_CLOSE one way and REPLY..., END the other. END
 carries the gRPC status code (0 for a stream that finished well) and the details. ModelInfer is INFER (a request
-descriptor) and ANSWER (an answer descriptor) or END; RELEASE (call 0, either way) lists arena slots the receiver
-may reuse.
+descriptor) and ANSWER (an answer descriptor) or END; several ModelInfer requests joined into one (kiln.v2.joined)
+are INFER_JOINED, answered by JOINED_ANSWER for a run of its members or ANSWER/END for each
+(frontends/handoff/calls.py); RELEASE (call 0, either way) lists arena slots the receiver may reuse.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2  # type: ignore[import-untyped]  # no type info
 
+from kiln.errors import KilnError
 from kiln.frontends.grpc.servicer import RAW_REQUEST_METHODS, GRPCInferenceService, model_infer_error
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import FrameProtocol, Releases
@@ -38,7 +40,8 @@ from kiln.v2._generated import grpc_service_pb2 as pb
 log = logging.getLogger("kiln.grpc.bridge")
 
 HEADER = struct.Struct("<IIBB")  # payload bytes, call id, kind, method index
-CALL, OPEN, MESSAGE, HALF_CLOSE, CANCEL, REPLY, END, HELLO, INFER, ANSWER, RELEASE = range(11)
+CALL, OPEN, MESSAGE, HALF_CLOSE, CANCEL, REPLY, END, HELLO, INFER, ANSWER, RELEASE, INFER_JOINED, JOINED_ANSWER = \
+    range(13)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -84,6 +87,12 @@ def releases(protocol: FrameProtocol) -> Releases:
     return Releases(protocol, lambda payload: frame(0, RELEASE, payload))
 
 
+def _reply(call: int, answer: bytes | KilnError) -> bytes:
+    if isinstance(answer, bytes):
+        return frame(call, ANSWER, answer)
+    return frame(call, END, end_payload(status.grpc_code(answer), answer.message))
+
+
 class _Aborted(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
@@ -121,6 +130,8 @@ class BridgeCore:
         def on_frame(call: int, kind: int, method: int, payload: bytes) -> None:
             if kind == INFER:
                 self._track(tasks, call, self._infer(protocol, slots, handoff, call, payload))
+            elif kind == INFER_JOINED:
+                self._track(tasks, call, self._infer_joined(protocol, slots, handoff, call, payload))
             elif kind == CALL:
                 self._track(tasks, call, self._unary(protocol, call, method, payload))
             elif kind == OPEN:
@@ -153,12 +164,17 @@ class BridgeCore:
     async def _infer(protocol: FrameProtocol, slots: Releases, handoff: InferHandoff, call: int,
                      payload: bytes) -> None:
         answer = await handoff.answer(payload)
-        if isinstance(answer, bytes):
-            reply = frame(call, ANSWER, answer)
-        else:
-            reply = frame(call, END, end_payload(status.grpc_code(answer), answer.message))
         # The inputs' slot is released by now unless a mirrored request still reads it; the release rides along.
-        protocol.send(slots.take() + reply)
+        protocol.send(slots.take() + _reply(call, answer))
+
+    @staticmethod
+    async def _infer_joined(protocol: FrameProtocol, slots: Releases, handoff: InferHandoff, call: int,
+                            payload: bytes) -> None:
+        answers = await handoff.answer_joined(payload)
+        replies = [frame(call + index, JOINED_ANSWER, answer) if isinstance(answer, bytes) and members > 1
+                   else _reply(call + index, answer)
+                   for index, answer, members in answers]
+        protocol.send(slots.take() + b"".join(replies))
 
     @staticmethod
     def _track(tasks: dict[int, asyncio.Task[None]], call: int, work: Coroutine[Any, Any, None]) -> None:

@@ -35,6 +35,8 @@ from kiln.frontends.grpc.bridge import (
     HEALTH_SERVICE,
     HELLO,
     INFER,
+    INFER_JOINED,
+    JOINED_ANSWER,
     MESSAGE,
     METHODS,
     OPEN,
@@ -49,11 +51,11 @@ from kiln.frontends.grpc.bridge import (
 )
 from kiln.frontends.grpc.server import GrpcConnectionLimits
 from kiln.frontends.handoff.arena import Arena, inherited_arena
+from kiln.frontends.handoff.calls import Answer, InferCalls, Refused
 from kiln.frontends.handoff.frames import unpack_offsets
-from kiln.frontends.handoff.tensors import decode_response, encode_request, response_slot
 from kiln.v2 import grpc_codec as codec
 from kiln.v2._generated import grpc_service_pb2 as pb
-from kiln.v2.types import InferRequest, InferResponse
+from kiln.v2.types import InferRequest
 
 HEALTH_POLL_S = 1.0  # how often an open health Watch asks the server process again
 GONE = "the server process is not answering (it is shutting down or has stopped)"
@@ -76,12 +78,15 @@ class BridgeClient:
 
     def __init__(self, request_arena: Arena | None = None, response_arena: Arena | None = None) -> None:
         self._request_arena = request_arena
-        self._response_arena = response_arena
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self._streams: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
         self.protocol = frame_protocol(self._on_frame)
         self._releases = releases(self.protocol)
+        self._calls = InferCalls(self.protocol, self._releases, self._ids, request_arena, response_arena,
+                                 infer_frame=lambda call, payload: frame(call, INFER, payload),
+                                 joined_frame=lambda call, payload: frame(call, INFER_JOINED, payload),
+                                 answer_kind=ANSWER, joined_kind=JOINED_ANSWER)
 
     def _on_frame(self, call: int, kind: int, method: int, payload: bytes) -> None:
         if kind == RELEASE:
@@ -90,38 +95,23 @@ class BridgeClient:
                     self._request_arena.free(offset)
             return
         future = self._pending.pop(call, None)
-        if future is not None and not future.done():
-            future.set_result((0, payload) if kind in (REPLY, ANSWER) else (payload[0], payload[1:]))
+        if future is not None:
+            if not future.done():
+                future.set_result((0, payload) if kind == REPLY else (payload[0], payload[1:]))
         elif call in self._streams:
             self._streams[call].put_nowait((kind, payload))
-        elif kind == ANSWER:  # its call was cancelled (client gone, deadline passed): nobody reads the outputs
-            self.release(response_slot(payload))
+        else:
+            self._calls.on_frame(call, kind, payload)
 
-    async def infer(self, request: InferRequest) -> tuple[InferResponse, int | None]:
-        """The answer, its outputs views on the response arena, and the slot to ``release`` once it is encoded;
-        :class:`CallFailed` with the status the server process answered instead."""
-        if self.protocol.closed.done():
-            raise CallFailed(grpc.StatusCode.UNAVAILABLE.value[0], GONE.encode())
-        call = next(self._ids)
-        future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-        self._pending[call] = future
-        payload = encode_request(request, self._request_arena)
-        self.protocol.send(self._releases.take() + frame(call, INFER, payload))
+    async def infer(self, request: InferRequest) -> Answer:
+        """The answer, its outputs views on the response arena, and what to call once it is encoded (it lets
+        their arena slot go); :class:`CallFailed` with the status the server process answered instead."""
         try:
-            code, payload = await future
-        except asyncio.CancelledError:  # an answer that came just before still holds its outputs' slot
-            if future.done() and not future.cancelled() and future.result()[0] == 0:
-                self.release(response_slot(future.result()[1]))
-            raise
-        finally:
-            self._pending.pop(call, None)
-        if code:
-            raise CallFailed(code, payload)
-        return decode_response(payload, self._response_arena)
-
-    def release(self, slot: int | None) -> None:
-        if slot is not None:
-            self._releases.add(slot)
+            return await self._calls.infer(request)
+        except Refused as refused:
+            if refused.kind == END:
+                raise CallFailed(refused.payload[0], refused.payload[1:]) from None
+            raise CallFailed(grpc.StatusCode.UNAVAILABLE.value[0], GONE.encode()) from None
 
     async def unary(self, method: int, request: bytes) -> tuple[int, bytes]:
         """(status code, response bytes or error details)."""
@@ -187,7 +177,7 @@ def _infer_handler(bridge: BridgeClient) -> Any:
                 await _abort_if_unknown(bridge, context, *model)
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT.value[0], refused.encode())
         try:
-            response, slot = await bridge.infer(request)
+            response, release = await bridge.infer(request)
         except CallFailed as exc:
             failed: CallFailed | None = exc
         else:
@@ -198,7 +188,7 @@ def _infer_handler(bridge: BridgeClient) -> Any:
         try:
             return bytes(codec.encode_response(response).SerializeToString())
         finally:
-            bridge.release(slot)  # the message holds a copy of every output now
+            release()  # the message holds a copy of every output now
     return infer
 
 

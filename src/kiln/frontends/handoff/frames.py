@@ -20,12 +20,14 @@ INFER = 2  # a decoded infer request: descriptor (tensors.py)
 FORWARD = 3  # any other request, whole: scope document and body
 ACK = 4  # a streamed response chunk reached the client: the server may send one more
 DISCONNECT = 5  # the client of a forwarded request went away
+INFER_JOINED = 6  # several requests joined into one (kiln.v2.joined); its members have consecutive call ids
 # server process -> worker
 ANSWER = 10  # an infer answer: descriptor
 ERROR = 11  # an infer request failed: error code and message
 START = 12  # a forwarded request's response status and headers
 BODY = 13  # a chunk of its body, more follow
 BODY_END = 14  # its last chunk
+JOINED_ANSWER = 15  # an answer to a run of a joined request's members, on the first one's call id
 # both ways, call 0: offsets of arena slots the receiver may reuse
 RELEASE = 20
 

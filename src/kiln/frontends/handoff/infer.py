@@ -3,24 +3,32 @@
 A request arrives as a descriptor (tensors.py) whose inputs lie in the worker's arena; it becomes an InferRequest
 of numpy views on that arena (no copy), the Server answers it, and the outputs go into this side's arena. The
 link around it (HTTP's or gRPC's frames) only frames the answer descriptor or renders the typed error.
+
+A joined request (several clients' requests, kiln.v2.joined) runs as one where the Server allows it, in chunks of
+at most the model's max_batch_size rows; otherwise, or where a chunk is refused as invalid, each member runs on its
+own, so each client gets the answer or the error of its own request.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import orjson
 
-from kiln.errors import ErrorCode, KilnError, error_for_code
+from kiln.errors import ErrorCode, InvalidArgumentError, KilnError, error_for_code
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import unpack_offsets
-from kiln.frontends.handoff.tensors import decode_request, encode_response
+from kiln.frontends.handoff.tensors import decode_joined, decode_request, encode_response, member_count
 from kiln.server.server import Server
+from kiln.v2.joined import slice_request
 from kiln.v2.status import as_kiln_error
 from kiln.v2.types import InferRequest
 
 Route = Callable[[InferRequest, str], None]
 """Applies a request's routing key (HTTP's routing header) before the Server sees it."""
+JoinedAnswer = tuple[int, "bytes | KilnError", int]
+"""(a member's index, the descriptor answering ``members`` requests from it on or that member's error, members)"""
 Translate = Callable[[Exception], Exception]
 """Turns a failure into the error the frontend reports in one process (gRPC's ModelInfer words a decoupled model
 its own way)."""
@@ -47,10 +55,51 @@ class InferHandoff:
             request, routing_key = decode_request(payload, self._request_arena, self._release)
             if routing_key is not None and self._route is not None:
                 self._route(request, routing_key)
+        except Exception as exc:  # every failure is the client's answer, rendered by the worker
+            return self._error(exc)
+        return await self._answer(request)
+
+    async def answer_joined(self, payload: bytes) -> list[JoinedAnswer]:
+        """The answers to a joined request's members: (the first member's index, the descriptor of an answer to
+        ``members`` of them from there on, or the error of that one member, members)."""
+        try:
+            request, members = decode_joined(payload, self._request_arena, self._release)
+        except Exception as exc:  # a descriptor this side cannot read: every member gets the error
+            return [(index, self._error(exc), 1) for index in range(member_count(payload))]
+        chunks = _chunks([rows for _, rows in members], self._server.joined_rows(request))
+        answered = await asyncio.gather(*(self._chunk(request, members, first, stop, start, end)
+                                          for first, stop, start, end in chunks))
+        return [answer for part in answered for answer in part]
+
+    async def _chunk(self, request: InferRequest, members: list[tuple[str, int]], first: int, stop: int,
+                     start: int, end: int) -> list[JoinedAnswer]:
+        """Members ``first:stop`` (rows ``start:end``): as one request when there are several, else on its own."""
+        if stop - first > 1:
+            try:
+                response = await self._server.infer(slice_request(request, start, end, stop - first))
+                return [(first, encode_response(response, self._response_arena, stop - first), stop - first)]
+            except InvalidArgumentError:
+                pass  # what is wrong may be one member's: each runs on its own and gets its own answer
+            except Exception as exc:  # the same failure for each (the model, its engine, the server)
+                error = self._error(exc)
+                return [(index, error, 1) for index in range(first, stop)]
+        parts = []
+        row = start
+        for request_id, rows in members[first:stop]:
+            parts.append(slice_request(request, row, row + rows, 1, request_id))
+            row += rows
+        answers = await asyncio.gather(*(self._answer(part) for part in parts))
+        return [(index, answer, 1) for index, answer in enumerate(answers, first)]
+
+    async def _answer(self, request: InferRequest) -> bytes | KilnError:
+        try:
             response = await self._server.infer(request)
             return encode_response(response, self._response_arena)
         except Exception as exc:  # every failure is the client's answer, rendered by the worker
-            return as_kiln_error(self._translate(exc) if self._translate is not None else exc)
+            return self._error(exc)
+
+    def _error(self, exc: Exception) -> KilnError:
+        return as_kiln_error(self._translate(exc) if self._translate is not None else exc)
 
     def free(self, payload: bytes) -> None:
         """The worker is done with these output slots (a RELEASE frame's payload)."""
@@ -63,6 +112,20 @@ class InferHandoff:
         for arena in (self._request_arena, self._response_arena):
             if arena is not None:
                 arena.close()
+
+
+def _chunks(rows: list[int], limit: int) -> list[tuple[int, int, int, int]]:
+    """Members in order, cut into runs of at most ``limit`` rows (0: one member per run), as (first member, stop
+    member, first row, stop row)."""
+    chunks = []
+    first = start = end = 0
+    for index, count in enumerate(rows):
+        if index > first and end + count - start > limit:
+            chunks.append((first, index, start, end))
+            first, start = index, end
+        end += count
+    chunks.append((first, len(rows), start, end))
+    return chunks
 
 
 def error_payload(error: KilnError) -> bytes:

@@ -8,6 +8,10 @@ whole message goes inline.
 
 The receiver of a request builds numpy views on the arena (no copy) and hands the slot back, through ``release``,
 once the last view is gone, which may be after the answer (a shadow version's mirrored request keeps the inputs).
+
+A joined request (kiln.v2.joined) is one descriptor whose tensors hold its members' rows back to back, and whose
+header lists the members (``members``: each one's request id and rows); the answer to one holds the rows of
+``members`` requests.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import orjson
 
 from kiln.frontends.handoff.arena import Arena, align
 from kiln.tensor import DataType, decode_bytes, element_count
+from kiln.v2.joined import rows_of
 from kiln.v2.layout import raw_view
 from kiln.v2.types import (
     InferRequest,
@@ -42,17 +47,38 @@ Blob = bytes | memoryview
 
 def encode_request(request: InferRequest, arena: Arena | None, routing_key: str | None = None) -> bytes:
     """The descriptor of a decoded request, its input bytes written into ``arena`` where they fit."""
-    blobs = [None if t.shared_memory is not None else raw_view(t.data, t.datatype) for t in request.inputs]
+    blobs = [None if t.shared_memory is not None else [raw_view(t.data, t.datatype)] for t in request.inputs]
     slot, places, inline = _place(blobs, arena)
     inputs = [{"name": t.name, "datatype": t.datatype.wire_name, "shape": list(t.shape),
                "parameters": dict(t.parameters), "at": at} for t, at in zip(request.inputs, places, strict=True)]
-    outputs = [{"name": o.name, "classification": o.classification, "parameters": dict(o.parameters)}
-               for o in request.outputs]
     header = {"model": request.model_name, "version": request.model_version, "id": request.id,
-              "parameters": dict(request.parameters), "inputs": inputs, "outputs": outputs, "slot": slot}
+              "parameters": dict(request.parameters), "inputs": inputs, "outputs": _requested(request),
+              "slot": slot}
     if routing_key is not None:
         header["routing_key"] = routing_key
     return _message(header, inline)
+
+
+def encode_joined(requests: Sequence[InferRequest], arena: Arena | None) -> bytes:
+    """The descriptor of requests that share a join key (kiln.v2.joined) as one request: every input holds the
+    members' rows in order, written straight into ``arena`` (no joined copy is made first)."""
+    first = requests[0]
+    blobs = [[raw_view(r.inputs[i].data, t.datatype) for r in requests] for i, t in enumerate(first.inputs)]
+    slot, places, inline = _place(blobs, arena)
+    rows = [rows_of(r) for r in requests]
+    total = sum(rows)
+    inputs: list[dict[str, Any]] = [
+        {"name": t.name, "datatype": t.datatype.wire_name, "shape": [total, *t.shape[1:]], "parameters": {}, "at": at}
+        for t, at in zip(first.inputs, places, strict=True)]
+    header: dict[str, Any] = {"model": first.model_name, "version": first.model_version, "id": "", "parameters": {},
+              "inputs": inputs, "outputs": _requested(first), "slot": slot,
+              "members": [[r.id, n] for r, n in zip(requests, rows, strict=True)]}
+    return _message(header, inline)
+
+
+def _requested(request: InferRequest) -> list[dict[str, Any]]:
+    return [{"name": o.name, "classification": o.classification, "parameters": dict(o.parameters)}
+            for o in request.outputs]
 
 
 def decode_request(payload: bytes, arena: Arena | None,
@@ -60,6 +86,27 @@ def decode_request(payload: bytes, arena: Arena | None,
     """The request a descriptor stands for, its inputs numpy views on ``arena`` (read-only, as the in-process
     codec's views on a request body are), and the routing key header it carried."""
     header, inline = _split(payload)
+    return _request(header, inline, arena, release), header.get("routing_key")
+
+
+def decode_joined(payload: bytes, arena: Arena | None,
+                  release: Callable[[int], None]) -> tuple[InferRequest, list[tuple[str, int]]]:
+    """A joined request (``members`` set) and its members' request ids and rows, in order."""
+    header, inline = _split(payload)
+    members = [(str(request_id), int(rows)) for request_id, rows in header["members"]]
+    request = _request(header, inline, arena, release)
+    request.members = len(members)
+    return request, members
+
+
+def member_count(payload: bytes) -> int:
+    """How many requests a joined request's descriptor stands for (read alone: to answer each when the rest of
+    the descriptor cannot be read)."""
+    return len(_split(payload)[0]["members"])
+
+
+def _request(header: dict[str, Any], inline: memoryview, arena: Arena | None,
+             release: Callable[[int], None]) -> InferRequest:
     model = header["model"]
     data = _Data(header["slot"], inline, arena, release)
     inputs: list[InputTensor] = []
@@ -77,27 +124,35 @@ def decode_request(payload: bytes, arena: Arena | None,
     outputs = [RequestedOutput(o["name"], o["classification"], o["parameters"],
                                shared_memory_ref(o["parameters"], f"model '{model}': output '{o['name']}'"))
                for o in header["outputs"]]
-    request = InferRequest(model_name=model, model_version=header["version"], inputs=inputs, id=header["id"],
-                           outputs=outputs, parameters=header["parameters"])
-    return request, header.get("routing_key")
+    return InferRequest(model_name=model, model_version=header["version"], inputs=inputs, id=header["id"],
+                        outputs=outputs, parameters=header["parameters"])
 
 
-def encode_response(response: InferResponse, arena: Arena | None) -> bytes:
-    """The descriptor of an answer, its output bytes written into ``arena`` where they fit."""
-    blobs = [None if o.shared_memory is not None else raw_view(o.data, o.datatype) for o in response.outputs]
+def encode_response(response: InferResponse, arena: Arena | None, members: int = 1) -> bytes:
+    """The descriptor of an answer (to ``members`` requests joined into one), its output bytes written into
+    ``arena`` where they fit."""
+    blobs = [None if o.shared_memory is not None else [raw_view(o.data, o.datatype)] for o in response.outputs]
     slot, places, inline = _place(blobs, arena)
     outputs = [{"name": o.name, "datatype": o.datatype.wire_name, "shape": [int(d) for d in o.shape],
                 "parameters": dict(o.parameters), "at": at,
                 "shm": None if o.shared_memory is None else
                 [o.shared_memory.region, o.shared_memory.byte_size, o.shared_memory.offset]}
                for o, at in zip(response.outputs, places, strict=True)]
-    header = {"model": response.model_name, "version": response.model_version, "id": response.id,
-              "parameters": dict(response.parameters), "outputs": outputs, "slot": slot}
+    header: dict[str, Any] = {"model": response.model_name, "version": response.model_version, "id": response.id,
+                              "parameters": dict(response.parameters), "outputs": outputs, "slot": slot}
+    if members > 1:
+        header["members"] = members
     return _message(header, inline)
 
 
 def decode_response(payload: bytes, arena: Arena | None) -> tuple[InferResponse, int | None]:
     """The answer a descriptor stands for, with views on ``arena``, and the slot to free once it is encoded."""
+    response, slot, _ = decode_answer(payload, arena)
+    return response, slot
+
+
+def decode_answer(payload: bytes, arena: Arena | None) -> tuple[InferResponse, int | None, int]:
+    """``decode_response``, and how many joined requests the answer is for."""
     header, inline = _split(payload)
     data = _Data(header["slot"], inline, arena, None)
     outputs: list[OutputTensor] = []
@@ -113,7 +168,7 @@ def decode_response(payload: bytes, arena: Arena | None) -> tuple[InferResponse,
                                         item["parameters"]))
     response = InferResponse(model_name=header["model"], model_version=header["version"], outputs=outputs,
                              id=header["id"], parameters=header["parameters"])
-    return response, None if header["slot"] is None else header["slot"][0]
+    return response, None if header["slot"] is None else header["slot"][0], int(header.get("members", 1))
 
 
 def response_slot(payload: bytes) -> int | None:
@@ -122,25 +177,29 @@ def response_slot(payload: bytes) -> int | None:
     return None if slot is None else int(slot[0])
 
 
-def _place(blobs: Sequence[Blob | None], arena: Arena | None) -> tuple[list[int] | None, list[list[int] | None],
-                                                                        list[Blob]]:
-    """Where each blob goes: (the arena slot as [offset, size] or None, each blob's ``at``, the blobs that go
-    inline)."""
-    total = sum(align(len(b)) for b in blobs if b is not None)
+def _place(tensors: Sequence[Sequence[Blob] | None],
+           arena: Arena | None) -> tuple[list[int] | None, list[list[int] | None], list[Blob]]:
+    """Where each tensor's bytes go, a tensor given as the parts it is made of (one, or a joined request's
+    members'), written back to back: (the arena slot as [offset, size] or None, each tensor's ``at``, the parts
+    that go inline)."""
+    sizes = [None if parts is None else sum(len(p) for p in parts) for parts in tensors]
+    total = sum(align(size) for size in sizes if size is not None)
     offset = arena.allocate(total) if arena is not None and total else None
     places: list[list[int] | None] = []
     inline: list[Blob] = []
     cursor = 0
-    for blob in blobs:
-        if blob is None:
+    for parts, size in zip(tensors, sizes, strict=True):
+        if parts is None or size is None:
             places.append(None)
         elif offset is None or arena is None:
-            places.append([INLINE, len(blob)])
-            inline.append(blob)
+            places.append([INLINE, size])
+            inline.extend(parts)
         else:
-            arena.write(offset + cursor, blob)
-            places.append([offset + cursor, len(blob)])
-            cursor += align(len(blob))
+            places.append([offset + cursor, size])
+            for part in parts:
+                arena.write(offset + cursor, part)
+                cursor += len(part)
+            cursor = align(cursor)
     return None if offset is None else [offset, cursor], places, inline
 
 

@@ -21,6 +21,7 @@ import orjson
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message
 
+from kiln.errors import KilnError
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import FrameProtocol, Releases, frame
@@ -74,6 +75,8 @@ class CoreLink:
     def _on_frame(self, call: int, kind: int, payload: bytes) -> None:
         if kind == frames.INFER:
             self._track(call, self._infer(call, payload))
+        elif kind == frames.INFER_JOINED:
+            self._track(call, self._infer_joined(call, payload))
         elif kind == frames.FORWARD:
             self._forwarded[call] = _Forwarded()
             self._track(call, self._forward(call, payload))
@@ -99,11 +102,17 @@ class CoreLink:
 
     async def _infer(self, call: int, payload: bytes) -> None:
         answer = await self._handoff.answer(payload)
-        reply = frame(call, frames.ANSWER, answer) if isinstance(answer, bytes) else \
-            frame(call, frames.ERROR, error_payload(answer))
         # The request is gone by now: its inputs' slot is released already, unless a mirrored request still reads
         # them, and the release leaves with the answer.
-        self.protocol.send(self._releases.take() + reply)
+        self.protocol.send(self._releases.take() + _reply(call, answer))
+
+    async def _infer_joined(self, call: int, payload: bytes) -> None:
+        answers = await self._handoff.answer_joined(payload)
+
+        replies = [frame(call + index, frames.JOINED_ANSWER, answer) if isinstance(answer, bytes) and members > 1
+                   else _reply(call + index, answer)
+                   for index, answer, members in answers]
+        self.protocol.send(self._releases.take() + b"".join(replies))
 
     def _route(self, request: InferRequest, routing_key: str) -> None:
         headers = [(ROUTING_KEY_HEADER.encode(), routing_key.encode("latin-1"))]
@@ -147,6 +156,12 @@ class CoreLink:
             self._forwarded.pop(call, None)
         if not ended:  # an app that sent no (complete) answer: end what the worker has
             self.protocol.send(frame(call, frames.BODY_END))
+
+
+def _reply(call: int, answer: bytes | KilnError) -> bytes:
+    if isinstance(answer, bytes):
+        return frame(call, frames.ANSWER, answer)
+    return frame(call, frames.ERROR, error_payload(answer))
 
 
 def _scope(request: dict[str, Any]) -> dict[str, Any]:

@@ -22,8 +22,8 @@ from kiln.errors import ErrorCode, InvalidArgumentError, UnavailableError, error
 from kiln.frontends.access import AccessPolicy, policy_from_environment
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena
+from kiln.frontends.handoff.calls import LOST, Answer, InferCalls, Refused
 from kiln.frontends.handoff.frames import FrameProtocol, Releases, frame
-from kiln.frontends.handoff.tensors import decode_response, encode_request, response_slot
 from kiln.frontends.http.app import _infer_params
 from kiln.frontends.http.auth import restricted
 from kiln.frontends.http.core import forward_payload
@@ -31,24 +31,25 @@ from kiln.frontends.http.routing import ROUTING_KEY_HEADER
 from kiln.v2 import http_codec as codec
 from kiln.v2.http_body import read_body
 from kiln.v2.http_responses import error_response
-from kiln.v2.types import InferRequest, InferResponse
+from kiln.v2.types import InferRequest
 
-LOST = 0  # not a frame kind: the link to the server process closed
 GONE = "the server process is not answering (it is shutting down or has stopped)"
 _DROPPED_WHEN_DECODED = (b"content-encoding", b"content-length")
 
 
 class CoreClient:
-    """The worker's end of the link: requests out, answers matched to them by call id."""
+    """The worker's end of the link: requests out, answers matched to them by call id (infer calls: calls.py)."""
 
     def __init__(self, request_arena: Arena | None, response_arena: Arena | None) -> None:
         self._request_arena = request_arena
-        self._response_arena = response_arena
         self._ids = itertools.count(1)
-        self._answers: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self._streams: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
         self.protocol = FrameProtocol(self._on_frame)
         self._releases = Releases(self.protocol)
+        self._calls = InferCalls(self.protocol, self._releases, self._ids, request_arena, response_arena,
+                                 infer_frame=lambda call, payload: frame(call, frames.INFER, payload),
+                                 joined_frame=lambda call, payload: frame(call, frames.INFER_JOINED, payload),
+                                 answer_kind=frames.ANSWER, joined_kind=frames.JOINED_ANSWER)
         self.protocol.closed.add_done_callback(self._lost)
 
     def _on_frame(self, call: int, kind: int, payload: bytes) -> None:
@@ -56,53 +57,28 @@ class CoreClient:
             if self._request_arena is not None:
                 for offset in frames.unpack_offsets(payload):
                     self._request_arena.free(offset)
-            return
-        answer = self._answers.pop(call, None)
-        if answer is not None and not answer.done():
-            answer.set_result((kind, payload))
         elif call in self._streams:
             self._streams[call].put_nowait((kind, payload))
-        elif kind == frames.ANSWER:  # its request was cancelled (client gone): nobody reads the outputs
-            self.release(response_slot(payload))
+        else:
+            self._calls.on_frame(call, kind, payload)
 
     def _lost(self, _: object) -> None:
-        for answer in self._answers.values():
-            if not answer.done():
-                answer.set_result((LOST, b""))
         for stream in self._streams.values():
             stream.put_nowait((LOST, b""))
 
     def send(self, call: int, kind: int, payload: bytes = b"") -> None:
         self.protocol.send(frame(call, kind, payload))
 
-    async def infer(self, request: InferRequest, routing_key: str | None) -> tuple[InferResponse, int | None]:
-        """The Server's answer and the arena slot its outputs lie in (``release`` it once they are encoded);
+    async def infer(self, request: InferRequest, routing_key: str | None) -> Answer:
+        """The Server's answer and what to call once its outputs are encoded (it lets their arena slot go);
         raises the Server's error as the typed error."""
-        if self.protocol.closed.done():
-            raise UnavailableError(GONE)
-        call = next(self._ids)
-        answer: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-        self._answers[call] = answer
-        payload = encode_request(request, self._request_arena, routing_key)
-        self.protocol.send(self._releases.take() + frame(call, frames.INFER, payload))
         try:
-            kind, payload = await answer
-        except asyncio.CancelledError:  # an answer that came just before still holds its outputs' slot
-            if answer.done() and not answer.cancelled() and answer.result()[0] == frames.ANSWER:
-                self.release(response_slot(answer.result()[1]))
-            raise
-        finally:
-            self._answers.pop(call, None)
-        if kind == frames.ERROR:
-            code, message = orjson.loads(payload)
-            raise error_for_code(ErrorCode(code), message)
-        if kind != frames.ANSWER:
-            raise UnavailableError(GONE)
-        return decode_response(payload, self._response_arena)
-
-    def release(self, slot: int | None) -> None:
-        if slot is not None:
-            self._releases.add(slot)
+            return await self._calls.infer(request, routing_key)
+        except Refused as refused:
+            if refused.kind == frames.ERROR:
+                code, message = orjson.loads(refused.payload)
+                raise error_for_code(ErrorCode(code), message) from None
+            raise UnavailableError(GONE) from None
 
     def open(self, payload: bytes) -> tuple[int, asyncio.Queue[tuple[int, bytes]]]:
         call = next(self._ids)
@@ -158,11 +134,11 @@ class WorkerApp:
 
     async def _infer(self, request: InferRequest, routing_key: str | None) -> Response:
         """As Endpoints.infer from the Server call on."""
-        answer, slot = await self.core.infer(request, routing_key)
+        answer, release = await self.core.infer(request, routing_key)
         try:
             content, header_size = codec.encode_response(answer, request)
         finally:
-            self.core.release(slot)  # the body holds a copy of every output now
+            release()  # the body holds a copy of every output now
         if header_size is None:
             return Response(content, media_type=codec.JSON_TYPE)
         return Response(content, media_type=codec.BINARY_TYPE, headers={codec.HEADER_LENGTH: str(header_size)})

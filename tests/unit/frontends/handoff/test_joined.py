@@ -1,0 +1,267 @@
+"""Requests a worker holds in the same event-loop turn, joined into one for the server process (kiln.v2.joined,
+handoff/calls.py): over a real link (the HTTP worker's CoreClient and the server process's CoreLink on a socket
+pair) to a real Server, each caller gets its own rows and request id, statistics and routing counts count every
+member, and where the model does not batch, a chunk exceeds max_batch_size, A/B weights apply or the request is
+refused, each member runs and is answered on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.errors import InvalidArgumentError
+from kiln.frontends.handoff import frames
+from kiln.frontends.handoff.arena import Arena, create_arena_file
+from kiln.frontends.handoff.infer import _chunks
+from kiln.frontends.handoff.tensors import decode_joined, encode_joined
+from kiln.frontends.http.core import CoreLink
+from kiln.frontends.http.worker_app import CoreClient
+from kiln.server.server import Server, ServerOptions
+from kiln.tensor import DataType
+from kiln.v2.joined import join_key, slice_request, split_response
+from kiln.v2.types import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="arenas need memfd_create (Linux)")
+
+MODEL = """name: "{name}"
+backend: "identity"
+max_batch_size: {max_batch}
+input [ {{ name: "INPUT0" data_type: TYPE_INT32 dims: [ 3 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 3 ] }} ]
+{batching}
+"""
+MODELS = {
+    "batched": (16, "dynamic_batching { max_queue_delay_microseconds: 0 }"),
+    "small": (4, "dynamic_batching { max_queue_delay_microseconds: 0 }"),
+    "unbatched": (16, ""),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("repo")
+    for name, (max_batch, batching) in MODELS.items():
+        for version in ("1", "2"):
+            (root / name / version).mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(
+            MODEL.format(name=name, max_batch=max_batch, batching=batching)
+            + 'version_policy: { all: {} }\n')
+    kiln_server = Server(ServerOptions(repositories=[Path(root)]))
+    kiln_server.start()
+    yield kiln_server
+    kiln_server.close()
+
+
+class Link:
+    """A worker's CoreClient and the server process's CoreLink on one socket pair; counts the infer frames the
+    server process receives by kind."""
+
+    def __init__(self, client: CoreClient, core: CoreLink, kinds: list[int]) -> None:
+        self.client, self.core, self.kinds = client, core, kinds
+
+
+@pytest.fixture
+async def link(server: Server) -> AsyncIterator[Link]:
+    arenas = []
+    for _ in range(2):
+        fd = create_arena_file(1 << 20)
+        assert fd is not None
+        arenas.append((Arena.from_fd(fd), Arena.from_fd(fd)))
+        os.close(fd)
+    (worker_requests, core_requests), (core_responses, worker_responses) = arenas
+    kinds: list[int] = []
+
+    class CountingLink(CoreLink):
+        def _on_frame(self, call: int, kind: int, payload: bytes) -> None:
+            kinds.append(kind)
+            super()._on_frame(call, kind, payload)
+
+    core = CountingLink(server, None, core_requests, core_responses, lambda: None)  # type: ignore[arg-type]
+    client = CoreClient(worker_requests, worker_responses)
+    ours, theirs = socket.socketpair()
+    loop = asyncio.get_running_loop()
+    await loop.create_connection(lambda: client.protocol, sock=ours)
+    await loop.create_connection(lambda: core.protocol, sock=theirs)
+    yield Link(client, core, kinds)
+    client.protocol.transport.close()  # type: ignore[union-attr]
+    core.protocol.transport.close()  # type: ignore[union-attr]
+
+
+def _request(model: str, data: np.ndarray, request_id: str = "", **fields: object) -> InferRequest:
+    return InferRequest(model, [InputTensor("INPUT0", DataType.INT32, data.shape, data)], id=request_id,
+                        **fields)  # type: ignore[arg-type]
+
+
+def _rows(index: int, rows: int = 1) -> np.ndarray:
+    return (np.arange(rows * 3, dtype=np.int32).reshape(rows, 3) + 100 * index).astype(np.int32)
+
+
+async def _send(link: Link, requests: list[InferRequest]) -> list[InferResponse | BaseException]:
+    """All of ``requests`` from one turn, as a worker's clients would send them; each answer copied out of the
+    arena before its slot goes back."""
+    async def one(request: InferRequest) -> InferResponse:
+        response, release = await link.client.infer(request, None)
+        try:
+            outputs = [OutputTensor(o.name, o.datatype, o.shape, o.data.copy()) for o in response.outputs]
+            return InferResponse(response.model_name, response.model_version, outputs, response.id)
+        finally:
+            release()
+    return list(await asyncio.gather(*(one(r) for r in requests), return_exceptions=True))
+
+
+def _success(server: Server, model: str) -> tuple[int, int, int]:
+    stats = server.model_statistics(model)
+    return (sum(s.success.count for s in stats), sum(s.inference_count for s in stats),
+            sum(s.execution_count for s in stats))
+
+
+async def test_requests_of_one_turn_go_as_one_and_each_gets_its_own_rows(link: Link, server: Server) -> None:
+    before = _success(server, "batched")
+    routed_before = sum(v.routed for v in server.routing("batched").versions)
+    sizes = [1, 2, 1, 3, 1]
+    requests = [_request("batched", _rows(i, rows), f"id-{i}") for i, rows in enumerate(sizes)]
+    answers = await _send(link, requests)
+    assert link.kinds.count(frames.INFER_JOINED) == 1 and frames.INFER not in link.kinds
+    for i, (answer, rows) in enumerate(zip(answers, sizes, strict=True)):
+        assert isinstance(answer, InferResponse), answer
+        assert answer.id == f"id-{i}" and answer.outputs[0].shape == (rows, 3)
+        np.testing.assert_array_equal(answer.outputs[0].data, _rows(i, rows))
+    after = _success(server, "batched")
+    # Five clients' requests, eight rows, one execution: statistics count each client's request.
+    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (5, 8, 1)
+    assert sum(v.routed for v in server.routing("batched").versions) - routed_before == 5
+
+
+async def test_a_lone_request_leaves_alone_and_different_shapes_do_not_join(link: Link) -> None:
+    (answer,) = await _send(link, [_request("batched", _rows(7))])
+    assert isinstance(answer, InferResponse) and link.kinds == [frames.INFER]
+    link.kinds.clear()
+    odd = np.arange(4, dtype=np.int32).reshape(1, 4)  # wrong for the model: refused on its own
+    answers = await _send(link, [_request("batched", _rows(1)), _request("batched", odd),
+                                 _request("batched", _rows(2), parameters={"priority": 1})])
+    assert link.kinds.count(frames.INFER) == 3
+    assert isinstance(answers[0], InferResponse) and isinstance(answers[2], InferResponse)
+    assert isinstance(answers[1], InvalidArgumentError) and "[1, 4]" in answers[1].message
+
+
+async def test_members_of_a_model_without_dynamic_batching_run_one_by_one(link: Link, server: Server) -> None:
+    before = _success(server, "unbatched")
+    answers = await _send(link, [_request("unbatched", _rows(i), f"u{i}") for i in range(4)])
+    assert link.kinds == [frames.INFER_JOINED]
+    for i, answer in enumerate(answers):
+        assert isinstance(answer, InferResponse) and answer.id == f"u{i}"
+        np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
+    after = _success(server, "unbatched")
+    assert (after[0] - before[0], after[2] - before[2]) == (4, 4)
+
+
+async def test_a_joined_request_over_max_batch_size_runs_in_chunks(link: Link, server: Server) -> None:
+    before = _success(server, "small")
+    answers = await _send(link, [_request("small", _rows(i)) for i in range(10)])
+    for i, answer in enumerate(answers):
+        assert isinstance(answer, InferResponse)
+        np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
+    after = _success(server, "small")
+    assert (after[0] - before[0], after[1] - before[1]) == (10, 10)
+    assert after[2] - before[2] == 3  # 4 + 4 + 2 rows
+
+
+async def test_a_refused_joined_request_gives_each_member_its_own_error(link: Link) -> None:
+    wrong = [_request("batched", np.zeros((1, 5), np.int32), f"w{i}") for i in range(3)]
+    answers = await _send(link, wrong)
+    assert link.kinds == [frames.INFER_JOINED]
+    for answer in answers:
+        # The member's own shape, not the joined request's [3, 5].
+        assert isinstance(answer, InvalidArgumentError) and "[1, 5]" in answer.message, answer
+
+
+async def test_ab_weights_route_each_member_on_its_own(link: Link, server: Server) -> None:
+    server.set_routing("batched", weights={"1": 0.5, "2": 0.5})
+    try:
+        before = {v.version: v.routed for v in server.routing("batched").versions}
+        answers = await _send(link, [_request("batched", _rows(i)) for i in range(40)])
+        assert all(isinstance(a, InferResponse) for a in answers)
+        after = {v.version: v.routed for v in server.routing("batched").versions}
+        counts = {v: after[v] - before.get(v, 0) for v in after}
+        assert sum(counts.values()) == 40 and all(counts.get(v, 0) > 0 for v in ("1", "2")), counts
+    finally:
+        server.set_routing("batched", weights={})
+
+
+async def test_a_member_whose_client_went_away_leaves_the_others_their_answers(link: Link) -> None:
+    requests = [_request("batched", _rows(i)) for i in range(4)]
+    tasks = [asyncio.create_task(link.client.infer(r, None)) for r in requests]
+    await asyncio.sleep(0)  # every request is in the worker's hands; the joined request has left
+    tasks[1].cancel()
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(done[1], asyncio.CancelledError)
+    for i in (0, 2, 3):
+        response, release = done[i]  # type: ignore[misc]
+        np.testing.assert_array_equal(response.outputs[0].data, _rows(i))
+        release()
+    for _ in range(500):  # the slot comes back once the three live answers are encoded
+        if link.core._handoff._response_arena.used_bytes == 0:  # type: ignore[union-attr]
+            break
+        await asyncio.sleep(0.002)
+    assert link.core._handoff._response_arena.used_bytes == 0  # type: ignore[union-attr]
+
+
+def test_join_keys_match_only_requests_that_can_share_a_batch() -> None:
+    base = join_key(_request("m", _rows(0)), None)
+    assert base is not None and base == join_key(_request("m", _rows(5, 3), "other id"), None)
+    x = _rows(0)
+    different = [
+        _request("n", x), _request("m", x, model_version="2"), _request("m", np.zeros((1, 4), np.int32)),
+        InferRequest("m", [InputTensor("INPUT0", DataType.INT32, x.shape, x)], outputs=[RequestedOutput("OUTPUT0")]),
+    ]
+    assert all(join_key(r, None) not in (None, base) for r in different)
+    alone = [
+        _request("m", x, parameters={"sequence_id": 3}),
+        InferRequest("m", [InputTensor("INPUT0", DataType.INT32, x.shape, x, {"shared_memory_region": "r"})]),
+        InferRequest("m", [InputTensor("A", DataType.INT32, (1, 3), x), InputTensor("B", DataType.INT32, (2, 3),
+                                                                                  _rows(0, 2))]),
+        InferRequest("m", [InputTensor("INPUT0", DataType.INT32, (), np.int32(1))]),
+    ]
+    assert all(join_key(r, None) is None for r in alone)
+    assert join_key(_request("m", x), "key") is None
+
+
+def test_a_joined_descriptor_round_trips_inline_and_in_the_arena_with_bytes_tensors() -> None:
+    def request(i: int) -> InferRequest:
+        words = np.array([[f"w{i}".encode(), b"xyz" * i]], dtype=object)
+        return InferRequest("m", [InputTensor("S", DataType.BYTES, words.shape, words),
+                                  InputTensor("X", DataType.INT32, (1, 3), _rows(i))], id=str(i))
+    fd = create_arena_file(1 << 16)
+    assert fd is not None
+    arena = Arena.from_fd(fd)
+    os.close(fd)
+    for where in (arena, None):
+        joined, members = decode_joined(encode_joined([request(i) for i in range(3)], where), where, lambda _: None)
+        assert members == [("0", 1), ("1", 1), ("2", 1)] and joined.members == 3
+        assert joined.inputs[0].shape == (3, 2) and joined.inputs[1].shape == (3, 3)
+        for i in range(3):
+            part = slice_request(joined, i, i + 1, 1)
+            assert part.inputs[0].data.tolist() == [[f"w{i}".encode(), b"xyz" * i]]
+            np.testing.assert_array_equal(part.inputs[1].data, _rows(i))
+
+
+def test_an_answer_splits_back_by_rows() -> None:
+    data = np.arange(12, dtype=np.int32).reshape(6, 2)
+    answers = split_response(InferResponse("m", "1", [OutputTensor("y", DataType.INT32, (6, 2), data)]), [1, 3, 2],
+                             ["a", "b", "c"])
+    assert [a.id for a in answers] == ["a", "b", "c"]
+    assert [a.outputs[0].data.tolist() for a in answers] == [data[:1].tolist(), data[1:4].tolist(),
+                                                               data[4:].tolist()]
+
+
+def test_chunks_cut_members_at_the_row_limit() -> None:
+    assert _chunks([1, 1, 1, 1, 1], 2) == [(0, 2, 0, 2), (2, 4, 2, 4), (4, 5, 4, 5)]
+    assert _chunks([3, 2, 4], 5) == [(0, 2, 0, 5), (2, 3, 5, 9)]
+    assert _chunks([1, 1], 0) == [(0, 1, 0, 1), (1, 2, 1, 2)]
+    assert _chunks([7], 4) == [(0, 1, 0, 7)]  # too big alone: runs alone and is refused with its own error
