@@ -16,7 +16,10 @@ import orjson
 
 from kiln.v2.types import InferRequest, InferResponse, InputTensor, OutputTensor
 
-_INPUT_PARAMETERS = frozenset({"binary_data_size"})  # how the HTTP body carried the tensor: not the request's
+# Parameters that only say how the HTTP body carries tensors, which the worker reads and writes itself: requests
+# may differ in them and still share a batch (the request's own, like binary_data_output, still have to match).
+_INPUT_PARAMETERS = frozenset({"binary_data_size"})
+_REQUEST_PARAMETERS = frozenset({"binary_data_output"})
 MAX_MEMBERS = 64
 """The most requests a worker joins into one (a batch rarely needs more; the server process splits what exceeds
 a model's max_batch_size)."""
@@ -24,10 +27,10 @@ a model's max_batch_size)."""
 
 def join_key(request: InferRequest, routing_key: str | None) -> Hashable | None:
     """What requests must share to be joined (model, version, inputs' names, types and shapes past the batch
-    dimension, the outputs asked for), or None for a request that goes on its own: one with request parameters
-    (a priority, a timeout, a sequence), a routing key, tensors in shared memory, or inputs that disagree on the
-    batch dimension."""
-    if routing_key is not None or request.parameters or not request.inputs:
+    dimension, the outputs asked for, how the answer is encoded), or None for a request that goes on its own: one
+    with parameters the server reads (a priority, a timeout, a sequence, any a model may look at), a routing key,
+    tensors in shared memory, or inputs that disagree on the batch dimension."""
+    if routing_key is not None or not request.inputs or not _REQUEST_PARAMETERS.issuperset(request.parameters):
         return None
     rows = request.inputs[0].shape[0] if request.inputs[0].shape else 0
     if rows < 1:
@@ -44,7 +47,8 @@ def join_key(request: InferRequest, routing_key: str | None) -> Hashable | None:
             return None
         outputs.append((output.name, output.classification,
                         orjson.dumps(output.parameters, option=orjson.OPT_SORT_KEYS) if output.parameters else b""))
-    return request.model_name, request.model_version, tuple(inputs), tuple(outputs)
+    encoding = tuple(sorted(request.parameters.items()))
+    return request.model_name, request.model_version, tuple(inputs), tuple(outputs), encoding
 
 
 def rows_of(request: InferRequest) -> int:

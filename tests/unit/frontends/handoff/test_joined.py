@@ -215,6 +215,8 @@ async def test_a_member_whose_client_went_away_leaves_the_others_their_answers(l
 def test_join_keys_match_only_requests_that_can_share_a_batch() -> None:
     base = join_key(_request("m", _rows(0)), None)
     assert base is not None and base == join_key(_request("m", _rows(5, 3), "other id"), None)
+    binary = join_key(_request("m", _rows(0), parameters={"binary_data_output": True}), None)
+    assert binary not in (None, base)  # the answer is encoded another way: they still join with their like
     x = _rows(0)
     different = [
         _request("n", x), _request("m", x, model_version="2"), _request("m", np.zeros((1, 4), np.int32)),

@@ -1,0 +1,100 @@
+"""`kiln serve --http-workers 2 --grpc-workers 2` answering bursts of concurrent requests, which the workers join
+into one request per burst for the server process (kiln.v2.joined): the official tritonclient (HTTP and gRPC, asyncio)
+gets every request's own rows and id back, binary or JSON as it asked, and the server's statistics count every
+client request once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpc_aio
+import tritonclient.http.aio as http_aio
+
+from kiln.testing.serve import KilnProcess, kiln_serve
+
+ECHO = """name: "echo"
+backend: "identity"
+max_batch_size: 16
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+dynamic_batching { }
+"""
+BURST = 24
+ROUNDS = 5
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+    root = tmp_path_factory.mktemp("repo")
+    (root / "echo" / "1").mkdir(parents=True)
+    (root / "echo" / "config.pbtxt").write_text(ECHO)
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    with kiln_serve([Path(root)], "--http-workers", "2", "--grpc-workers", "2", log_path=log) as process:
+        yield process
+
+
+def _rows(index: int) -> np.ndarray:
+    rows = 1 + index % 3
+    return (np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) + 1000 * index).astype(np.float32)
+
+
+def _success(stats: dict) -> int:  # type: ignore[type-arg]
+    return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])
+
+
+async def _http_bursts(url: str) -> list[str]:
+    wrong: list[str] = []
+    async with http_aio.InferenceServerClient(url, conn_limit=BURST) as client:
+        async def one(index: int) -> None:
+            data = _rows(index)
+            tensor = http_aio.InferInput("INPUT0", list(data.shape), "FP32")
+            tensor.set_data_from_numpy(data, binary_data=index % 2 == 0)
+            outputs = None if index % 4 == 0 else [http_aio.InferRequestedOutput("OUTPUT0",
+                                                                                 binary_data=index % 4 == 1)]
+            result = await client.infer("echo", [tensor], outputs=outputs, request_id=f"h{index}")
+            got = result.as_numpy("OUTPUT0")
+            if got is None or not np.array_equal(got, data) or result.get_response()["id"] != f"h{index}":
+                wrong.append(f"request {index}: {got}")
+
+        before = _success(await client.get_inference_statistics("echo"))
+        for round_ in range(ROUNDS):
+            await asyncio.gather(*(one(round_ * BURST + i) for i in range(BURST)))
+        counted = _success(await client.get_inference_statistics("echo")) - before
+    if counted != BURST * ROUNDS:
+        wrong.append(f"statistics counted {counted} requests, {BURST * ROUNDS} were sent")
+    return wrong
+
+
+async def _grpc_bursts(url: str) -> list[str]:
+    wrong: list[str] = []
+    async with grpc_aio.InferenceServerClient(url) as client:
+        async def one(index: int) -> None:
+            data = _rows(index)
+            tensor = grpc_aio.InferInput("INPUT0", list(data.shape), "FP32")
+            tensor.set_data_from_numpy(data)
+            result = await client.infer("echo", [tensor], request_id=f"g{index}")
+            got = result.as_numpy("OUTPUT0")
+            if got is None or not np.array_equal(got, data) or result.get_response().id != f"g{index}":
+                wrong.append(f"request {index}: {got}")
+
+        before = (await client.get_inference_statistics("echo", as_json=True))
+        for round_ in range(ROUNDS):
+            await asyncio.gather(*(one(round_ * BURST + i) for i in range(BURST)))
+        after = (await client.get_inference_statistics("echo", as_json=True))
+    counted = int(after["model_stats"][0]["inference_stats"]["success"]["count"]) \
+        - int(before["model_stats"][0]["inference_stats"]["success"].get("count", 0))
+    if counted != BURST * ROUNDS:
+        wrong.append(f"statistics counted {counted} requests, {BURST * ROUNDS} were sent")
+    return wrong
+
+
+def test_http_bursts_through_the_workers_get_their_own_rows_and_ids(served: KilnProcess) -> None:
+    assert asyncio.run(_http_bursts(served.http_url)) == []
+
+
+def test_grpc_bursts_through_the_workers_get_their_own_rows_and_ids(served: KilnProcess) -> None:
+    assert asyncio.run(_grpc_bursts(served.grpc_url)) == []
