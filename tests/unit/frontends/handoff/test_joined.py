@@ -127,14 +127,15 @@ async def test_requests_of_one_turn_go_as_one_and_each_gets_its_own_rows(link: L
     sizes = [1, 2, 1, 3, 1]
     requests = [_request("batched", _rows(i, rows), f"id-{i}") for i, rows in enumerate(sizes)]
     answers = await _send(link, requests)
-    assert link.kinds.count(frames.INFER_JOINED) == 1 and frames.INFER not in link.kinds
+    # The first leaves at once, the four that followed it in the same turn as one.
+    assert link.kinds == [frames.INFER, frames.INFER_JOINED]
     for i, (answer, rows) in enumerate(zip(answers, sizes, strict=True)):
         assert isinstance(answer, InferResponse), answer
         assert answer.id == f"id-{i}" and answer.outputs[0].shape == (rows, 3)
         np.testing.assert_array_equal(answer.outputs[0].data, _rows(i, rows))
     after = _success(server, "batched")
-    # Five clients' requests, eight rows, one execution: statistics count each client's request.
-    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (5, 8, 1)
+    # Five clients' requests, eight rows, one or two executions: statistics count each client's request.
+    assert (after[0] - before[0], after[1] - before[1]) == (5, 8) and after[2] - before[2] <= 2
     assert sum(v.routed for v in server.routing("batched").versions) - routed_before == 5
 
 
@@ -153,7 +154,7 @@ async def test_a_lone_request_leaves_alone_and_different_shapes_do_not_join(link
 async def test_members_of_a_model_without_dynamic_batching_run_one_by_one(link: Link, server: Server) -> None:
     before = _success(server, "unbatched")
     answers = await _send(link, [_request("unbatched", _rows(i), f"u{i}") for i in range(4)])
-    assert link.kinds == [frames.INFER_JOINED]
+    assert link.kinds == [frames.INFER, frames.INFER_JOINED]
     for i, answer in enumerate(answers):
         assert isinstance(answer, InferResponse) and answer.id == f"u{i}"
         np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
@@ -169,13 +170,14 @@ async def test_a_joined_request_over_max_batch_size_runs_in_chunks(link: Link, s
         np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
     after = _success(server, "small")
     assert (after[0] - before[0], after[1] - before[1]) == (10, 10)
-    assert after[2] - before[2] == 3  # 4 + 4 + 2 rows
+    assert link.kinds == [frames.INFER, frames.INFER_JOINED]
+    assert 3 <= after[2] - before[2] <= 4  # the first alone, then 4 + 4 + 1 rows (the ones may share a batch)
 
 
 async def test_a_refused_joined_request_gives_each_member_its_own_error(link: Link) -> None:
     wrong = [_request("batched", np.zeros((1, 5), np.int32), f"w{i}") for i in range(3)]
     answers = await _send(link, wrong)
-    assert link.kinds == [frames.INFER_JOINED]
+    assert link.kinds == [frames.INFER, frames.INFER_JOINED]
     for answer in answers:
         # The member's own shape, not the joined request's [3, 5].
         assert isinstance(answer, InvalidArgumentError) and "[1, 5]" in answer.message, answer
