@@ -1,11 +1,12 @@
 """A worker's infer requests to the server process and their answers, whichever frontend the worker serves.
 
-The first request of an event-loop turn leaves at once; those that follow it in the same turn wait for the turn's
-end, and those among them that share a join key (kiln.v2.joined) leave together as one joined request: the server
-process then does its per-request work (reading the descriptor, admission, validation, the batcher's queue, the
-answer's descriptor and frame) once for all of them, which is what bounds a server fed by several worker processes
-(docs/serving.md, "HTTP workers"). So a lone request waits for nothing, and a burst costs the server process about
-as much as two requests.
+A request that finds the worker idle (no infer call of its own outstanding) leaves at once: nothing could join it.
+Otherwise it waits for the end of the event-loop turn, and the requests of that turn that share a join key
+(kiln.v2.joined) leave together as one joined request: the server process then does its per-request work (reading
+the descriptor, admission, validation, the batcher's queue, the answer's descriptor and frame) once for all of them,
+which is what bounds a server fed by several worker processes (docs/serving.md, "HTTP workers"). Clients whose
+answers came back together send their next requests in the same turn, so under load requests keep leaving in
+groups, while a lone client's request waits for nothing.
 
 Every request has a call id of its own; a joined request's members have consecutive ones, and the server process
 answers a run of them with one answer on the first one's id (``joined_kind``, its outputs holding their rows in
@@ -100,17 +101,17 @@ class InferCalls:
             raise Refused(LOST)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Answer] = loop.create_future()
-        key = join_key(request, routing_key) if self._scheduled else None
+        key = join_key(request, routing_key) if self._sent or self._waiting else None
         if key is None:
             call = next(self._ids)
             self._sent[call] = _Sent(future, 0, request.id)
             payload = encode_request(request, self._request_arena, routing_key)
             self._protocol.send(self._releases.take() + self._infer_frame(call, payload))
-            if not self._scheduled:  # this turn's later requests wait for its end, to leave joined
-                self._scheduled = True
-                loop.call_soon(self._flush)
         else:
             self._waiting.append((key, request, future))
+            if not self._scheduled:
+                self._scheduled = True
+                loop.call_soon(self._flush)
         try:
             return await future
         except asyncio.CancelledError:  # an answer that came just before still holds its outputs' slot
@@ -152,8 +153,6 @@ class InferCalls:
     def _flush(self) -> None:
         """The end of the turn: the requests waiting leave, joined by key."""
         self._scheduled = False
-        if not self._waiting:
-            return
         waiting, self._waiting = self._waiting, []
         groups: dict[Hashable, list[tuple[InferRequest, asyncio.Future[Answer]]]] = {}
         for key, request, future in waiting:
