@@ -76,11 +76,12 @@ class _SharedSlot:
 class InferCalls:
     """One worker's infer calls over its link. ``infer_frame``/``joined_frame`` frame a request's and a joined
     request's descriptor in the link's words; ``answer_kind``/``joined_kind`` are the frame kinds of an answer to
-    one request and to a run of joined members (any other kind on an infer call's id is its error)."""
+    one request and to a run of joined members (any other kind on an infer call's id is its error). ``join``
+    False sends every request on its own (benchmarks/handoff_ceiling.py measures both)."""
 
     def __init__(self, protocol: FrameProtocol, releases: Releases, ids: Iterator[int], request_arena: Arena | None,
                  response_arena: Arena | None, *, infer_frame: Framer, joined_frame: Framer, answer_kind: int,
-                 joined_kind: int) -> None:
+                 joined_kind: int, join: bool = True) -> None:
         self._protocol = protocol
         self._releases = releases
         self._ids = ids
@@ -90,6 +91,7 @@ class InferCalls:
         self._joined_frame = joined_frame
         self._answer_kind = answer_kind
         self._joined_kind = joined_kind
+        self._join = join
         self._sent: dict[int, _Sent] = {}
         self._waiting: list[tuple[Hashable, InferRequest, asyncio.Future[Answer]]] = []
         self._scheduled = False
@@ -101,7 +103,7 @@ class InferCalls:
             raise Refused(LOST)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Answer] = loop.create_future()
-        key = join_key(request, routing_key) if self._sent or self._waiting else None
+        key = join_key(request, routing_key) if self._join and (self._sent or self._waiting) else None
         if key is None:
             call = next(self._ids)
             self._sent[call] = _Sent(future, 0, request.id)

@@ -38,9 +38,10 @@ _DROPPED_WHEN_DECODED = (b"content-encoding", b"content-length")
 
 
 class CoreClient:
-    """The worker's end of the link: requests out, answers matched to them by call id (infer calls: calls.py)."""
+    """The worker's end of the link: requests out, answers matched to them by call id (infer calls: calls.py;
+    ``join`` False sends each infer request on its own)."""
 
-    def __init__(self, request_arena: Arena | None, response_arena: Arena | None) -> None:
+    def __init__(self, request_arena: Arena | None, response_arena: Arena | None, join: bool = True) -> None:
         self._request_arena = request_arena
         self._ids = itertools.count(1)
         self._streams: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
@@ -49,7 +50,7 @@ class CoreClient:
         self._calls = InferCalls(self.protocol, self._releases, self._ids, request_arena, response_arena,
                                  infer_frame=lambda call, payload: frame(call, frames.INFER, payload),
                                  joined_frame=lambda call, payload: frame(call, frames.INFER_JOINED, payload),
-                                 answer_kind=frames.ANSWER, joined_kind=frames.JOINED_ANSWER)
+                                 answer_kind=frames.ANSWER, joined_kind=frames.JOINED_ANSWER, join=join)
         self.protocol.closed.add_done_callback(self._lost)
 
     def _on_frame(self, call: int, kind: int, payload: bytes) -> None:
