@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,10 @@ def add_command(commands: Commands) -> None:
                             "replica stores into replica-<id>/ below it, `kiln capture export` merges them")
     serve.add_argument("--capture-max-mb", type=int, default=1024, metavar="MB",
                        help="the most each replica's capture store keeps, oldest samples going first (default 1024)")
+    serve.add_argument("--api-key", default=os.environ.get("KILN_API_KEY") or None, metavar="KEY",
+                       help="bearer token the model-download and capture routes require, as kiln serve's --api-key "
+                            "(default: env KILN_API_KEY); set in the replicas' environment, where a cluster's nodes "
+                            "may set KILN_API_KEY themselves instead")
     serve.add_argument("--name", default="kiln", help="the Ray Serve application's name (default kiln)")
     serve.add_argument("--http-host", default="0.0.0.0", help="where Serve's HTTP proxies listen (default 0.0.0.0)")
     serve.add_argument("--http-port", type=int, default=8000, help="the proxies' HTTP port (default 8000)")
@@ -74,6 +79,6 @@ def run_serve(args: argparse.Namespace) -> int:
                              num_cpus=args.num_cpus, num_gpus=args.num_gpus, name=args.name,
                              repository_poll_secs=args.repository_poll_secs,
                              allow_model_download=args.allow_model_download, capture_dir=args.capture_dir,
-                             capture_max_mb=args.capture_max_mb)
+                             capture_max_mb=args.capture_max_mb, api_key=args.api_key)
     return serve_cluster(args.address, options, ProxyOptions(args.http_host, args.http_port, args.grpc_port,
                                                                     args.ingress))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from kiln import Server, ServerOptions
 from kiln.cluster.grpc_ingress import call_servicer, statistics_response, with_grpc_methods
 from kiln.cluster.metrics import ClusterMetrics
-from kiln.cluster.options import ClusterOptions
+from kiln.cluster.options import API_KEY_VARIABLE, ClusterOptions
 from kiln.cluster.stats import ClusterStatistics, Document, StatsBoard, publish_forever
 from kiln.errors import UnavailableError
 from kiln.frontends.grpc.servicer import GRPCInferenceService
@@ -58,9 +59,12 @@ class KilnReplica:
         self._replica, self._label = str(replica_id), replica_id.unique_id  # the label: its actor name's end
         self._metrics = metrics_registry(self.server)
         self.grpc_servicer = GRPCInferenceService(self.server)
-        self._downloads = DownloadOptions(allow_model_download)
-        self._capture = CaptureOptions() if capture_dir is None else replica_capture(
-            Path(capture_dir), self._label, capture_max_mb * 2**20)
+        # As `kiln serve --api-key`: the key comes from the replica's environment (API_KEY_VARIABLE), never from
+        # the application's arguments, which Serve shows to anyone who can read its status.
+        api_key = os.environ.get(API_KEY_VARIABLE) or None
+        self._downloads = DownloadOptions(allow_model_download, api_key)
+        self._capture = CaptureOptions(api_key=api_key) if capture_dir is None else replica_capture(
+            Path(capture_dir), self._label, capture_max_mb * 2**20, api_key)
         failed = await asyncio.get_running_loop().run_in_executor(None, start_with_fallback, self.server)
         if failed:
             self.server.close()

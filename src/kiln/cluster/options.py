@@ -15,6 +15,7 @@ from kiln.v2._generated import model_config_pb2 as pb
 _KNOWN = ("model_repository", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
           "num_cpus", "num_gpus", "name", "route_prefix", "repository_poll_secs", "upscale_delay_s",
           "allow_model_download", "capture_dir", "capture_max_mb")
+API_KEY_VARIABLE = "KILN_API_KEY"  # as `kiln serve`'s --api-key default
 _EXPECTED = {int: "a whole number", float: "a number", str: "text", bool: "true or false"}
 _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -42,6 +43,10 @@ class ClusterOptions:
     # shared folder, at most capture_max_mb each; `kiln capture export` merges them.
     capture_dir: Path | None = None
     capture_max_mb: int = 1024
+    # kiln serve's --api-key for the download and capture routes, set as KILN_API_KEY in the replicas' environment
+    # (ray_actor_options). Not a builder argument: `serve run` shows those; clusters set KILN_API_KEY on their
+    # nodes instead (a Kubernetes Secret in deploy/kubernetes/rayservice.yaml), and replicas read it from there.
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_repository.is_dir():
@@ -86,9 +91,12 @@ class ClusterOptions:
             config["upscale_delay_s"] = self.upscale_delay_s
         return config
 
-    def ray_actor_options(self) -> dict[str, float]:
+    def ray_actor_options(self) -> dict[str, Any]:
         gpus = self.num_gpus if self.num_gpus is not None else replica_gpus(self.model_repository)
-        return {"num_cpus": self.num_cpus, "num_gpus": gpus}
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": gpus}
+        if self.api_key:
+            options["runtime_env"] = {"env_vars": {API_KEY_VARIABLE: self.api_key}}
+        return options
 
 
 def _convert(key: str, value: Any, kind: type) -> Any:

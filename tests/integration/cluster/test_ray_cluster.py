@@ -13,6 +13,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +54,7 @@ SRC = Path(__file__).resolve().parents[3] / "src"
 APP = "kiln"
 REPLICA_PREFIX = f"SERVE_REPLICA::{APP}#{APP}#"
 CAPTURES = "captures"  # the cluster's --capture-dir, beside its repository
+API_KEY = "cluster-s3cret"  # the cluster's --api-key
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
             [sys.executable, "-m", "kiln.cli", "cluster", "serve", "--address", address, "--model-repository",
              str(repository), "--replicas", "2", "--http-host", "127.0.0.1", "--http-port", str(http_port),
              "--grpc-port", str(grpc_port), "--repository-poll-secs", "0.5", "--allow-model-download",
-             "--capture-dir", str(repository.parent / CAPTURES)],
+             "--capture-dir", str(repository.parent / CAPTURES), "--api-key", API_KEY],
             env=env)
         wait_ready(f"127.0.0.1:{http_port}", process, timeout_s=180)
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
@@ -478,7 +481,7 @@ def test_an_edge_forwards_to_the_cluster_and_syncs_a_version_published_there(clu
         staging.mkdir()
         (staging / "model.onnx").write_bytes(build_mlp(1).SerializeToString())
         staging.rename(cluster.repository / "mlp" / "2")
-        source = HttpSyncSource(cluster.http_url)
+        source = HttpSyncSource(cluster.http_url, api_key=API_KEY)
         deadline = time.monotonic() + 30
         while {tuple(source.ready_versions("mlp")) for _ in range(6)} != {(2,)}:  # both replicas rolled over
             assert time.monotonic() < deadline, "version 2 of mlp not served by every replica within 30 s"
@@ -503,7 +506,8 @@ def test_an_edge_uploads_its_captured_samples_to_the_cluster(cluster: RayCluster
     shutil.copytree(cluster.repository / "mlp", edge_dir)
     rows = np.random.default_rng(1).standard_normal((6, 64), dtype=np.float32)
     runner = EdgeRunner(edge_dir, cluster.http_url, Policy(max_prob_below=1.0))  # every request forwarded
-    capture = EdgeCapture(runner, tmp_path / "edge", edge_id="edge-c", min_backoff_s=0.05, max_backoff_s=0.2).start()
+    capture = EdgeCapture(runner, tmp_path / "edge", api_key=API_KEY, edge_id="edge-c", min_backoff_s=0.05,
+                          max_backoff_s=0.2).start()
     try:
         assert {runner.infer({"INPUT0": rows[i:i + 1]}).source for i in range(len(rows))} == {"cloud"}
         deadline = time.monotonic() + 30
@@ -523,6 +527,33 @@ def test_an_edge_uploads_its_captured_samples_to_the_cluster(cluster: RayCluster
     with np.load(tmp_path / "export.npz") as exported:
         inputs = exported["input/INPUT0"][[s["rows"]["input/INPUT0"][0] for s in mine]]
     np.testing.assert_array_equal(inputs[np.argsort(inputs[:, 0])], rows[np.argsort(rows[:, 0])])
+
+
+def _status(url: str, method: str = "GET", key: str | None = None, data: bytes | None = None,
+            headers: dict[str, str] | None = None) -> int:
+    request = urllib.request.Request(url, data=data, method=method, headers={
+        **(headers or {}), **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code
+
+
+def test_every_replica_asks_for_the_api_key_on_the_download_and_capture_routes(cluster: RayCluster) -> None:
+    """`kiln cluster serve --api-key` reaches every replica (through their environment): the model-file and capture
+    routes refuse a request without the key or with another, whichever replica answers, and take one with it."""
+    files = f"http://{cluster.http_url}/v2/kiln/models/mlp/versions/1/files"
+    capture = f"http://{cluster.http_url}/v2/kiln/models/mlp/versions/1/capture"
+    for _ in range(6):  # requests spread over both replicas
+        assert _status(files) == 401 and _status(files, key="wrong") == 401
+        assert _status(files, key=API_KEY) == 200
+        assert _status(capture, "POST", data=b"x", headers={"Kiln-Capture-Id": "k"}) == 401
+        # With the key the route takes the request and judges the body (not an npz: 400, not 401).
+        assert _status(capture, "POST", API_KEY, b"x", {"Kiln-Capture-Id": "k"}) == 400
+    assert ClusterOptions(cluster.repository, num_gpus=0, api_key="k").ray_actor_options()["runtime_env"] == {
+        "env_vars": {"KILN_API_KEY": "k"}}
 
 
 _PY_CONFIG = """name: "py"

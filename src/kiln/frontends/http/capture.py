@@ -46,11 +46,11 @@ class CaptureOptions:
     api_key: str | None = None
 
 
-def replica_capture(capture_dir: Path, replica: str, max_bytes: int) -> CaptureOptions:
+def replica_capture(capture_dir: Path, replica: str, max_bytes: int, api_key: str | None = None) -> CaptureOptions:
     """Capture for one replica of a cluster: a store of its own below the folder the replicas share (a store
     numbers its samples and appends to one index, so two replicas must not write into one); `kiln capture export`
     merges the stores."""
-    return CaptureOptions(CaptureStore(capture_dir / f"{REPLICA_STORE_PREFIX}{replica}", max_bytes))
+    return CaptureOptions(CaptureStore(capture_dir / f"{REPLICA_STORE_PREFIX}{replica}", max_bytes), api_key)
 
 
 class CaptureEndpoints:
