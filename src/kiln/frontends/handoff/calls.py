@@ -16,6 +16,7 @@ order) or each member on its own id (where the model does not batch, or a member
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
@@ -32,11 +33,19 @@ from kiln.v2.joined import MAX_MEMBERS, join_key, rows_of, split_response
 from kiln.v2.types import InferRequest, InferResponse
 
 LOST = 0  # not a frame kind: the link to the server process closed
+JOIN_VARIABLE = "KILN_JOIN_REQUESTS"
+"""Set to 0 (or false, no, off) in `kiln serve`'s environment, which its workers inherit, to send every infer
+request on its own (to compare, or to rule joining out)."""
 
 Answer = tuple[InferResponse, Callable[[], None]]
 """An answer (its outputs views on the response arena) and what to call once they are encoded: it lets the
 arena slot go."""
 Framer = Callable[[int, bytes], bytes]  # (call id, descriptor) -> frame
+
+
+def joining_enabled() -> bool:
+    """What this worker's environment says about joining (on unless ``KILN_JOIN_REQUESTS`` turns it off)."""
+    return os.environ.get(JOIN_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class Refused(Exception):

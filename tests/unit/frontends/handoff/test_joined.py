@@ -18,6 +18,7 @@ import pytest
 from kiln.errors import InvalidArgumentError
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena, create_arena_file
+from kiln.frontends.handoff.calls import JOIN_VARIABLE, joining_enabled
 from kiln.frontends.handoff.infer import _chunks
 from kiln.frontends.handoff.tensors import decode_joined, encode_joined
 from kiln.frontends.http.core import CoreLink
@@ -68,6 +69,11 @@ class Link:
 
 @pytest.fixture
 async def link(server: Server) -> AsyncIterator[Link]:
+    async for made in _link(server, join=True):
+        yield made
+
+
+async def _link(server: Server, join: bool) -> AsyncIterator[Link]:
     arenas = []
     for _ in range(2):
         fd = create_arena_file(1 << 20)
@@ -83,7 +89,7 @@ async def link(server: Server) -> AsyncIterator[Link]:
             super()._on_frame(call, kind, payload)
 
     core = CountingLink(server, None, core_requests, core_responses, lambda: None)  # type: ignore[arg-type]
-    client = CoreClient(worker_requests, worker_responses)
+    client = CoreClient(worker_requests, worker_responses, join=join)
     ours, theirs = socket.socketpair()
     loop = asyncio.get_running_loop()
     await loop.create_connection(lambda: client.protocol, sock=ours)
@@ -212,6 +218,24 @@ async def test_a_member_whose_client_went_away_leaves_the_others_their_answers(l
             break
         await asyncio.sleep(0.002)
     assert link.core._handoff._response_arena.used_bytes == 0  # type: ignore[union-attr]
+
+
+async def test_with_joining_off_every_request_leaves_on_its_own(server: Server) -> None:
+    async for unjoined in _link(server, join=False):
+        answers = await _send(unjoined, [_request("batched", _rows(i)) for i in range(4)])
+        assert all(isinstance(a, InferResponse) for a in answers)
+        assert unjoined.kinds == [frames.INFER] * 4
+
+
+@pytest.mark.parametrize(("value", "enabled"), [(None, True), ("1", True), ("0", False), ("off", False),
+                                                (" False ", False), ("yes", True)])
+def test_the_environment_turns_joining_off(monkeypatch: pytest.MonkeyPatch, value: str | None,
+                                           enabled: bool) -> None:
+    if value is None:
+        monkeypatch.delenv(JOIN_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(JOIN_VARIABLE, value)
+    assert joining_enabled() is enabled
 
 
 def test_join_keys_match_only_requests_that_can_share_a_batch() -> None:
