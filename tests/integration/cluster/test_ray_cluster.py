@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -544,8 +545,10 @@ def _status(url: str, method: str = "GET", key: str | None = None, data: bytes |
 def test_every_replica_asks_for_the_api_key_on_the_download_and_capture_routes(cluster: RayCluster) -> None:
     """`kiln cluster serve --api-key` reaches every replica (through their environment): the model-file and capture
     routes refuse a request without the key or with another, whichever replica answers, and take one with it."""
-    files = f"http://{cluster.http_url}/v2/kiln/models/mlp/versions/1/files"
-    capture = f"http://{cluster.http_url}/v2/kiln/models/mlp/versions/1/capture"
+    with urllib.request.urlopen(f"http://{cluster.http_url}/v2/models/mlp", timeout=30) as response:
+        version = max(json.load(response)["versions"], key=int)  # other tests publish versions
+    files = f"http://{cluster.http_url}/v2/kiln/models/mlp/versions/{version}/files"
+    capture = f"http://{cluster.http_url}/v2/kiln/models/mlp/versions/{version}/capture"
     for _ in range(6):  # requests spread over both replicas
         assert _status(files) == 401 and _status(files, key="wrong") == 401
         assert _status(files, key=API_KEY) == 200
