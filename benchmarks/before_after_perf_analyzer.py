@@ -37,13 +37,16 @@ from kiln.serve_process import KilnProcess, kiln_serve  # noqa: E402
 
 
 @contextmanager
-def server_from(src: Path, repo: Path, models: list[str], log: Path) -> Iterator[KilnProcess]:
-    """`kiln serve` with ``src`` first on the child's path (what it inherits from this process)."""
+def server_from(src: Path, repo: Path, models: list[str], log: Path,
+                serve_args: list[str] | None = None) -> Iterator[KilnProcess]:
+    """`kiln serve` (with ``serve_args``) with ``src`` first on the child's path (what it inherits from this
+    process)."""
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(src.resolve()), *([saved] if saved else [])])
     try:
         load = [arg for model in models for arg in ("--load-model", model)]
-        with kiln_serve([repo], "--model-control-mode", "explicit", *load, log_path=log) as server:
+        with kiln_serve([repo], "--model-control-mode", "explicit", *load, *(serve_args or []),
+                        log_path=log) as server:
             yield server
     finally:
         if saved is None:
@@ -85,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-ms", type=int, default=1500, help="perf_analyzer's measurement interval")
     parser.add_argument("--stability", type=int, default=20,
                         help="perf_analyzer's --stability-percentage: windows agreeing within it count as stable")
+    parser.add_argument("--serve-args", default="", help="more `kiln serve` arguments for both trees, e.g. "
+                                                         "'--grpc-workers 4'")
     parser.add_argument("--output", type=Path, default=None, help="JSON results (a .txt table goes beside it)")
     args = parser.parse_args(argv)
     models, protocols = args.models.split(","), args.protocols.split(",")
@@ -97,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             trees = [("before", args.before), ("after", args.after)]
             # Odd rounds run before first, even rounds after first: a drift within a round falls on both alike.
             for label, src in trees if round_ % 2 else trees[::-1]:
-                with server_from(src, repo, models, Path(tmp) / f"{label}-{round_}.log") as server:
+                with server_from(src, repo, models, Path(tmp) / f"{label}-{round_}.log",
+                                 args.serve_args.split()) as server:
                     for model in models:
                         for protocol in protocols:
                             for concurrency in levels:
