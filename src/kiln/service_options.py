@@ -35,6 +35,14 @@ def default_http_workers() -> int:
     return 1 if cpus < 8 else min(4, cpus // 4)
 
 
+def default_grpc_workers() -> int:
+    """`kiln serve`'s --grpc-workers: as many as --http-workers's default where that runs workers (8 or more usable
+    CPUs), else 0 (gRPC in the server process). In the server process grpc.aio takes most of a core for itself
+    and hands calls over one by one (docs/serving.md, "gRPC workers")."""
+    workers = default_http_workers()
+    return workers if workers > 1 else 0
+
+
 @dataclass(frozen=True)
 class ServiceOptions:
     server: ServerOptions = field(default_factory=ServerOptions)
@@ -79,10 +87,12 @@ class ServiceOptions:
         help="close a gRPC connection without calls for this long (GOAWAY; clients reconnect) (default 3600; "
              "0: never)"))
     # -- end of connection limits and timeouts --
-    grpc_workers: int = field(default=0, metadata=flag(  # 0: gRPC in this process
-        "--grpc-workers", parse=non_negative, metavar="N",
-        help="serve gRPC from N worker processes sharing the port, which forward each call to this process (0, the "
-             "default: gRPC runs in this process)"))
+    # The API's default is gRPC in this process; `kiln serve`'s depends on the host (default_grpc_workers).
+    grpc_workers: int = field(default=0, metadata=flag(
+        "--grpc-workers", parse=non_negative, metavar="N", default=default_grpc_workers(),
+        help="serve gRPC from N worker processes sharing the port, which decode ModelInfer and hand its tensors to "
+             "this process in shared memory (0: gRPC runs in this process; default: 0 on hosts with fewer than 8 "
+             "usable CPUs, else as --http-workers's default)"))
     # The API's default is today's one process; `kiln serve`'s depends on the host (default_http_workers).
     http_workers: int = field(default=1, metadata=flag(
         "--http-workers", parse=non_negative, metavar="N", default=default_http_workers(),
