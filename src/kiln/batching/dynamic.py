@@ -158,23 +158,29 @@ class DynamicBatcher:
             batch = self._next_batch()  # counts this worker busy
             if batch is None:
                 return
-            outcomes: list[tuple[Pending, InferResponse | BaseException]] = []
-            try:
-                early: list[tuple[Pending, InferResponse | BaseException]] = []  # answered before the batch runs
-                for pending in batch.expired:
-                    waited_ns = self._clock() - pending.enqueued_ns
-                    self.model.stats.record_failure(waited_ns, "REJECTED", pending.request.members)
-                    early.append((pending, RequestTimeoutError(f"model '{self.model.name}': request timed out "
-                                                               f"after waiting in the queue {waited_ns // 1000} us")))
-                live = self._drop_cancelled(batch.items, early)
-                self._answer(early)
-                if live:
-                    outcomes = self._execute(engine, live)
-            finally:
-                with self._cond:
-                    self._busy -= 1
-            # Answer once the worker counts as idle, so the next request may already run inline.
-            self._answer(outcomes)
+            self._run(engine, batch)
+            # Hold nothing of the batch while waiting for the next one: its requests' inputs may be views that
+            # pin a client's body or a worker's shared-memory slot.
+            del batch
+
+    def _run(self, engine: Engine, batch: Batch) -> None:
+        outcomes: list[tuple[Pending, InferResponse | BaseException]] = []
+        try:
+            early: list[tuple[Pending, InferResponse | BaseException]] = []  # answered before the batch runs
+            for pending in batch.expired:
+                waited_ns = self._clock() - pending.enqueued_ns
+                self.model.stats.record_failure(waited_ns, "REJECTED", pending.request.members)
+                early.append((pending, RequestTimeoutError(f"model '{self.model.name}': request timed out "
+                                                           f"after waiting in the queue {waited_ns // 1000} us")))
+            live = self._drop_cancelled(batch.items, early)
+            self._answer(early)
+            if live:
+                outcomes = self._execute(engine, live)
+        finally:
+            with self._cond:
+                self._busy -= 1
+        # Answer once the worker counts as idle, so the next request may already run inline.
+        self._answer(outcomes)
 
     def _drop_cancelled(self, items: list[Pending],
                         answers: list[tuple[Pending, InferResponse | BaseException]]) -> list[Pending]:

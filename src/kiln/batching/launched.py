@@ -252,17 +252,23 @@ class LaunchRunner:
             flight = self._flights.get()
             if flight is None:
                 return
-            try:
-                flight.launched.wait()
-            except BaseException as exc:  # collect() still runs on the loop, to give the lane back
-                flight.failure = exc
-            try:
-                flight.loop.call_soon_threadsafe(self._finish, flight)
-                flight.posted = True
-            except RuntimeError:  # the loop is closed: nobody waits for these answers; free the lane here
-                self._release(flight)
-                self._collect_orphan(flight)
-                self._flush_waiting(None)  # requests on other loops may wait for this instance
+            self._post_when_done(flight)
+            # Hold nothing of the batch while waiting for the next one: its requests' inputs may be views that
+            # pin a client's body or a worker's shared-memory slot.
+            del flight
+
+    def _post_when_done(self, flight: _Flight) -> None:
+        try:
+            flight.launched.wait()
+        except BaseException as exc:  # collect() still runs on the loop, to give the lane back
+            flight.failure = exc
+        try:
+            flight.loop.call_soon_threadsafe(self._finish, flight)
+            flight.posted = True
+        except RuntimeError:  # the loop is closed: nobody waits for these answers; free the lane here
+            self._release(flight)
+            self._collect_orphan(flight)
+            self._flush_waiting(None)  # requests on other loops may wait for this instance
 
     def _collect_orphan(self, flight: _Flight) -> None:
         """Give back the lane of a batch whose event loop closed; its callers are gone."""

@@ -7,6 +7,7 @@ refused, each member runs and is answered on its own."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -63,8 +64,17 @@ class Link:
     """A worker's CoreClient and the server process's CoreLink on one socket pair; counts the infer frames the
     server process receives by kind."""
 
-    def __init__(self, client: CoreClient, core: CoreLink, kinds: list[int]) -> None:
-        self.client, self.core, self.kinds = client, core, kinds
+    def __init__(self, client: CoreClient, core: CoreLink, kinds: list[int], arenas: list[Arena]) -> None:
+        self.client, self.core, self.kinds, self.arenas = client, core, kinds, arenas
+
+    async def all_slots_back(self) -> bool:
+        """Whether every slot of both arenas (inputs, outputs) comes back to its writer within a few seconds."""
+        for _ in range(1000):
+            gc.collect()  # the views' weak references fire once the last view is gone
+            if all(arena.used_bytes == 0 for arena in self.arenas):
+                return True
+            await asyncio.sleep(0.005)
+        return False
 
 
 @pytest.fixture
@@ -94,7 +104,7 @@ async def _link(server: Server, join: bool) -> AsyncIterator[Link]:
     loop = asyncio.get_running_loop()
     await loop.create_connection(lambda: client.protocol, sock=ours)
     await loop.create_connection(lambda: core.protocol, sock=theirs)
-    yield Link(client, core, kinds)
+    yield Link(client, core, kinds, [worker_requests, core_responses])
     client.protocol.transport.close()  # type: ignore[union-attr]
     core.protocol.transport.close()  # type: ignore[union-attr]
 
@@ -143,6 +153,7 @@ async def test_requests_of_one_turn_go_as_one_and_each_gets_its_own_rows(link: L
     # Five clients' requests, eight rows, one or two executions: statistics count each client's request.
     assert (after[0] - before[0], after[1] - before[1]) == (5, 8) and after[2] - before[2] <= 2
     assert sum(v.routed for v in server.routing("batched").versions) - routed_before == 5
+    assert await link.all_slots_back()  # the joined input slot and the joined answer's slot, once all are done
 
 
 async def test_a_lone_request_leaves_alone_and_different_shapes_do_not_join(link: Link) -> None:
@@ -166,6 +177,7 @@ async def test_members_of_a_model_without_dynamic_batching_run_one_by_one(link: 
         np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
     after = _success(server, "unbatched")
     assert (after[0] - before[0], after[2] - before[2]) == (4, 4)
+    assert await link.all_slots_back()  # the joined input slot once every member's slice is gone
 
 
 async def test_a_joined_request_over_max_batch_size_runs_in_chunks(link: Link, server: Server) -> None:
@@ -178,6 +190,7 @@ async def test_a_joined_request_over_max_batch_size_runs_in_chunks(link: Link, s
     assert (after[0] - before[0], after[1] - before[1]) == (10, 10)
     assert link.kinds == [frames.INFER, frames.INFER_JOINED]
     assert 3 <= after[2] - before[2] <= 4  # the first alone, then 4 + 4 + 1 rows (the ones may share a batch)
+    assert await link.all_slots_back()
 
 
 async def test_a_refused_joined_request_gives_each_member_its_own_error(link: Link) -> None:
@@ -187,6 +200,7 @@ async def test_a_refused_joined_request_gives_each_member_its_own_error(link: Li
     for answer in answers:
         # The member's own shape, not the joined request's [3, 5].
         assert isinstance(answer, InvalidArgumentError) and "[1, 5]" in answer.message, answer
+    assert await link.all_slots_back()
 
 
 async def test_ab_weights_route_each_member_on_its_own(link: Link, server: Server) -> None:
@@ -212,12 +226,9 @@ async def test_a_member_whose_client_went_away_leaves_the_others_their_answers(l
     for i in (0, 2, 3):
         response, release = done[i]  # type: ignore[misc]
         np.testing.assert_array_equal(response.outputs[0].data, _rows(i))
+        del response
         release()
-    for _ in range(500):  # the slot comes back once the three live answers are encoded
-        if link.core._handoff._response_arena.used_bytes == 0:  # type: ignore[union-attr]
-            break
-        await asyncio.sleep(0.002)
-    assert link.core._handoff._response_arena.used_bytes == 0  # type: ignore[union-attr]
+    assert await link.all_slots_back()  # the answer's slot once the three live answers are encoded
 
 
 async def test_with_joining_off_every_request_leaves_on_its_own(server: Server) -> None:
