@@ -114,9 +114,9 @@ class InferCalls:
         future: asyncio.Future[Answer] = loop.create_future()
         key = join_key(request, routing_key) if self._join and (self._sent or self._waiting) else None
         if key is None:
+            payload = encode_request(request, self._request_arena, routing_key)
             call = next(self._ids)
             self._sent[call] = _Sent(future, 0, request.id)
-            payload = encode_request(request, self._request_arena, routing_key)
             self._protocol.send(self._releases.take() + self._infer_frame(call, payload))
         else:
             self._waiting.append((key, request, future))
