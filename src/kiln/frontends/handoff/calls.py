@@ -16,6 +16,7 @@ order) or each member on its own id (where the model does not batch, or a member
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -68,18 +69,19 @@ class _Sent:
 class _SharedSlot:
     """An arena slot that several members' answers view: it goes back once each has been encoded."""
 
-    def __init__(self, slot: int | None, holders: int, give_back: Callable[[int], None]) -> None:
+    def __init__(self, slot: int, holders: int, give_back: Callable[[int], None]) -> None:
         self._slot = slot
         self._holders = holders
         self._give_back = give_back
-        if holders == 0:
-            self._holders = 1
-            self.release()
 
     def release(self) -> None:
         self._holders -= 1
-        if self._holders == 0 and self._slot is not None:
+        if self._holders == 0:
             self._give_back(self._slot)
+
+
+def _nothing() -> None:
+    pass
 
 
 class InferCalls:
@@ -143,7 +145,7 @@ class InferCalls:
                 self._give_back(response_slot(payload))
             else:
                 response, slot = decode_response(payload, self._response_arena)
-                sent.future.set_result((response, _SharedSlot(slot, 1, self._releases.add).release))
+                sent.future.set_result((response, functools.partial(self._give_back, slot)))
         elif not sent.future.done():
             sent.future.set_exception(Refused(kind, payload))
         return True
@@ -157,9 +159,13 @@ class InferCalls:
         present = [s for s in sent if s is not None]
         answers = split_response(response, [s.rows for s in present], [s.request_id for s in present])
         live = [(s.future, answer) for s, answer in zip(present, answers, strict=True) if not s.future.done()]
-        shared = _SharedSlot(slot, len(live), self._releases.add)
+        if slot is None or not live:  # inline outputs, or every member's client went away
+            self._give_back(slot)
+            release: Callable[[], None] = _nothing
+        else:
+            release = _SharedSlot(slot, len(live), self._releases.add).release
         for future, answer in live:
-            future.set_result((answer, shared.release))
+            future.set_result((answer, release))
 
     def _flush(self) -> None:
         """The end of the turn: the requests waiting leave, joined by key."""
