@@ -50,7 +50,13 @@ def add_command(commands: Commands) -> None:
                        help="bearer token the model-download and capture routes require, as kiln serve's --api-key "
                             "(default: env KILN_API_KEY); set in the replicas' environment, where a cluster's nodes "
                             "may set KILN_API_KEY themselves instead")
+    serve.add_argument("--deployment-per-model", action="store_true",
+                       help="one application per model, each replica holding one model (and its ensemble's steps) "
+                            "with that model's GPUs, for repositories larger than one replica should hold; a front "
+                            "application answers the server-wide routes (docs/cluster.md)")
     serve.add_argument("--name", default="kiln", help="the Ray Serve application's name (default kiln)")
+    serve.add_argument("--route-prefix", default="/",
+                       help="the path the application answers below (default /); tritonclient takes it in its URL")
     serve.add_argument("--http-host", default="0.0.0.0", help="where Serve's HTTP proxies listen (default 0.0.0.0)")
     serve.add_argument("--http-port", type=int, default=8000, help="the proxies' HTTP port (default 8000)")
     serve.add_argument("--grpc-port", type=int, default=None,
@@ -79,6 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              num_cpus=args.num_cpus, num_gpus=args.num_gpus, name=args.name,
                              repository_poll_secs=args.repository_poll_secs,
                              allow_model_download=args.allow_model_download, capture_dir=args.capture_dir,
-                             capture_max_mb=args.capture_max_mb, api_key=args.api_key)
+                             capture_max_mb=args.capture_max_mb, api_key=args.api_key,
+                             route_prefix=args.route_prefix, per_model=args.deployment_per_model)
     return serve_cluster(args.address, options, ProxyOptions(args.http_host, args.http_port, args.grpc_port,
                                                                     args.ingress))

@@ -1,18 +1,19 @@
-"""The Ray Serve application: one ingress deployment whose replicas each hold a kiln.Server over the whole model
+"""The Ray Serve application: one ingress deployment whose replicas each hold a kiln.Server over the model
 repository and serve kiln's own HTTP app (every KServe V2 / Triton route and error exactly as ``kiln serve``), plus
 the StatsBoard that sums their statistics.
 
-One deployment for the repository, not one per model: a kiln.Server is the unit that answers the protocol
+By default one deployment holds the whole repository: a kiln.Server is the unit that answers the protocol
 (ensembles and routing call other models in the same process, the repository index and readiness cover all models),
-and Ray Serve's proxy routes by path prefix, not by the model named inside a V2 path; per-model deployments would
-need a router replica in front, one more hop on every request. A replica asks Ray for the GPUs the repository's
-most demanding model asks for (options.replica_gpus)."""
+and it needs no router in front. A repository larger than one replica should hold is split into one application
+per model (split.py): each replica then holds one model (with its ensemble's steps) and asks Ray for that model's
+GPUs (options.replica_gpus)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from kiln import Server, ServerOptions
 from kiln.cluster.grpc_ingress import call_servicer, statistics_response, with_grpc_methods
 from kiln.cluster.metrics import ClusterMetrics
 from kiln.cluster.options import API_KEY_VARIABLE, ClusterOptions
+from kiln.cluster.split import BelowModelPrefix, ClusterIndex, model_applications
 from kiln.cluster.stats import ClusterStatistics, Document, StatsBoard, publish_forever
 from kiln.errors import UnavailableError
 from kiln.frontends.grpc.servicer import GRPCInferenceService
@@ -32,6 +34,7 @@ from kiln.frontends.http.capture import CaptureOptions, replica_capture
 from kiln.frontends.http.documents import statistics_doc
 from kiln.frontends.http.files import DownloadOptions
 from kiln.frontends.metrics import metrics_registry, render_metrics
+from kiln.server.repository import scan_repositories
 
 log = logging.getLogger("kiln.cluster")
 
@@ -49,12 +52,18 @@ class KilnReplica:
     """One replica: a kiln.Server over the repository, its models loaded before the replica reports ready."""
 
     # Serve awaits an async constructor: the models load before the replica takes requests.
-    async def __init__(self, repository: str, board: DeploymentHandle[Any],  # type: ignore[misc,unused-ignore]
+    async def __init__(self, repository: str, board: DeploymentHandle[Any] | str,  # type: ignore[misc,unused-ignore]
                        poll_secs: float | None = None, allow_model_download: bool = False,
-                       capture_dir: str | None = None, capture_max_mb: int = 1024) -> None:
+                       capture_dir: str | None = None, capture_max_mb: int = 1024,
+                       models: list[str] | None = None) -> None:
+        """``board``: the statistics board, or the name of the application whose board to report to; ``models``:
+        the models this replica holds (None: all; none at all: the front of a split repository)."""
         self.server = Server(ServerOptions(repositories=[Path(repository)],
-                                           control_mode="none" if poll_secs is None else "poll"))
-        self._board = board
+                                           control_mode="none" if poll_secs is None else "poll",
+                                           serve_models=None if models is None else tuple(models)))
+        self._board = board if not isinstance(board, str) else serve.get_deployment_handle(
+            board_name(board), app_name=board, _check_exists=False)
+        self._front = models == []
         replica_id = serve.get_replica_context().replica_id
         self._replica, self._label = str(replica_id), replica_id.unique_id  # the label: its actor name's end
         self._metrics = metrics_registry(self.server)
@@ -78,7 +87,10 @@ class KilnReplica:
     def __serve_build_asgi_app__(self) -> Any:
         app = build_app(self.server, downloads=self._downloads, capture=self._capture)
         statistics = ClusterStatistics(app, self._publish, self._statistics)
-        return ClusterMetrics(statistics, self._publish_metrics, self._metrics_text)
+        served: Any = ClusterMetrics(statistics, self._publish_metrics, self._metrics_text)
+        if self._front:
+            served = ClusterIndex(served, lambda: self._publish(self._statistics()))
+        return BelowModelPrefix(served)
 
     async def check_health(self) -> None:
         if not self.server.live():
@@ -98,12 +110,13 @@ class KilnReplica:
         answer first (a wrong model or version gets kiln serve's error), then the sums of what it selected."""
         own = await call_servicer(self.grpc_servicer, "ModelStatistics", request, grpc_context)
         selected = {(entry.name, entry.version) for entry in own.model_stats}
+        everything = not request.name
         try:
             total = await self._publish(self._statistics())
         except Exception:  # the board restarting: this replica's own counts are still an answer
             log.warning("statistics board unreachable; answering with this replica's statistics", exc_info=True)
             return own
-        return statistics_response([e for e in total if (e["name"], e["version"]) in selected])
+        return statistics_response([e for e in total if everything or (e["name"], e["version"]) in selected])
 
     def _statistics(self) -> Document:
         document: Document = statistics_doc(self.server.model_statistics())["model_stats"]
@@ -149,9 +162,14 @@ async def poll_forever(server: Server, interval_s: float) -> None:
             log.info("repository poll applied changes to: %s", ", ".join(changed))
 
 
+def board_name(application: str) -> str:
+    return f"{application}-stats"
+
+
 def build_application(options: ClusterOptions) -> Application:
-    board = serve.deployment(name=f"{options.name}-stats", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                             logging_config=LOGGING)(StatsBoard).bind()
+    board: Any = options.stats_app or serve.deployment(
+        name=board_name(options.name), num_replicas=1, ray_actor_options={"num_cpus": 0},
+        logging_config=LOGGING)(StatsBoard).bind()
     scaling: dict[str, Any] = {"autoscaling_config": options.autoscaling_config()} \
         if options.max_replicas is not None else {"num_replicas": options.num_replicas}
     ingress = serve.deployment(name=options.name, ray_actor_options=options.ray_actor_options(),
@@ -159,7 +177,28 @@ def build_application(options: ClusterOptions) -> Application:
                                logging_config=LOGGING, **scaling)(serve.ingress()(KilnReplica))
     capture_dir = None if options.capture_dir is None else str(options.capture_dir.resolve())
     return ingress.bind(str(options.model_repository.resolve()), board, options.repository_poll_secs,
-                        options.allow_model_download, capture_dir, options.capture_max_mb)
+                        options.allow_model_download, capture_dir, options.capture_max_mb,
+                        None if options.models is None else list(options.models))
+
+
+@dataclass(frozen=True)
+class ClusterApplication:
+    name: str
+    route_prefix: str
+    application: Application
+
+
+def build_applications(options: ClusterOptions) -> list[ClusterApplication]:
+    """What ``kiln cluster serve`` runs: the application, or for ``per_model`` the front (first: the others
+    report to its board) and one application per model."""
+    if not options.per_model:
+        return [ClusterApplication(options.name, options.route_prefix, build_application(options))]
+    front = replace(options, per_model=False, models=())
+    names = sorted(scan_repositories([options.model_repository]).models)
+    return [ClusterApplication(options.name, options.route_prefix, build_application(front))] + [
+        ClusterApplication(m.name, m.route_prefix, build_application(
+            replace(options, per_model=False, models=(m.model,), name=m.name, stats_app=options.name)))
+        for m in model_applications(options.name, options.route_prefix, names)]
 
 
 def app(args: dict[str, Any]) -> Application:

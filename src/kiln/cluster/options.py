@@ -10,11 +10,12 @@ from typing import Any
 
 from kiln.config.parse import read_config
 from kiln.errors import InvalidArgumentError
+from kiln.server.repository import restrict, scan_repositories
 from kiln.v2._generated import model_config_pb2 as pb
 
 _KNOWN = ("model_repository", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
           "num_cpus", "num_gpus", "name", "route_prefix", "repository_poll_secs", "upscale_delay_s",
-          "allow_model_download", "capture_dir", "capture_max_mb")
+          "allow_model_download", "capture_dir", "capture_max_mb", "models", "stats_app")
 API_KEY_VARIABLE = "KILN_API_KEY"  # as `kiln serve`'s --api-key default
 _EXPECTED = {int: "a whole number", float: "a number", str: "text", bool: "true or false"}
 _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -47,6 +48,15 @@ class ClusterOptions:
     # (ray_actor_options). Not a builder argument: `serve run` shows those; clusters set KILN_API_KEY on their
     # nodes instead (a Kubernetes Secret in deploy/kubernetes/rayservice.yaml), and replicas read it from there.
     api_key: str | None = None
+    # One application per model (split.py) instead of one for the whole repository; `kiln cluster serve` only, as
+    # a builder makes one application.
+    per_model: bool = False
+    # The models this application's replicas hold (and those their ensembles' steps call); None: all. Set for each
+    # application of a split repository; a config file for `serve deploy` sets it per application.
+    models: tuple[str, ...] | None = None
+    # The application whose statistics board this one reports to (the front of a split repository): its sums and
+    # metrics then cover every application. None: a board of its own.
+    stats_app: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_repository.is_dir():
@@ -60,6 +70,12 @@ class ClusterOptions:
         if self.max_replicas is not None and self.max_replicas < max(1, self.min_replicas or 0):
             raise InvalidArgumentError(f"max_replicas ({self.max_replicas}) must be at least 1 and at least "
                                        f"min_replicas ({self.min_replicas})")
+        if self.per_model and self.models is not None:
+            raise InvalidArgumentError("per_model splits the whole repository; it does not take models")
+        unknown = sorted(set(self.models or ()) - set(scan_repositories([self.model_repository]).models))
+        if unknown:
+            raise InvalidArgumentError(f"models {', '.join(unknown)} not in the model repository "
+                                       f"{self.model_repository}")
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> ClusterOptions:
@@ -73,10 +89,13 @@ class ClusterOptions:
         values: dict[str, Any] = {"model_repository": Path(str(args["model_repository"]))}
         if args.get("capture_dir") is not None:
             values["capture_dir"] = Path(str(args["capture_dir"]))
+        if args.get("models") is not None:  # "a,b" from `serve run`, or a list from a config file
+            models = args["models"]
+            values["models"] = tuple(filter(None, models.split(",") if isinstance(models, str) else map(str, models)))
         for key, kind in (("num_replicas", int), ("min_replicas", int), ("max_replicas", int),
                           ("target_ongoing_requests", float), ("upscale_delay_s", float), ("num_cpus", float),
                           ("num_gpus", float), ("name", str), ("route_prefix", str), ("repository_poll_secs", float),
-                          ("allow_model_download", bool), ("capture_max_mb", int)):
+                          ("allow_model_download", bool), ("capture_max_mb", int), ("stats_app", str)):
             if args.get(key) is not None:
                 values[key] = _convert(key, args[key], kind)
         return cls(**values)
@@ -92,7 +111,7 @@ class ClusterOptions:
         return config
 
     def ray_actor_options(self) -> dict[str, Any]:
-        gpus = self.num_gpus if self.num_gpus is not None else replica_gpus(self.model_repository)
+        gpus = self.num_gpus if self.num_gpus is not None else replica_gpus(self.model_repository, self.models)
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": gpus}
         if self.api_key:
             options["runtime_env"] = {"env_vars": {API_KEY_VARIABLE: self.api_key}}
@@ -111,13 +130,14 @@ def _convert(key: str, value: Any, kind: type) -> Any:
         raise InvalidArgumentError(f"kiln.cluster argument {key}={value!r} is not {_EXPECTED[kind]}") from None
 
 
-def replica_gpus(repository: Path) -> float:
-    """GPUs one replica asks Ray for: a replica holds every model, so it needs as many devices as the model
-    asking for the most (a KIND_GPU group without ``gpus`` means one device; ``gpus: [0, 1]`` means two).
-    KIND_AUTO asks for none: under Ray a process sees only the GPUs it asked for, so AUTO falls back to CPU unless
-    num_gpus is given."""
+def replica_gpus(repository: Path, models: tuple[str, ...] | None = None) -> float:
+    """GPUs one replica asks Ray for: a replica holds every model (or ``models`` and their ensembles' steps), so it
+    needs as many devices as the model asking for the most (a KIND_GPU group without ``gpus`` means one device;
+    ``gpus: [0, 1]`` means two). KIND_AUTO asks for none: under Ray a process sees only the GPUs it asked for, so
+    AUTO falls back to CPU unless num_gpus is given."""
     most = 0
-    for folder in sorted(p for p in repository.iterdir() if p.is_dir()):
+    scan = scan_repositories([repository])
+    for folder in (scan if models is None else restrict(scan, models)).models.values():
         config = read_config(folder)
         if config is None:
             continue

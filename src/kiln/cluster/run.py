@@ -13,8 +13,9 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.api import RunTarget
 
-from kiln.cluster.application import build_application
+from kiln.cluster.application import build_applications
 from kiln.cluster.grpc_ingress import SERVICER_FUNCTION
 from kiln.cluster.ingress import ingress_environment
 from kiln.cluster.options import ClusterOptions
@@ -51,12 +52,17 @@ def serve_cluster(address: str, options: ClusterOptions, proxy: ProxyOptions, *,
     try:
         serve.start(http_options={"host": proxy.host, "port": proxy.port}, grpc_options=proxy.grpc_options(),
                     controller_options={"runtime_env": {"env_vars": environment}})
-        serve.run(build_application(options), name=options.name, route_prefix=options.route_prefix)
-        log.info("serving %s on the Ray cluster at %s: http://%s:%d%s (%s, %s ingress)", options.model_repository,
-                 address, proxy.host, proxy.port, options.route_prefix, _scaling(options), proxy.ingress)
+        front, *per_model = build_applications(options)
+        serve.run(front.application, name=front.name, route_prefix=front.route_prefix)  # its board first
+        if per_model:
+            serve.run_many([RunTarget(a.application, a.name, a.route_prefix) for a in per_model])
+        log.info("serving %s on the Ray cluster at %s: http://%s:%d%s (%s%s, %s ingress)", options.model_repository,
+                 address, proxy.host, proxy.port, options.route_prefix, _scaling(options),
+                 f" for each of {len(per_model)} models" if per_model else "", proxy.ingress)
         stop.wait()
-        log.info("deleting application %s", options.name)
-        serve.delete(options.name)
+        for application in [*per_model, front]:
+            log.info("deleting application %s", application.name)
+            serve.delete(application.name)
         if address == LOCAL:
             serve.shutdown()  # type: ignore[no-untyped-call,unused-ignore]
     finally:

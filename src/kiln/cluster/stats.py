@@ -117,20 +117,21 @@ class ClusterStatistics:
         await self.app(scope, receive, keep)
         start, body = messages[0], b"".join(m.get("body", b"") for m in messages[1:])
         if start["status"] == 200:
-            body = await self._summed(body)
+            body = await self._summed(body, everything=request_path(scope) == "/v2/models/stats")
             headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
             start = {**start, "headers": headers + [(b"content-length", str(len(body)).encode())]}
         await send(start)
         await send({"type": "http.response.body", "body": body})
 
-    async def _summed(self, body: bytes) -> bytes:
+    async def _summed(self, body: bytes, everything: bool) -> bytes:
+        """``everything``: all models' statistics, the cluster's rather than the models this replica holds."""
         selected = {(e["name"], e["version"]) for e in orjson.loads(body)["model_stats"]}
         try:
             total = await self._publish(self._local())
         except Exception:  # the board restarting: this replica's own counts are still an answer
             log.warning("statistics board unreachable; answering with this replica's statistics", exc_info=True)
             return body
-        return orjson.dumps({"model_stats": [e for e in total if (e["name"], e["version"]) in selected]})
+        return orjson.dumps({"model_stats": [e for e in total if everything or (e["name"], e["version"]) in selected]})
 
 
 async def publish_forever(publish: Callable[[T], Awaitable[Any]], local: Callable[[], T]) -> None:

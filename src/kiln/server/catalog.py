@@ -20,7 +20,7 @@ from kiln.errors import (
 from kiln.server.ensemble import EnsembleScheduler, StepStats
 from kiln.server.manager import ManagerOptions, RepositoryManager
 from kiln.server.registry import IndexEntry, ModelRecord, ModelState, VersionRecord
-from kiln.server.repository import scan_repositories
+from kiln.server.repository import restrict, scan_repositories
 from kiln.server.staging import check_model_name, parse_config_override, stage_files
 from kiln.server.stats import ModelStats, RequestObserver
 from kiln.server.validate import validate_request
@@ -34,6 +34,7 @@ class ModelCatalog:
 
     def __init__(self, options: ManagerOptions) -> None:
         self.repositories = list(options.repositories)
+        self._serve_models = options.serve_models
         self.models: dict[str, ModelRecord] = {}
         self.observers: list[RequestObserver] = []  # one list shared by every model's statistics
         self.manager = RepositoryManager(options, self.models, self.observers, self.dispatch_step)
@@ -130,7 +131,8 @@ class ModelCatalog:
 
     def _scan_names(self) -> list[str]:
         try:
-            return list(scan_repositories(self.repositories).models)
+            scan = scan_repositories(self.repositories)
+            return list(scan.models if self._serve_models is None else restrict(scan, self._serve_models).models)
         except KilnError:
             return []
 

@@ -28,7 +28,7 @@ from kiln.server.fingerprint import folder_fingerprint, model_fingerprint
 from kiln.server.instances import cpu_thread_share
 from kiln.server.lifecycle import Retirements, load_version, resize_version
 from kiln.server.registry import ModelRecord, ModelState, VersionRecord
-from kiln.server.repository import RepositoryScan, scan_repositories
+from kiln.server.repository import RepositoryScan, restrict, scan_repositories
 from kiln.server.routing import parse_routing_config
 from kiln.server.staging import STAGING_FOLDER
 from kiln.server.stats import RequestObserver
@@ -54,6 +54,9 @@ class ManagerOptions:
     load_models: tuple[str, ...] = field(default=(), metadata=flag(  # explicit mode start-up; ("*",) = all
         "--load-model", metavar="NAME", help="explicit mode: load this model at start (repeatable; '*' = all)"))
     model_load_thread_count: int = field(default=4, metadata=flag("--model-load-thread-count"))
+    # Only these models of the repositories (and the models their ensemble steps call); None: every model. A
+    # cluster replica serving part of a repository (kiln.cluster's per-model applications) sees no others.
+    serve_models: tuple[str, ...] | None = None
     autocomplete: bool = True
     default_max_batch_size: int = 4
     cpu_threads: int | None = field(default=None, metadata=flag(
@@ -355,7 +358,8 @@ class RepositoryManager:
     # -- helpers ---------------------------------------------------------------------------------------------
 
     def _scan(self) -> RepositoryScan:
-        return scan_repositories(list(self.options.repositories))
+        scan = scan_repositories(list(self.options.repositories))
+        return scan if self.options.serve_models is None else restrict(scan, self.options.serve_models)
 
     def _mark_duplicates(self, scan: RepositoryScan) -> None:
         for name in scan.duplicates:

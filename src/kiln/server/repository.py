@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.config.parse import read_config
 from kiln.errors import ConfigError
 
 
@@ -32,3 +33,24 @@ def scan_repositories(roots: list[Path]) -> RepositoryScan:
     models = {name: paths[0] for name, paths in found.items() if len(paths) == 1}
     duplicates = {name: paths for name, paths in found.items() if len(paths) > 1}
     return RepositoryScan(models=models, duplicates=duplicates)
+
+
+def restrict(scan: RepositoryScan, names: tuple[str, ...]) -> RepositoryScan:
+    """The part of ``scan`` a server holding only ``names`` sees: those models and, for an ensemble, the models its
+    steps call (transitively), as Triton loads an ensemble's steps with it. Names not in the scan are left out."""
+    wanted: set[str] = set()
+    pending = [n for n in names if n in scan.models or n in scan.duplicates]
+    while pending:
+        name = pending.pop()
+        if name in wanted:
+            continue
+        wanted.add(name)
+        try:
+            config = read_config(scan.models[name]) if name in scan.models else None
+        except ConfigError:  # the model's load reports it; its steps are unknown
+            config = None
+        if config is not None:
+            pending.extend(s.model_name for s in config.ensemble_scheduling.step
+                           if s.model_name in scan.models or s.model_name in scan.duplicates)
+    return RepositoryScan(models={n: p for n, p in scan.models.items() if n in wanted},
+                          duplicates={n: p for n, p in scan.duplicates.items() if n in wanted})

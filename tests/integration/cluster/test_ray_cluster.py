@@ -38,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from kiln import Server, ServerOptions  # noqa: E402
 from kiln.capture import export_samples  # noqa: E402
 from kiln.cluster import build_application  # noqa: E402
-from kiln.cluster.application import start_with_fallback  # noqa: E402
+from kiln.cluster.application import build_applications, start_with_fallback  # noqa: E402
 from kiln.cluster.ingress import ingress_environment  # noqa: E402
 from kiln.cluster.metrics import merge_expositions, with_label  # noqa: E402
 from kiln.cluster.options import ClusterOptions, replica_gpus  # noqa: E402
@@ -559,6 +559,59 @@ def test_every_replica_asks_for_the_api_key_on_the_download_and_capture_routes(c
         "env_vars": {"KILN_API_KEY": "k"}}
 
 
+SPLIT_MODELS = ("simple", "mlp_pipeline", "mlp_preprocess", "mlp", "mlp_postprocess")
+
+
+def test_a_repository_split_per_model_places_each_model_on_replicas_of_its_own(cluster: RayCluster,
+                                                                              tmp_path: Path) -> None:
+    """`--deployment-per-model` on the same cluster (below /split; replicas asking for no CPU, the first
+    application's hold both): each model's application answers its V2 routes from replicas holding only that model
+    (the ensemble's with its steps), the front answers the server-wide ones with the whole cluster's view."""
+    repository = tmp_path / "repository"
+    build_demo_repository(repository)
+    for folder in repository.iterdir():
+        if folder.name not in SPLIT_MODELS:
+            shutil.rmtree(folder)
+    options = ClusterOptions(repository, name="split", route_prefix="/split", num_cpus=0, per_model=True)
+    front, *per_model = build_applications(options)
+    assert [(a.name, a.route_prefix) for a in per_model] == [
+        (f"split-{m}", f"/split/v2/models/{m}") for m in sorted(SPLIT_MODELS)]
+    serve.run(front.application, name=front.name, route_prefix=front.route_prefix)
+    serve.run_many([serve.RunTarget(a.application, a.name, a.route_prefix) for a in per_model])
+    url = f"{cluster.http_url}/split"
+    client = tritonhttp.InferenceServerClient(url, network_timeout=30)
+    try:
+        raw = np.arange(64, dtype=np.int32).reshape(1, 64)
+        for _ in range(3):
+            _infer_simple(client)
+            request = tritonhttp.InferInput("RAW", [1, 64], "INT32")
+            request.set_data_from_numpy(raw)
+            assert client.infer("mlp_pipeline", [request]).as_numpy("PROBS").shape == (1, 10)
+        assert client.get_model_config("simple")["name"] == "simple" and client.is_model_ready("mlp")
+        assert client.is_server_ready()
+        with pytest.raises(tritonhttp.InferenceServerException, match="nope"):
+            client.get_model_metadata("nope")  # the front holds no model: kiln serve's error for an unknown one
+        index = {(e["name"], e["state"]) for e in client.get_model_repository_index()}
+        assert index == {(m, "READY") for m in SPLIT_MODELS}
+        assert client.get_inference_statistics("simple")["model_stats"][0]["inference_stats"]["success"][
+            "count"] == 3
+        assert {e["name"] for e in client.get_inference_statistics()["model_stats"]} == set(SPLIT_MODELS)
+
+        response = httpx.get(f"http://{url}/metrics", timeout=30)
+        models_by_replica: dict[str, set[str]] = {}
+        for family in text_string_to_metric_families(response.text):
+            if family.name == "nv_inference_request_success":
+                for sample in family.samples:
+                    models_by_replica.setdefault(sample.labels["replica"], set()).add(sample.labels["model"])
+        assert sorted(map(sorted, models_by_replica.values())) == sorted(
+            [["mlp", "mlp_pipeline", "mlp_postprocess", "mlp_preprocess"], ["mlp"], ["mlp_postprocess"],
+             ["mlp_preprocess"], ["simple"]]), models_by_replica
+    finally:
+        client.close()
+        for application in [*per_model, front]:
+            serve.delete(application.name)
+
+
 _PY_CONFIG = """name: "py"
 backend: "python"
 max_batch_size: 0
@@ -641,7 +694,8 @@ def test_builder_arguments_arrive_as_strings_from_serve_run(tmp_path: Path) -> N
     ({"model_repository": ".", "replicas": "2"}, "unknown kiln.cluster argument(s) replicas"),
     ({"model_repository": ".", "num_replicas": "two"}, "num_replicas='two' is not a whole number"),
     ({"model_repository": ".", "num_replicas": "0"}, "num_replicas must be at least 1, got 0"),
-], ids=["missing-folder", "no-repository", "unknown-key", "not-a-number", "no-replicas"])
+    ({"model_repository": "tests", "models": "unit,nope,integration"}, "models nope not in the model repository"),
+], ids=["missing-folder", "no-repository", "unknown-key", "not-a-number", "no-replicas", "unknown-model"])
 def test_bad_builder_arguments_are_named(args: dict[str, str], message: str) -> None:
     with pytest.raises(InvalidArgumentError) as raised:
         ClusterOptions.from_args(args)
@@ -659,6 +713,11 @@ def test_replicas_ask_for_the_gpus_of_the_most_demanding_model(tmp_path: Path) -
     assert replica_gpus(tmp_path) == 1.0
     model("two", "instance_group [{ kind: KIND_GPU gpus: [0, 1] }, { kind: KIND_CPU }]")
     assert replica_gpus(tmp_path) == 2.0
+    # A replica of one model's application (--deployment-per-model) asks for that model's GPUs only.
+    assert [replica_gpus(tmp_path, (m,)) for m in ("cpu", "one", "two")] == [0.0, 1.0, 2.0]
+    assert ClusterOptions(tmp_path, models=("cpu",)).ray_actor_options()["num_gpus"] == 0.0
+    with pytest.raises(InvalidArgumentError, match="does not take models"):
+        ClusterOptions(tmp_path, per_model=True, models=("cpu",))
     assert ClusterOptions(tmp_path, num_gpus=0.5).ray_actor_options() == {"num_cpus": 1.0, "num_gpus": 0.5}
 
 
