@@ -348,10 +348,10 @@ def _replicas() -> dict[str, str]:
             if n["name"].startswith(REPLICA_PREFIX)}
 
 
-def test_a_killed_replica_under_load_fails_only_requests_of_the_seconds_after(cluster: RayCluster) -> None:
-    """Through the HAProxy ingress a killed replica fails at most the requests inside it and those HAProxy sends it
-    in the next seconds (docs/cluster.md: none, or 2 in flight + 2 that hang ~3 s, on the 2-core machine;
-    `--ingress proxy` fails only the ones in flight); after 5 s the other replica answers everything."""
+def test_a_killed_replica_under_load_fails_only_the_requests_in_flight(cluster: RayCluster) -> None:
+    """Through the HAProxy ingress a killed replica fails at most the requests inside it (HAProxy resends those the
+    replica dropped before answering; docs/cluster.md has the measurements); after 5 s the other replica answers
+    everything."""
     threads = 2  # at most this many requests are in flight at once
     load = _Load(cluster.http_url, threads)
     try:
@@ -370,7 +370,7 @@ def test_a_killed_replica_under_load_fails_only_requests_of_the_seconds_after(cl
     assert load.ok > ok_at_kill and answering_after_s < 10, "the cluster did not answer again within 10 s"
     late = [round(t - killed, 2) for t in load.failed_at if t - killed > 5]
     assert not late, f"requests failed {late} s after the kill; the dead replica should be out of rotation by then"
-    assert load.failed <= 2 * threads, f"{load.failed} requests failed around the kill"
+    assert load.failed <= threads, f"{load.failed} requests failed around the kill, more than were in flight"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # Serve starts a new replica in the dead one's place
         replicas = _replicas()
