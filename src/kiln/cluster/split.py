@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.cluster.metrics import request_path
-from kiln.cluster.stats import Document
+from kiln.cluster.stats import Document, answer_rewritten
 
 _MODEL_PREFIX = re.compile(r"^(?P<base>.*)/v2/models/[^/]+$")
 
@@ -67,19 +67,10 @@ class ClusterIndex:
         if scope["type"] != "http" or scope["method"] != "POST" or request_path(scope) != "/v2/repository/index":
             await self.app(scope, receive, send)
             return
-        messages: list[Message] = []
+        await answer_rewritten(self.app, scope, receive, send, self._merged)
 
-        async def keep(message: Message) -> None:
-            messages.append(message)
-
-        await self.app(scope, receive, keep)
-        start, body = messages[0], b"".join(m.get("body", b"") for m in messages[1:])
-        if start["status"] == 200:
-            body = orjson.dumps(merged_index(orjson.loads(body), await self._served()))
-            headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
-            start = {**start, "headers": headers + [(b"content-length", str(len(body)).encode())]}
-        await send(start)
-        await send({"type": "http.response.body", "body": body})
+    async def _merged(self, body: bytes) -> bytes:
+        return orjson.dumps(merged_index(orjson.loads(body), await self._served()))
 
 
 def merged_index(own: list[dict[str, str]], served: Document) -> list[dict[str, str]]:

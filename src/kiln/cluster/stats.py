@@ -109,19 +109,8 @@ class ClusterStatistics:
         if scope["type"] != "http" or scope["method"] != "GET" or not is_statistics_path(request_path(scope)):
             await self.app(scope, receive, send)
             return
-        messages: list[Message] = []
-
-        async def keep(message: Message) -> None:
-            messages.append(message)
-
-        await self.app(scope, receive, keep)
-        start, body = messages[0], b"".join(m.get("body", b"") for m in messages[1:])
-        if start["status"] == 200:
-            body = await self._summed(body, everything=request_path(scope) == "/v2/models/stats")
-            headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
-            start = {**start, "headers": headers + [(b"content-length", str(len(body)).encode())]}
-        await send(start)
-        await send({"type": "http.response.body", "body": body})
+        everything = request_path(scope) == "/v2/models/stats"
+        await answer_rewritten(self.app, scope, receive, send, lambda body: self._summed(body, everything))
 
     async def _summed(self, body: bytes, everything: bool) -> bytes:
         """``everything``: all models' statistics, the cluster's rather than the models this replica holds."""
@@ -132,6 +121,25 @@ class ClusterStatistics:
             log.warning("statistics board unreachable; answering with this replica's statistics", exc_info=True)
             return body
         return orjson.dumps({"model_stats": [e for e in total if everything or (e["name"], e["version"]) in selected]})
+
+
+async def answer_rewritten(app: ASGIApp, scope: Scope, receive: Receive, send: Send,
+                           rewrite: Callable[[bytes], Awaitable[bytes]]) -> None:
+    """Run ``app`` and send its answer, the body of a 200 answer replaced by ``rewrite(body)`` (an error passes as
+    the app gave it)."""
+    messages: list[Message] = []
+
+    async def keep(message: Message) -> None:
+        messages.append(message)
+
+    await app(scope, receive, keep)
+    start, body = messages[0], b"".join(m.get("body", b"") for m in messages[1:])
+    if start["status"] == 200:
+        body = await rewrite(body)
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        start = {**start, "headers": headers + [(b"content-length", str(len(body)).encode())]}
+    await send(start)
+    await send({"type": "http.response.body", "body": body})
 
 
 async def publish_forever(publish: Callable[[T], Awaitable[Any]], local: Callable[[], T]) -> None:
