@@ -27,9 +27,9 @@ from _fuzz_oracle import Answer, Finding, judge_grpc, judge_http
 
 from kiln.config.model_dir import open_model_dir
 from kiln.config.parse import parse_config_text
+from kiln.config.repository import scan_repositories
 from kiln.errors import KilnError
 from kiln.server.capture import CaptureStore
-from kiln.server.repository import scan_repositories
 from kiln.server.server import Server, ServerOptions
 from kiln.tensor import DataType
 from kiln.testing import onnx_add_sub_model, write_model

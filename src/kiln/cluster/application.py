@@ -27,6 +27,7 @@ from kiln.cluster.metrics import ClusterMetrics
 from kiln.cluster.options import API_KEY_VARIABLE, ClusterOptions
 from kiln.cluster.split import BelowModelPrefix, ClusterIndex, model_applications
 from kiln.cluster.stats import ClusterStatistics, Document, StatsBoard, publish_forever
+from kiln.config.repository import scan_repositories
 from kiln.errors import UnavailableError
 from kiln.frontends.grpc.servicer import GRPCInferenceService
 from kiln.frontends.http import build_app
@@ -34,7 +35,6 @@ from kiln.frontends.http.capture import CaptureOptions, replica_capture
 from kiln.frontends.http.documents import statistics_doc
 from kiln.frontends.http.files import DownloadOptions
 from kiln.frontends.metrics import metrics_registry, render_metrics
-from kiln.server.repository import scan_repositories
 
 log = logging.getLogger("kiln.cluster")
 

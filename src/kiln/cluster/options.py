@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.config.parse import read_config
+from kiln.config.repository import restrict, scan_repositories
 from kiln.errors import InvalidArgumentError
-from kiln.server.repository import restrict, scan_repositories
 from kiln.v2._generated import model_config_pb2 as pb
 
 _KNOWN = ("model_repository", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",

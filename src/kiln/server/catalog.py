@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+from kiln.config.repository import restrict, scan_repositories
 from kiln.errors import (
     InvalidArgumentError,
     KilnError,
@@ -20,7 +21,6 @@ from kiln.errors import (
 from kiln.server.ensemble import EnsembleScheduler, StepStats
 from kiln.server.manager import ManagerOptions, RepositoryManager
 from kiln.server.registry import IndexEntry, ModelRecord, ModelState, VersionRecord
-from kiln.server.repository import restrict, scan_repositories
 from kiln.server.staging import check_model_name, parse_config_override, stage_files
 from kiln.server.stats import ModelStats, RequestObserver
 from kiln.server.validate import validate_request

@@ -19,6 +19,7 @@ from pathlib import Path
 from kiln._flags import flag
 from kiln.config.model_dir import ModelDir, open_model_dir, version_folders
 from kiln.config.parse import read_config
+from kiln.config.repository import RepositoryScan, restrict, scan_repositories
 from kiln.config.spec import ModelSpec
 from kiln.engines.base import ModelCaller
 from kiln.errors import InvalidArgumentError, KilnError, ModelNotFoundError, ModelNotReadyError, UnsupportedError
@@ -28,7 +29,6 @@ from kiln.server.fingerprint import folder_fingerprint, model_fingerprint
 from kiln.server.instances import cpu_thread_share
 from kiln.server.lifecycle import Retirements, load_version, resize_version
 from kiln.server.registry import ModelRecord, ModelState, VersionRecord
-from kiln.server.repository import RepositoryScan, restrict, scan_repositories
 from kiln.server.routing import parse_routing_config
 from kiln.server.staging import STAGING_FOLDER
 from kiln.server.stats import RequestObserver

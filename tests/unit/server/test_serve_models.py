@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from kiln.config.repository import restrict, scan_repositories
 from kiln.demo import build_demo_repository
 from kiln.errors import ModelNotFoundError
 from kiln.server import Server, ServerOptions
-from kiln.server.repository import restrict, scan_repositories
 
 PIPELINE_STEPS = {"mlp_preprocess", "mlp", "mlp_postprocess"}
 

@@ -1,4 +1,4 @@
-"""Scan one or more repository roots for model folders; report names found in more than one root."""
+"""Scan one or more model repository roots for model folders; report names found in more than one root."""
 
 from __future__ import annotations
 
