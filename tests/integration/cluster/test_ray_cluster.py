@@ -588,6 +588,8 @@ def test_a_repository_split_per_model_places_each_model_on_replicas_of_its_own(c
             request.set_data_from_numpy(raw)
             assert client.infer("mlp_pipeline", [request]).as_numpy("PROBS").shape == (1, 10)
         assert client.get_model_config("simple")["name"] == "simple" and client.is_model_ready("mlp")
+        assert client.get_model_metadata("simple", "1")["versions"] == ["1"]  # the model's exact path, versions
+        assert client.get_model_metadata("mlp_pipeline")["name"] == "mlp_pipeline"
         assert client.is_server_ready()
         with pytest.raises(tritonhttp.InferenceServerException, match="nope"):
             client.get_model_metadata("nope")  # the front holds no model: kiln serve's error for an unknown one
