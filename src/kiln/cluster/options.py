@@ -72,7 +72,8 @@ class ClusterOptions:
                                        f"min_replicas ({self.min_replicas})")
         if self.per_model and self.models is not None:
             raise InvalidArgumentError("per_model splits the whole repository; it does not take models")
-        unknown = sorted(set(self.models or ()) - set(scan_repositories([self.model_repository]).models))
+        unknown = sorted(set(self.models) - set(scan_repositories([self.model_repository]).models)) \
+            if self.models else []
         if unknown:
             raise InvalidArgumentError(f"models {', '.join(unknown)} not in the model repository "
                                        f"{self.model_repository}")
