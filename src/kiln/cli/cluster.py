@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kiln.errors import UnsupportedError
+from kiln.errors import InvalidArgumentError, UnsupportedError
 
 if TYPE_CHECKING:
     from kiln.cli._arguments import Commands
@@ -79,6 +79,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UnsupportedError("kiln cluster needs Ray Serve: pip install 'kiln[ray]'") from None
 
     configure_logging(0, "")
+    if args.deployment_per_model and args.grpc_port is not None:
+        raise InvalidArgumentError("--grpc-port is not available with --deployment-per-model: Serve's gRPC proxy "
+                                   "picks an application by metadata that tritonclient does not send (use HTTP)")
     options = ClusterOptions(args.model_repository, num_replicas=args.replicas, min_replicas=args.min_replicas,
                              max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
                              upscale_delay_s=args.upscale_delay_s,

@@ -25,7 +25,7 @@ from kiln import Server, ServerOptions
 from kiln.cluster.grpc_ingress import call_servicer, statistics_response, with_grpc_methods
 from kiln.cluster.metrics import ClusterMetrics
 from kiln.cluster.options import API_KEY_VARIABLE, ClusterOptions
-from kiln.cluster.split import BelowModelPrefix, ClusterIndex, model_applications
+from kiln.cluster.split import BelowModelPrefix, ClusterFront, model_applications
 from kiln.cluster.stats import ClusterStatistics, Document, StatsBoard, publish_forever
 from kiln.config.repository import scan_repositories
 from kiln.errors import UnavailableError
@@ -63,7 +63,9 @@ class KilnReplica:
                                            serve_models=None if models is None else tuple(models)))
         self._board = board if not isinstance(board, str) else serve.get_deployment_handle(
             board_name(board), app_name=board, _check_exists=False)
-        self._front = models == []
+        self._models = models
+        # The front of a split repository expects every model found now to be served by some replica.
+        self._expected = set(scan_repositories([Path(repository)]).models) if models == [] else set()
         replica_id = serve.get_replica_context().replica_id
         self._replica, self._label = str(replica_id), replica_id.unique_id  # the label: its actor name's end
         self._metrics = metrics_registry(self.server)
@@ -88,9 +90,9 @@ class KilnReplica:
         app = build_app(self.server, downloads=self._downloads, capture=self._capture)
         statistics = ClusterStatistics(app, self._publish, self._statistics)
         served: Any = ClusterMetrics(statistics, self._publish_metrics, self._metrics_text)
-        if self._front:
-            served = ClusterIndex(served, lambda: self._publish(self._statistics()))
-        return BelowModelPrefix(served)
+        if self._models == []:  # the front of a split repository
+            return ClusterFront(served, lambda: self._publish(self._statistics()), self._expected)
+        return BelowModelPrefix(served) if self._models else served
 
     async def check_health(self) -> None:
         if not self.server.live():
@@ -193,7 +195,9 @@ def build_applications(options: ClusterOptions) -> list[ClusterApplication]:
     report to its board) and one application per model."""
     if not options.per_model:
         return [ClusterApplication(options.name, options.route_prefix, build_application(options))]
-    front = replace(options, per_model=False, models=())
+    # The front holds no model: no GPU, one replica (model traffic never crosses it).
+    front = replace(options, per_model=False, models=(), num_gpus=0.0, num_replicas=1, min_replicas=None,
+                    max_replicas=None)
     names = sorted(scan_repositories([options.model_repository]).models)
     return [ClusterApplication(options.name, options.route_prefix, build_application(front))] + [
         ClusterApplication(m.name, m.route_prefix, build_application(

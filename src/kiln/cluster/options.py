@@ -72,11 +72,15 @@ class ClusterOptions:
                                        f"min_replicas ({self.min_replicas})")
         if self.per_model and self.models is not None:
             raise InvalidArgumentError("per_model splits the whole repository; it does not take models")
-        unknown = sorted(set(self.models) - set(scan_repositories([self.model_repository]).models)) \
-            if self.models else []
-        if unknown:
-            raise InvalidArgumentError(f"models {', '.join(unknown)} not in the model repository "
-                                       f"{self.model_repository}")
+        if self.per_model and (self.allow_model_download or self.capture_dir is not None):
+            raise InvalidArgumentError("allow_model_download and capture_dir are not available with per_model: "
+                                       "the front that answers those routes holds no model version")
+        if self.models:
+            known = set(scan_repositories([self.model_repository]).models)
+            unknown = sorted(set(self.models) - known)
+            if unknown:
+                raise InvalidArgumentError(f"models {', '.join(unknown)} not in the model repository "
+                                           f"{self.model_repository} (it has {', '.join(sorted(known)) or 'none'})")
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> ClusterOptions:
@@ -90,9 +94,8 @@ class ClusterOptions:
         values: dict[str, Any] = {"model_repository": Path(str(args["model_repository"]))}
         if args.get("capture_dir") is not None:
             values["capture_dir"] = Path(str(args["capture_dir"]))
-        if args.get("models") is not None:  # "a,b" from `serve run`, or a list from a config file
-            models = args["models"]
-            values["models"] = tuple(filter(None, models.split(",") if isinstance(models, str) else map(str, models)))
+        if args.get("models") is not None:
+            values["models"] = _model_names(args["models"])
         for key, kind in (("num_replicas", int), ("min_replicas", int), ("max_replicas", int),
                           ("target_ongoing_requests", float), ("upscale_delay_s", float), ("num_cpus", float),
                           ("num_gpus", float), ("name", str), ("route_prefix", str), ("repository_poll_secs", float),
@@ -117,6 +120,14 @@ class ClusterOptions:
         if self.api_key:
             options["runtime_env"] = {"env_vars": {API_KEY_VARIABLE: self.api_key}}
         return options
+
+
+def _model_names(value: Any) -> tuple[str, ...]:
+    """``models``: "a,b" from `serve run`, or a list from a config file; empty: no model (a split's front)."""
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise InvalidArgumentError(f"kiln.cluster argument models={value!r} is not model names (\"a,b\" or a list)")
+    return tuple(n.strip() for n in names if n.strip())
 
 
 def _convert(key: str, value: Any, kind: type) -> Any:

@@ -139,6 +139,9 @@ class RepositoryManager:
         """Explicit mode: (re)load ``name``, optionally from a staged folder or with a config override."""
         self._require_explicit("load", name)
         with self._lock:
+            if self.options.serve_models is not None and name not in self._scan().models:
+                raise ModelNotFoundError(f"failed to load '{name}': not among the models this server serves "
+                                         f"({', '.join(self.options.serve_models) or 'none'})")
             folder = path or self._scan().models.get(name)
             if folder is None:
                 raise ModelNotFoundError(f"failed to load '{name}': no model folder named '{name}' in "
@@ -359,7 +362,12 @@ class RepositoryManager:
 
     def _scan(self) -> RepositoryScan:
         scan = scan_repositories(list(self.options.repositories))
-        return scan if self.options.serve_models is None else restrict(scan, self.options.serve_models)
+        if self.options.serve_models is None:
+            return scan
+        # The steps of the ensembles loaded now stay too: a newly published ensemble config that is broken, or
+        # names other steps and then fails to load, leaves the served ensemble and so its steps in place.
+        called = set().union(*(_step_models(r.spec) for r in self.models.values() if r.wanted))
+        return restrict(scan, (*self.options.serve_models, *sorted(called)))
 
     def _mark_duplicates(self, scan: RepositoryScan) -> None:
         for name in scan.duplicates:

@@ -590,7 +590,10 @@ def test_a_repository_split_per_model_places_each_model_on_replicas_of_its_own(c
         assert client.get_model_config("simple")["name"] == "simple" and client.is_model_ready("mlp")
         assert client.get_model_metadata("simple", "1")["versions"] == ["1"]  # the model's exact path, versions
         assert client.get_model_metadata("mlp_pipeline")["name"] == "mlp_pipeline"
-        assert client.is_server_ready()
+        deadline = time.monotonic() + 10  # the front is ready once every model's replicas reported (each second)
+        while not client.is_server_ready():
+            assert time.monotonic() < deadline, "the front did not hear of every model's replicas within 10 s"
+            time.sleep(0.2)
         with pytest.raises(tritonhttp.InferenceServerException, match="nope"):
             client.get_model_metadata("nope")  # the front holds no model: kiln serve's error for an unknown one
         index = {(e["name"], e["state"]) for e in client.get_model_repository_index()}
@@ -696,8 +699,10 @@ def test_builder_arguments_arrive_as_strings_from_serve_run(tmp_path: Path) -> N
     ({"model_repository": ".", "replicas": "2"}, "unknown kiln.cluster argument(s) replicas"),
     ({"model_repository": ".", "num_replicas": "two"}, "num_replicas='two' is not a whole number"),
     ({"model_repository": ".", "num_replicas": "0"}, "num_replicas must be at least 1, got 0"),
-    ({"model_repository": "tests", "models": "unit,nope,integration"}, "models nope not in the model repository"),
-], ids=["missing-folder", "no-repository", "unknown-key", "not-a-number", "no-replicas", "unknown-model"])
+    ({"model_repository": "tests", "models": "unit, nope,integration"}, "models nope not in the model repository"),
+    ({"model_repository": "tests", "models": 5}, "models=5 is not model names"),
+], ids=["missing-folder", "no-repository", "unknown-key", "not-a-number", "no-replicas", "unknown-model",
+        "models-not-names"])
 def test_bad_builder_arguments_are_named(args: dict[str, str], message: str) -> None:
     with pytest.raises(InvalidArgumentError) as raised:
         ClusterOptions.from_args(args)
@@ -720,6 +725,10 @@ def test_replicas_ask_for_the_gpus_of_the_most_demanding_model(tmp_path: Path) -
     assert ClusterOptions(tmp_path, models=("cpu",)).ray_actor_options()["num_gpus"] == 0.0
     with pytest.raises(InvalidArgumentError, match="does not take models"):
         ClusterOptions(tmp_path, per_model=True, models=("cpu",))
+    with pytest.raises(InvalidArgumentError, match="not available with per_model"):
+        ClusterOptions(tmp_path, per_model=True, allow_model_download=True)
+    assert ClusterOptions.from_args({"model_repository": str(tmp_path), "models": " one , two"}).models == (
+        "one", "two")
     assert ClusterOptions(tmp_path, num_gpus=0.5).ray_actor_options() == {"num_cpus": 1.0, "num_gpus": 0.5}
 
 

@@ -66,3 +66,26 @@ def test_no_model_at_all_is_a_server_with_nothing_loaded(repo: Path) -> None:
         assert server.ready()
     finally:
         server.close()
+
+
+def test_a_broken_ensemble_config_published_keeps_its_steps_loaded(repo: Path) -> None:
+    """The served ensemble keeps serving past a broken new config (as in kiln serve), so its steps must stay."""
+    server = Server(ServerOptions(repositories=[repo], control_mode="poll", serve_models=("mlp_pipeline",)))
+    try:
+        assert server.start() == []
+        (repo / "mlp_pipeline" / "config.pbtxt").write_text("not a config {")
+        server.poll()
+        assert all(server.model_ready(name) for name in ("mlp_pipeline", *PIPELINE_STEPS))
+    finally:
+        server.close()
+
+
+def test_explicit_loads_keep_to_the_part(repo: Path) -> None:
+    server = Server(ServerOptions(repositories=[repo], control_mode="explicit", serve_models=("simple",)))
+    try:
+        server.start()
+        server.load_model("simple")
+        with pytest.raises(ModelNotFoundError, match="not among the models this server serves"):
+            server.load_model("mlp")
+    finally:
+        server.close()
