@@ -49,6 +49,9 @@ class KilnError(Exception):
     """Base of every error kiln raises on purpose."""
 
     code: ErrorCode = ErrorCode.UNKNOWN
+    # Set on a request's error when it was refused before any model ran (admission, validation): what is wrong
+    # may then be one member's of a joined request, and each member can run on its own (frontends/handoff).
+    before_running: bool = False
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

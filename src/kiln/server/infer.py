@@ -121,8 +121,10 @@ class _Call:
             self.leases = path.regions.attach(self.request, path.catalog.takes_device_tensors)
             self.started_ns = time.monotonic_ns()
             self.scheduler, self.batch_size = path.admit(self.request)
-        except BaseException:
+        except BaseException as exc:
             self.__exit__()
+            if isinstance(exc, KilnError):
+                exc.before_running = True
             raise
         return self
 

@@ -39,7 +39,7 @@ from kiln.v2._generated import grpc_service_pb2 as pb
 
 log = logging.getLogger("kiln.grpc.bridge")
 
-HEADER = struct.Struct("<IIBB")  # payload bytes, call id, kind, method index
+HEADER = struct.Struct("<IQBB")  # payload bytes, call id (64-bit, as frames.py), kind, method index
 CALL, OPEN, MESSAGE, HALF_CLOSE, CANCEL, REPLY, END, HELLO, INFER, ANSWER, RELEASE, INFER_JOINED, JOINED_ANSWER = \
     range(13)
 

@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
+from kiln.errors import InternalError
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import FrameProtocol, Releases
 from kiln.frontends.handoff.tensors import (
@@ -152,12 +153,20 @@ class InferCalls:
 
     def _joined_answer(self, call: int, payload: bytes) -> None:
         response, slot, members = decode_answer(payload, self._response_arena)
-        sent = [self._sent.pop(call + index, None) for index in range(members)]
-        if any(s is None for s in sent):  # not ours (a confused peer): nothing to answer, nothing to keep
+        if any(call + index not in self._sent for index in range(members)):  # not ours (a confused peer)
             self._give_back(slot)
             return
-        present = [s for s in sent if s is not None]
-        answers = split_response(response, [s.rows for s in present], [s.request_id for s in present])
+        present = [self._sent.pop(call + index) for index in range(members)]
+        try:
+            answers = split_response(response, [s.rows for s in present], [s.request_id for s in present])
+        except Exception as exc:  # raised here it would close the link: it is these members' answer instead
+            self._give_back(slot)
+            failure = InternalError(f"the server process's answer to {members} joined requests could not be split "
+                                    f"by member: {exc}")
+            for s in present:
+                if not s.future.done():
+                    s.future.set_exception(failure)
+            return
         live = [(s.future, answer) for s, answer in zip(present, answers, strict=True) if not s.future.done()]
         if slot is None or not live:  # inline outputs, or every member's client went away
             self._give_back(slot)

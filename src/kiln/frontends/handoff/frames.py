@@ -1,7 +1,8 @@
 """Frames over one Unix connection between a worker process and the server process.
 
-A frame is a 9-byte header (payload bytes, call id, kind) and its payload. Calls are matched to their answers by
-call id; call 0 carries messages about the link itself (hello, slot releases).
+A frame is a 13-byte header (payload bytes, call id, kind) and its payload. Calls are matched to their answers by
+call id; call 0 carries messages about the link itself (hello, slot releases). Call ids are 64-bit: a worker counts
+them up from 1 for as long as it runs (32 bits would run out after days at tens of thousands of requests a second).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import struct
 from collections.abc import Callable
 from typing import cast
 
-HEADER = struct.Struct("<IIB")  # payload bytes, call id, kind
+HEADER = struct.Struct("<IQB")  # payload bytes, call id, kind
 
 # worker -> server process
 HELLO = 1  # the worker listens

@@ -23,7 +23,7 @@ from kiln.frontends.handoff.tensors import decode_joined, decode_request, encode
 from kiln.server.server import Server
 from kiln.v2.joined import slice_request
 from kiln.v2.status import as_kiln_error
-from kiln.v2.types import InferRequest
+from kiln.v2.types import InferRequest, InferResponse
 
 Route = Callable[[InferRequest, str], None]
 """Applies a request's routing key (HTTP's routing header) before the Server sees it."""
@@ -77,12 +77,18 @@ class InferHandoff:
         if stop - first > 1:
             try:
                 response = await self._server.infer(slice_request(request, start, end, stop - first))
-                return [(first, encode_response(response, self._response_arena, stop - first), stop - first)]
-            except InvalidArgumentError:
-                pass  # what is wrong may be one member's: each runs on its own and gets its own answer
+            except InvalidArgumentError as exc:
+                if not exc.before_running:  # the model ran and refused the batch: the same for each, as in any batch
+                    error = self._error(exc)
+                    return [(index, error, 1) for index in range(first, stop)]
+                # refused before running: what is wrong may be one member's; each runs on its own, gets its own answer
             except Exception as exc:  # the same failure for each (the model, its engine, the server)
                 error = self._error(exc)
                 return [(index, error, 1) for index in range(first, stop)]
+            else:
+                if _rows_split(response, end - start):
+                    return [(first, encode_response(response, self._response_arena, stop - first), stop - first)]
+                # an output whose first dimension is not the rows cannot be cut by member: each runs on its own
         parts = []
         row = start
         for request_id, rows in members[first:stop]:
@@ -112,6 +118,11 @@ class InferHandoff:
         for arena in (self._request_arena, self._response_arena):
             if arena is not None:
                 arena.close()
+
+
+def _rows_split(response: InferResponse, rows: int) -> bool:
+    """Every output holds ``rows`` rows along its first dimension, so the worker can hand each member its own."""
+    return all(len(o.shape) >= 1 and o.shape[0] == rows for o in response.outputs)
 
 
 def _chunks(rows: list[int], limit: int) -> list[tuple[int, int, int, int]]:

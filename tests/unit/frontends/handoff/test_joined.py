@@ -54,6 +54,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         (root / name / "config.pbtxt").write_text(
             MODEL.format(name=name, max_batch=max_batch, batching=batching)
             + 'version_policy: { all: {} }\n')
+    (root / "strings" / "1").mkdir(parents=True)  # BYTES: classification of its output fails as the model runs
+    (root / "strings" / "config.pbtxt").write_text(
+        'name: "strings"\nbackend: "identity"\nmax_batch_size: 16\n'
+        'input [ { name: "INPUT0" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+        'dynamic_batching { max_queue_delay_microseconds: 0 }\n')
     kiln_server = Server(ServerOptions(repositories=[Path(root)]))
     kiln_server.start()
     yield kiln_server
@@ -203,6 +209,26 @@ async def test_a_refused_joined_request_gives_each_member_its_own_error(link: Li
     assert await link.all_slots_back()
 
 
+async def test_a_joined_request_the_model_refuses_as_it_runs_fails_each_member_once(link: Link,
+                                                                                      server: Server) -> None:
+    """Refused while running (not on admission): the same answer for every member, as in any dynamic batch, and
+    the model neither runs again per member nor counts a member's failure twice."""
+    def failures() -> int:
+        return sum(s.fail.count for s in server.model_statistics("strings"))
+
+    before = failures()
+    requests = [InferRequest("strings", [InputTensor("INPUT0", DataType.BYTES, (1, 1),
+                                                     np.array([[b"x"]], dtype=object))],
+                             outputs=[RequestedOutput("OUTPUT0", classification=2)], id=f"s{i}")
+                for i in range(5)]
+    answers = await _send(link, requests)
+    assert link.kinds == [frames.INFER, frames.INFER_JOINED]
+    for answer in answers:
+        assert isinstance(answer, InvalidArgumentError) and "classification needs a numeric output" in answer.message
+    assert failures() - before == 5
+    assert await link.all_slots_back()
+
+
 async def test_ab_weights_route_each_member_on_its_own(link: Link, server: Server) -> None:
     server.set_routing("batched", weights={"1": 0.5, "2": 0.5})
     try:
@@ -304,3 +330,21 @@ def test_chunks_cut_members_at_the_row_limit() -> None:
     assert _chunks([3, 2, 4], 5) == [(0, 2, 0, 5), (2, 3, 5, 9)]
     assert _chunks([1, 1], 0) == [(0, 1, 0, 1), (1, 2, 1, 2)]
     assert _chunks([7], 4) == [(0, 1, 0, 7)]  # too big alone: runs alone and is refused with its own error
+
+
+def test_call_ids_do_not_run_out() -> None:
+    """A worker counts call ids up for as long as it runs: past 2**32 (days at tens of thousands a second)."""
+    header = frames.HEADER.unpack(frames.frame(2**40 + 7, frames.INFER)[:frames.HEADER.size])
+    assert header == (0, 2**40 + 7, frames.INFER)
+
+
+def test_a_joined_answer_is_cut_by_member_only_where_every_output_has_the_rows() -> None:
+    from kiln.frontends.handoff.infer import _rows_split
+
+    def answer(*shapes: tuple[int, ...]) -> InferResponse:
+        return InferResponse("m", "1", [OutputTensor(f"O{i}", DataType.INT32, shape, np.zeros(shape, np.int32))
+                                        for i, shape in enumerate(shapes)])
+
+    assert _rows_split(answer((4, 3), (4,)), 4)
+    assert not _rows_split(answer((4, 3), (1, 3)), 4)  # a per-batch output: no member's rows to cut
+    assert not _rows_split(answer((4, 3), ()), 4)  # a scalar
