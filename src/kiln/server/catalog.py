@@ -10,7 +10,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from kiln.config.repository import restrict, scan_repositories
+from kiln.config.repository import scan_repositories
 from kiln.errors import (
     InvalidArgumentError,
     KilnError,
@@ -34,7 +34,6 @@ class ModelCatalog:
 
     def __init__(self, options: ManagerOptions) -> None:
         self.repositories = list(options.repositories)
-        self._serve_models = options.serve_models
         self.models: dict[str, ModelRecord] = {}
         self.observers: list[RequestObserver] = []  # one list shared by every model's statistics
         self.manager = RepositoryManager(options, self.models, self.observers, self.dispatch_step)
@@ -131,8 +130,7 @@ class ModelCatalog:
 
     def _scan_names(self) -> list[str]:
         try:
-            scan = scan_repositories(self.repositories)
-            return list(scan.models if self._serve_models is None else restrict(scan, self._serve_models).models)
+            return list(self.manager.scan().models)
         except KilnError:
             return []
 

@@ -83,7 +83,7 @@ class RepositoryManager:
 
     def start(self) -> list[str]:
         """Load what the control mode says to load at start-up. Returns the names that failed."""
-        scan = self._scan()
+        scan = self.scan()
         names = sorted(scan.models)
         if self.options.control_mode == "explicit":
             wanted = set(names) if "*" in self.options.load_models else set(self.options.load_models)
@@ -120,7 +120,7 @@ class RepositoryManager:
             raise UnsupportedError(f"polling needs --model-control-mode=poll (the mode is "
                                    f"'{self.options.control_mode}')")
         with self._lock:
-            scan = self._scan()
+            scan = self.scan()
             self._mark_duplicates(scan)
             changed: list[str] = []
             for name, path in sorted(scan.models.items(), key=lambda item: self._is_ensemble_folder(item[0])):
@@ -139,10 +139,11 @@ class RepositoryManager:
         """Explicit mode: (re)load ``name``, optionally from a staged folder or with a config override."""
         self._require_explicit("load", name)
         with self._lock:
-            if self.options.serve_models is not None and name not in self._scan().models:
+            scanned = self.scan().models
+            if self.options.serve_models is not None and name not in scanned:
                 raise ModelNotFoundError(f"failed to load '{name}': not among the models this server serves "
                                          f"({', '.join(self.options.serve_models) or 'none'})")
-            folder = path or self._scan().models.get(name)
+            folder = path or scanned.get(name)
             if folder is None:
                 raise ModelNotFoundError(f"failed to load '{name}': no model folder named '{name}' in "
                                          f"{', '.join(str(r) for r in self.options.repositories)}")
@@ -343,7 +344,7 @@ class RepositoryManager:
 
     def _load_composing(self, spec: ModelSpec, seen: set[str]) -> None:
         """Explicit mode: loading an ensemble loads the models its steps call that are not loaded yet."""
-        scan = self._scan()
+        scan = self.scan()
         for model in sorted(_step_models(spec) - seen):
             seen.add(model)
             record = self.models.get(model)
@@ -360,13 +361,14 @@ class RepositoryManager:
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
-    def _scan(self) -> RepositoryScan:
+    def scan(self) -> RepositoryScan:
+        """The model folders this server may serve (all, or the part ``serve_models`` names)."""
         scan = scan_repositories(list(self.options.repositories))
         if self.options.serve_models is None:
             return scan
         # The steps of the ensembles loaded now stay too: a newly published ensemble config that is broken, or
         # names other steps and then fails to load, leaves the served ensemble and so its steps in place.
-        called = set().union(*(_step_models(r.spec) for r in self.models.values() if r.wanted))
+        called = set().union(*(_step_models(r.spec) for r in list(self.models.values()) if r.wanted))
         return restrict(scan, (*self.options.serve_models, *sorted(called)))
 
     def _mark_duplicates(self, scan: RepositoryScan) -> None:
