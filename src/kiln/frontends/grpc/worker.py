@@ -51,7 +51,7 @@ from kiln.frontends.grpc.bridge import (
 )
 from kiln.frontends.grpc.server import GrpcConnectionLimits
 from kiln.frontends.handoff.arena import Arena, inherited_arena
-from kiln.frontends.handoff.calls import Answer, InferCalls, Refused, joining_enabled
+from kiln.frontends.handoff.calls import DEFAULT_HOLD, Answer, InferCalls, Refused, join_hold, joining_enabled
 from kiln.frontends.handoff.frames import unpack_offsets
 from kiln.v2 import grpc_codec as codec
 from kiln.v2._generated import grpc_service_pb2 as pb
@@ -77,7 +77,7 @@ class BridgeClient:
     side's (ModelInfer inputs) and the server process's (outputs); None where the platform gave none."""
 
     def __init__(self, request_arena: Arena | None = None, response_arena: Arena | None = None,
-                 join: bool = True) -> None:
+                 join: bool = True, hold: int = DEFAULT_HOLD) -> None:
         self._request_arena = request_arena
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
@@ -87,7 +87,7 @@ class BridgeClient:
         self._calls = InferCalls(self.protocol, self._releases, self._ids, request_arena, response_arena,
                                  infer_frame=lambda call, payload: frame(call, INFER, payload),
                                  joined_frame=lambda call, payload: frame(call, INFER_JOINED, payload),
-                                 answer_kind=ANSWER, joined_kind=JOINED_ANSWER, join=join)
+                                 answer_kind=ANSWER, joined_kind=JOINED_ANSWER, join=join, hold=hold)
 
     def _on_frame(self, call: int, kind: int, method: int, payload: bytes) -> None:
         if kind == RELEASE:
@@ -268,7 +268,7 @@ def _watch_handler(bridge: BridgeClient) -> Any:
 async def run(args: argparse.Namespace) -> int:
     address, max_message_bytes, grace_s = args.address, args.max_message_bytes, args.grace
     bridge = BridgeClient(inherited_arena(args.request_arena_fd), inherited_arena(args.response_arena_fd),
-                          join=joining_enabled())
+                          join=joining_enabled(), hold=join_hold())
     await asyncio.get_running_loop().create_unix_connection(lambda: bridge.protocol,
                                                             sock=socket.socket(fileno=args.link_fd))
     server = grpc.aio.server(options=[

@@ -20,6 +20,7 @@ from kiln.frontends.grpc.bridge import BridgeCore
 from kiln.frontends.grpc.server import GrpcConnectionLimits, ReadinessHealth
 from kiln.frontends.grpc.servicer import GRPCInferenceService
 from kiln.frontends.handoff.arena import ARENA_BYTES, Arena, create_arena_file
+from kiln.frontends.handoff.calls import join_hold
 from kiln.frontends.handoff.supervisor import WorkerPool
 from kiln.server.server import Server
 
@@ -41,6 +42,7 @@ class GrpcWorkers:
         self._core = BridgeCore(server, GRPCInferenceService(server), ReadinessHealth(server), self._pool.hello)
 
     async def start(self) -> None:
+        join_hold()  # a bad KILN_JOIN_HOLD stops kiln serve here, not each worker as it starts
         await self._pool.start(self._address)
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:

@@ -4,9 +4,14 @@ A request that finds the worker idle (no infer call of its own outstanding) leav
 Otherwise it waits for the end of the event-loop turn, and the requests of that turn that share a join key
 (kiln.v2.joined) leave together as one joined request: the server process then does its per-request work (reading
 the descriptor, admission, validation, the batcher's queue, the answer's descriptor and frame) once for all of them,
-which is what bounds a server fed by several worker processes (docs/serving.md, "HTTP workers"). Clients whose
-answers came back together send their next requests in the same turn, so under load requests keep leaving in
-groups, while a lone client's request waits for nothing.
+which is what bounds a server fed by several worker processes (docs/serving.md, "HTTP workers").
+
+Under load a turn holds few requests (the worker is not the busy process), so a key with ``hold`` calls already in
+flight keeps its new requests until one of those calls is answered; they then leave as one. This is the batch the
+server would have formed anyway while the earlier calls ran, formed where it costs nothing, and a lone client's
+request still waits for nothing: with fewer than ``hold`` calls in flight it leaves at the end of its turn. No request
+is held longer than ``MAX_HOLD_S``: a model whose batcher waits for company (a queue delay, preferred sizes) gets it
+after that even while its calls in flight wait for the held requests.
 
 Every request has a call id of its own; a joined request's members have consecutive ones, and the server process
 answers a run of them with one answer on the first one's id (``joined_kind``, its outputs holding their rows in
@@ -21,7 +26,7 @@ import os
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
-from kiln.errors import InternalError
+from kiln.errors import ConfigError, InternalError
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import FrameProtocol, Releases
 from kiln.frontends.handoff.tensors import (
@@ -45,9 +50,28 @@ arena slot go."""
 Framer = Callable[[int, bytes], bytes]  # (call id, descriptor) -> frame
 
 
+HOLD_VARIABLE = "KILN_JOIN_HOLD"
+"""Calls in flight per join key before a worker holds that key's next requests for an answer (default
+``DEFAULT_HOLD``); 0 sends them at the end of their event-loop turn whatever is in flight."""
+DEFAULT_HOLD = 2  # one call running while the next one forms: the GPU is never left without the next batch
+MAX_HOLD_S = 0.001
+
+
 def joining_enabled() -> bool:
     """What this worker's environment says about joining (on unless ``KILN_JOIN_REQUESTS`` turns it off)."""
     return os.environ.get(JOIN_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def join_hold() -> int:
+    """What this process's environment says about holding (``KILN_JOIN_HOLD``); the server process reads it before
+    it starts workers, so a bad value stops `kiln serve` rather than every worker."""
+    value = os.environ.get(HOLD_VARIABLE, "").strip()
+    if not value:
+        return DEFAULT_HOLD
+    if not value.isdigit():
+        raise ConfigError(f"environment variable {HOLD_VARIABLE} is {value!r}; expected a whole number of calls in "
+                          f"flight per model (0 never holds requests; default {DEFAULT_HOLD})")
+    return int(value)
 
 
 class Refused(Exception):
@@ -60,11 +84,23 @@ class Refused(Exception):
         self.payload = payload
 
 
+class _Group:
+    """The members of one call (a joined request, or one request) under a join key: the key's call is in flight
+    until each member is answered."""
+
+    __slots__ = ("key", "unanswered")
+
+    def __init__(self, key: Hashable, members: int) -> None:
+        self.key = key
+        self.unanswered = members
+
+
 @dataclass
 class _Sent:
     future: asyncio.Future[Answer]
     rows: int
     request_id: str
+    group: _Group | None = None
 
 
 class _SharedSlot:
@@ -89,11 +125,13 @@ class InferCalls:
     """One worker's infer calls over its link. ``infer_frame``/``joined_frame`` frame a request's and a joined
     request's descriptor in the link's words; ``answer_kind``/``joined_kind`` are the frame kinds of an answer to
     one request and to a run of joined members (any other kind on an infer call's id is its error). ``join``
-    False sends every request on its own (benchmarks/handoff_ceiling.py measures both)."""
+    False sends every request on its own; ``hold`` is the calls in flight per join key past which new requests wait
+    for an answer (0: never; benchmarks/handoff_ceiling.py measures each), for at most ``max_hold_s``."""
 
     def __init__(self, protocol: FrameProtocol, releases: Releases, ids: Iterator[int], request_arena: Arena | None,
                  response_arena: Arena | None, *, infer_frame: Framer, joined_frame: Framer, answer_kind: int,
-                 joined_kind: int, join: bool = True) -> None:
+                 joined_kind: int, join: bool = True, hold: int = DEFAULT_HOLD,
+                 max_hold_s: float = MAX_HOLD_S) -> None:
         self._protocol = protocol
         self._releases = releases
         self._ids = ids
@@ -104,9 +142,14 @@ class InferCalls:
         self._answer_kind = answer_kind
         self._joined_kind = joined_kind
         self._join = join
+        self._hold = hold
+        self._max_hold_s = max_hold_s
         self._sent: dict[int, _Sent] = {}
         self._waiting: list[tuple[Hashable, InferRequest, asyncio.Future[Answer]]] = []
+        self._in_flight: dict[Hashable, int] = {}  # calls per join key not yet answered in full
         self._scheduled = False
+        self._hold_timer: asyncio.TimerHandle | None = None
+        self._hold_over = False
         protocol.closed.add_done_callback(self._lost)
 
     async def infer(self, request: InferRequest, routing_key: str | None = None) -> Answer:
@@ -115,17 +158,15 @@ class InferCalls:
             raise Refused(LOST)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Answer] = loop.create_future()
-        key = join_key(request, routing_key) if self._join and (self._sent or self._waiting) else None
-        if key is None:
+        key = join_key(request, routing_key) if self._join else None
+        if key is None or not (self._sent or self._waiting):
             payload = encode_request(request, self._request_arena, routing_key)
             call = next(self._ids)
-            self._sent[call] = _Sent(future, 0, request.id)
+            self._sent[call] = _Sent(future, 0, request.id, None if key is None else self._group(key, 1))
             self._protocol.send(self._releases.take() + self._infer_frame(call, payload))
         else:
             self._waiting.append((key, request, future))
-            if not self._scheduled:
-                self._scheduled = True
-                loop.call_soon(self._flush)
+            self._schedule_flush()
         try:
             return await future
         except asyncio.CancelledError:  # an answer that came just before still holds its outputs' slot
@@ -141,6 +182,7 @@ class InferCalls:
         sent = self._sent.pop(call, None)
         if sent is None:
             return False
+        self._answered([sent])
         if kind == self._answer_kind:
             if sent.future.done():  # its client went away: nobody reads the outputs
                 self._give_back(response_slot(payload))
@@ -157,6 +199,7 @@ class InferCalls:
             self._give_back(slot)
             return
         present = [self._sent.pop(call + index) for index in range(members)]
+        self._answered(present)
         try:
             answers = split_response(response, [s.rows for s in present], [s.request_id for s in present])
         except Exception as exc:  # raised here it would close the link: it is these members' answer instead
@@ -176,9 +219,37 @@ class InferCalls:
         for future, answer in live:
             future.set_result((answer, release))
 
+    def _group(self, key: Hashable, members: int) -> _Group:
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        return _Group(key, members)
+
+    def _answered(self, sent: list[_Sent]) -> None:
+        """Members answered: a call answered in full lets its key's held requests leave at the end of the turn."""
+        for member in sent:
+            group = member.group
+            if group is None:
+                continue
+            group.unanswered -= 1
+            if group.unanswered == 0:
+                left = self._in_flight[group.key] - 1
+                if left:
+                    self._in_flight[group.key] = left
+                else:
+                    del self._in_flight[group.key]
+                if self._waiting:
+                    self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
     def _flush(self) -> None:
-        """The end of the turn: the requests waiting leave, joined by key."""
+        """The end of the turn: the requests waiting leave, joined by key, but for keys with ``hold`` calls in
+        flight, which keep theirs until an answer."""
         self._scheduled = False
+        hold = 0 if self._hold_over else self._hold
+        self._hold_over = False
         waiting, self._waiting = self._waiting, []
         groups: dict[Hashable, list[tuple[InferRequest, asyncio.Future[Answer]]]] = {}
         for key, request, future in waiting:
@@ -190,12 +261,26 @@ class InferCalls:
                     future.set_exception(Refused(LOST))
             return
         out = [self._releases.take()]
-        for members in groups.values():
+        for key, members in groups.items():
+            if hold and self._in_flight.get(key, 0) >= hold:
+                self._waiting.extend((key, request, future) for request, future in members)
+                continue
             for start in range(0, len(members), MAX_MEMBERS):
-                out.append(self._send(members[start:start + MAX_MEMBERS]))
+                out.append(self._send(key, members[start:start + MAX_MEMBERS]))
         self._protocol.send(b"".join(out))
+        if not self._waiting and self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        elif self._waiting and self._hold_timer is None:
+            self._hold_timer = asyncio.get_running_loop().call_later(self._max_hold_s, self._end_hold)
 
-    def _send(self, members: list[tuple[InferRequest, asyncio.Future[Answer]]]) -> bytes:
+    def _end_hold(self) -> None:
+        """``max_hold_s`` since requests were first held: the next flush sends them whatever is in flight."""
+        self._hold_timer = None
+        self._hold_over = True
+        self._schedule_flush()
+
+    def _send(self, key: Hashable, members: list[tuple[InferRequest, asyncio.Future[Answer]]]) -> bytes:
         calls = [next(self._ids) for _ in members]  # consecutive: nothing else takes an id meanwhile
         try:
             if len(members) == 1:
@@ -206,8 +291,9 @@ class InferCalls:
             for _, future in members:
                 future.set_exception(exc)
             return b""
+        group = self._group(key, len(members))
         for call, (request, future) in zip(calls, members, strict=True):
-            self._sent[call] = _Sent(future, rows_of(request), request.id)
+            self._sent[call] = _Sent(future, rows_of(request), request.id, group)
         return data
 
     def _give_back(self, slot: int | None) -> None:
@@ -219,3 +305,6 @@ class InferCalls:
             if not sent.future.done():
                 sent.future.set_exception(Refused(LOST))
         self._sent.clear()
+        self._in_flight.clear()
+        if self._waiting:  # held requests: the flush fails them
+            self._schedule_flush()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import inherited_arena
-from kiln.frontends.handoff.calls import joining_enabled
+from kiln.frontends.handoff.calls import join_hold, joining_enabled
 from kiln.frontends.http.limits import HttpLimits
 from kiln.frontends.http.server import HttpServer, http_config
 from kiln.frontends.http.worker_app import CoreClient, WorkerApp
@@ -27,7 +27,7 @@ from kiln.frontends.http.worker_app import CoreClient, WorkerApp
 async def run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     core = CoreClient(inherited_arena(args.request_arena_fd), inherited_arena(args.response_arena_fd),
-                      join=joining_enabled())
+                      join=joining_enabled(), hold=join_hold())
     await loop.create_unix_connection(lambda: core.protocol, sock=socket.socket(fileno=args.link_fd))
     sockets = [socket.socket(fileno=int(fd)) for fd in args.listen_fds.split(",")]
     for sock in sockets:

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp
 
 from kiln.frontends.access import AccessPolicy, worker_environment
 from kiln.frontends.handoff.arena import ARENA_BYTES, Arena, create_arena_file
+from kiln.frontends.handoff.calls import join_hold
 from kiln.frontends.handoff.supervisor import WorkerPool
 from kiln.frontends.http import listener
 from kiln.frontends.http.core import CoreLink
@@ -61,6 +62,7 @@ class HttpWorkers:
 
     async def start(self) -> int:
         """Bind, start the workers, return the port once every worker listens."""
+        join_hold()  # a bad KILN_JOIN_HOLD stops kiln serve here, not each worker as it starts
         settings = self.settings
         first = listener.bind(settings.host, settings.port, BACKLOG, reuse_port=True)
         port = int(first[0].getsockname()[1])

@@ -16,10 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.errors import InvalidArgumentError
+from kiln.errors import ConfigError, InvalidArgumentError, UnavailableError
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena, create_arena_file
-from kiln.frontends.handoff.calls import JOIN_VARIABLE, joining_enabled
+from kiln.frontends.handoff.calls import (
+    DEFAULT_HOLD,
+    HOLD_VARIABLE,
+    JOIN_VARIABLE,
+    MAX_HOLD_S,
+    join_hold,
+    joining_enabled,
+)
 from kiln.frontends.handoff.infer import _chunks
 from kiln.frontends.handoff.tensors import decode_joined, encode_joined
 from kiln.frontends.http.core import CoreLink
@@ -42,6 +49,8 @@ MODELS = {
     "batched": (16, "dynamic_batching { max_queue_delay_microseconds: 0 }"),
     "small": (4, "dynamic_batching { max_queue_delay_microseconds: 0 }"),
     "unbatched": (16, ""),
+    # Waits for company: a batch below 4 rows runs only after 5 s.
+    "patient": (16, "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000 }"),
 }
 
 
@@ -89,7 +98,8 @@ async def link(server: Server) -> AsyncIterator[Link]:
         yield made
 
 
-async def _link(server: Server, join: bool) -> AsyncIterator[Link]:
+async def _link(server: Server, join: bool, hold: int = DEFAULT_HOLD,
+                max_hold_s: float = MAX_HOLD_S) -> AsyncIterator[Link]:
     arenas = []
     for _ in range(2):
         fd = create_arena_file(1 << 20)
@@ -105,7 +115,7 @@ async def _link(server: Server, join: bool) -> AsyncIterator[Link]:
             super()._on_frame(call, kind, payload)
 
     core = CountingLink(server, None, core_requests, core_responses, lambda: None)  # type: ignore[arg-type]
-    client = CoreClient(worker_requests, worker_responses, join=join)
+    client = CoreClient(worker_requests, worker_responses, join=join, hold=hold, max_hold_s=max_hold_s)
     ours, theirs = socket.socketpair()
     loop = asyncio.get_running_loop()
     await loop.create_connection(lambda: client.protocol, sock=ours)
@@ -262,6 +272,75 @@ async def test_with_joining_off_every_request_leaves_on_its_own(server: Server) 
         answers = await _send(unjoined, [_request("batched", _rows(i)) for i in range(4)])
         assert all(isinstance(a, InferResponse) for a in answers)
         assert unjoined.kinds == [frames.INFER] * 4
+
+
+def _infer_kinds(link: Link) -> list[int]:
+    """The infer frames the server process received (not the answers' slots the worker gave back)."""
+    return [kind for kind in link.kinds if kind in (frames.INFER, frames.INFER_JOINED)]
+
+
+async def _one_per_turn(link: Link, requests: list[InferRequest]) -> list[InferResponse | BaseException]:
+    """The first request, then each of the others in a turn of its own, as requests reach a worker from the
+    network one by one while the first is in flight."""
+    tasks = []
+    for request in requests:
+        tasks.append(asyncio.create_task(_send(link, [request])))
+        for _ in range(3):  # the request's turn and its flush
+            await asyncio.sleep(0)
+    return [answer for (answer,) in await asyncio.gather(*tasks)]
+
+
+@pytest.mark.parametrize(("hold", "kinds"), [(1, [frames.INFER, frames.INFER_JOINED]), (0, [frames.INFER] * 4)])
+async def test_requests_that_come_one_per_turn_are_held_while_their_model_has_calls_in_flight(
+        server: Server, hold: int, kinds: list[int]) -> None:
+    async for held in _link(server, join=True, hold=hold, max_hold_s=60):  # held until the answer, however slow
+        answers = await _one_per_turn(held, [_request("batched", _rows(i), f"h{i}") for i in range(4)])
+        for i, answer in enumerate(answers):
+            assert isinstance(answer, InferResponse) and answer.id == f"h{i}", answer
+            np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
+        # Held: the three that came while the first ran leave together once it is answered.
+        assert _infer_kinds(held) == kinds
+        assert await held.all_slots_back()
+
+
+async def test_held_requests_leave_after_max_hold_for_a_batcher_that_waits_for_them(server: Server) -> None:
+    """The first call waits in the batcher for the rows the worker holds; the hold ends after max_hold_s, so the
+    batch fills and runs without the 5 s queue delay."""
+    async for held in _link(server, join=True, hold=1, max_hold_s=0.1):  # the requests are all in by then
+        started = asyncio.get_running_loop().time()
+        answers = await _one_per_turn(held, [_request("patient", _rows(i)) for i in range(4)])
+        assert all(isinstance(a, InferResponse) for a in answers), answers
+        assert asyncio.get_running_loop().time() - started < 2.5
+        assert _infer_kinds(held) == [frames.INFER, frames.INFER_JOINED]
+
+
+async def test_held_requests_fail_as_unavailable_when_the_link_closes(server: Server) -> None:
+    async for held in _link(server, join=True, hold=1):
+        first = asyncio.create_task(_send(held, [_request("patient", _rows(0))]))  # waits 5 s for company
+        await asyncio.sleep(0)
+        second = asyncio.create_task(_send(held, [_request("patient", _rows(1))]))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # its flush held it: one call of its model in flight
+        held.client.protocol.transport.close()  # type: ignore[union-attr]
+        for task in (first, second):
+            (answer,) = await asyncio.wait_for(task, 2)
+            assert isinstance(answer, UnavailableError), answer
+
+
+@pytest.mark.parametrize(("value", "hold"), [(None, DEFAULT_HOLD), ("", DEFAULT_HOLD), ("0", 0), (" 4 ", 4)])
+def test_the_environment_sets_the_hold(monkeypatch: pytest.MonkeyPatch, value: str | None, hold: int) -> None:
+    if value is None:
+        monkeypatch.delenv(HOLD_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(HOLD_VARIABLE, value)
+    assert join_hold() == hold
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_a_bad_hold_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(HOLD_VARIABLE, value)
+    with pytest.raises(ConfigError, match=rf"{HOLD_VARIABLE} is '{value}'; expected a whole number"):
+        join_hold()
 
 
 @pytest.mark.parametrize(("value", "enabled"), [(None, True), ("1", True), ("0", False), ("off", False),
