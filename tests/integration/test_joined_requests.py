@@ -6,6 +6,9 @@ client request once."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,3 +101,15 @@ def test_http_bursts_through_the_workers_get_their_own_rows_and_ids(served: Kiln
 
 def test_grpc_bursts_through_the_workers_get_their_own_rows_and_ids(served: KilnProcess) -> None:
     assert asyncio.run(_grpc_bursts(served.grpc_url)) == []
+
+
+@pytest.mark.parametrize("flags", [("--http-workers", "2"), ("--http-workers", "0", "--grpc-workers", "2")])
+def test_a_bad_join_hold_stops_kiln_serve_at_start_with_its_name(tmp_path: Path, flags: tuple[str, ...]) -> None:
+    (tmp_path / "echo" / "1").mkdir(parents=True)
+    (tmp_path / "echo" / "config.pbtxt").write_text(ECHO)
+    env = {**os.environ, "KILN_JOIN_HOLD": "two"}
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", "--model-repository", str(tmp_path),
+                           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", *flags],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "KILN_JOIN_HOLD is 'two'; expected a whole number" in done.stderr
