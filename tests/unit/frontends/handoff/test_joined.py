@@ -279,14 +279,21 @@ def _infer_kinds(link: Link) -> list[int]:
     return [kind for kind in link.kinds if kind in (frames.INFER, frames.INFER_JOINED)]
 
 
-async def _one_per_turn(link: Link, requests: list[InferRequest]) -> list[InferResponse | BaseException]:
+async def _one_per_turn(link: Link, requests: list[InferRequest],
+                        pause: bool = False) -> list[InferResponse | BaseException]:
     """The first request, then each of the others in a turn of its own, as requests reach a worker from the
-    network one by one while the first is in flight."""
+    network one by one while the first is in flight. ``pause``: the server process reads nothing until all are in
+    the worker's hands, so the first is still in flight however fast the model is."""
+    transport = link.core.protocol.transport
+    if pause:
+        transport.pause_reading()  # type: ignore[union-attr]
     tasks = []
     for request in requests:
         tasks.append(asyncio.create_task(_send(link, [request])))
         for _ in range(3):  # the request's turn and its flush
             await asyncio.sleep(0)
+    if pause:
+        transport.resume_reading()  # type: ignore[union-attr]
     return [answer for (answer,) in await asyncio.gather(*tasks)]
 
 
@@ -294,7 +301,7 @@ async def _one_per_turn(link: Link, requests: list[InferRequest]) -> list[InferR
 async def test_requests_that_come_one_per_turn_are_held_while_their_model_has_calls_in_flight(
         server: Server, hold: int, kinds: list[int]) -> None:
     async for held in _link(server, join=True, hold=hold, max_hold_s=60):  # held until the answer, however slow
-        answers = await _one_per_turn(held, [_request("batched", _rows(i), f"h{i}") for i in range(4)])
+        answers = await _one_per_turn(held, [_request("batched", _rows(i), f"h{i}") for i in range(4)], pause=True)
         for i, answer in enumerate(answers):
             assert isinstance(answer, InferResponse) and answer.id == f"h{i}", answer
             np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
