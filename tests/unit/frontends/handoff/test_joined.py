@@ -92,6 +92,11 @@ class Link:
         return False
 
 
+def _infer_kinds(link: Link) -> list[int]:
+    """The infer frames the server process received (not the answers' slots the worker gave back)."""
+    return [kind for kind in link.kinds if kind in (frames.INFER, frames.INFER_JOINED)]
+
+
 @pytest.fixture
 async def link(server: Server) -> AsyncIterator[Link]:
     async for made in _link(server, join=True):
@@ -160,7 +165,7 @@ async def test_requests_of_one_turn_go_as_one_and_each_gets_its_own_rows(link: L
     requests = [_request("batched", _rows(i, rows), f"id-{i}") for i, rows in enumerate(sizes)]
     answers = await _send(link, requests)
     # The first leaves at once, the four that followed it in the same turn as one.
-    assert link.kinds == [frames.INFER, frames.INFER_JOINED]
+    assert _infer_kinds(link) == [frames.INFER, frames.INFER_JOINED]
     for i, (answer, rows) in enumerate(zip(answers, sizes, strict=True)):
         assert isinstance(answer, InferResponse), answer
         assert answer.id == f"id-{i}" and answer.outputs[0].shape == (rows, 3)
@@ -174,7 +179,7 @@ async def test_requests_of_one_turn_go_as_one_and_each_gets_its_own_rows(link: L
 
 async def test_a_lone_request_leaves_alone_and_different_shapes_do_not_join(link: Link) -> None:
     (answer,) = await _send(link, [_request("batched", _rows(7))])
-    assert isinstance(answer, InferResponse) and link.kinds == [frames.INFER]
+    assert isinstance(answer, InferResponse) and _infer_kinds(link) == [frames.INFER]
     link.kinds.clear()
     odd = np.arange(4, dtype=np.int32).reshape(1, 4)  # wrong for the model: refused on its own
     answers = await _send(link, [_request("batched", _rows(1)), _request("batched", odd),
@@ -187,7 +192,7 @@ async def test_a_lone_request_leaves_alone_and_different_shapes_do_not_join(link
 async def test_members_of_a_model_without_dynamic_batching_run_one_by_one(link: Link, server: Server) -> None:
     before = _success(server, "unbatched")
     answers = await _send(link, [_request("unbatched", _rows(i), f"u{i}") for i in range(4)])
-    assert link.kinds == [frames.INFER, frames.INFER_JOINED]
+    assert _infer_kinds(link) == [frames.INFER, frames.INFER_JOINED]
     for i, answer in enumerate(answers):
         assert isinstance(answer, InferResponse) and answer.id == f"u{i}"
         np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
@@ -204,7 +209,7 @@ async def test_a_joined_request_over_max_batch_size_runs_in_chunks(link: Link, s
         np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
     after = _success(server, "small")
     assert (after[0] - before[0], after[1] - before[1]) == (10, 10)
-    assert link.kinds == [frames.INFER, frames.INFER_JOINED]
+    assert _infer_kinds(link) == [frames.INFER, frames.INFER_JOINED]
     assert 3 <= after[2] - before[2] <= 4  # the first alone, then 4 + 4 + 1 rows (the ones may share a batch)
     assert await link.all_slots_back()
 
@@ -212,7 +217,7 @@ async def test_a_joined_request_over_max_batch_size_runs_in_chunks(link: Link, s
 async def test_a_refused_joined_request_gives_each_member_its_own_error(link: Link) -> None:
     wrong = [_request("batched", np.zeros((1, 5), np.int32), f"w{i}") for i in range(3)]
     answers = await _send(link, wrong)
-    assert link.kinds == [frames.INFER, frames.INFER_JOINED]
+    assert _infer_kinds(link) == [frames.INFER, frames.INFER_JOINED]
     for answer in answers:
         # The member's own shape, not the joined request's [3, 5].
         assert isinstance(answer, InvalidArgumentError) and "[1, 5]" in answer.message, answer
@@ -232,7 +237,7 @@ async def test_a_joined_request_the_model_refuses_as_it_runs_fails_each_member_o
                              outputs=[RequestedOutput("OUTPUT0", classification=2)], id=f"s{i}")
                 for i in range(5)]
     answers = await _send(link, requests)
-    assert link.kinds == [frames.INFER, frames.INFER_JOINED]
+    assert _infer_kinds(link) == [frames.INFER, frames.INFER_JOINED]
     for answer in answers:
         assert isinstance(answer, InvalidArgumentError) and "classification needs a numeric output" in answer.message
     assert failures() - before == 5
@@ -271,12 +276,7 @@ async def test_with_joining_off_every_request_leaves_on_its_own(server: Server) 
     async for unjoined in _link(server, join=False):
         answers = await _send(unjoined, [_request("batched", _rows(i)) for i in range(4)])
         assert all(isinstance(a, InferResponse) for a in answers)
-        assert unjoined.kinds == [frames.INFER] * 4
-
-
-def _infer_kinds(link: Link) -> list[int]:
-    """The infer frames the server process received (not the answers' slots the worker gave back)."""
-    return [kind for kind in link.kinds if kind in (frames.INFER, frames.INFER_JOINED)]
+        assert _infer_kinds(unjoined) == [frames.INFER] * 4
 
 
 async def _one_per_turn(link: Link, requests: list[InferRequest],
