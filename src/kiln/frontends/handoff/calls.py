@@ -7,7 +7,9 @@ the descriptor, admission, validation, the batcher's queue, the answer's descrip
 which is what bounds a server fed by several worker processes (docs/serving.md, "HTTP workers").
 
 Under load a turn holds few requests (the worker is not the busy process), so a key with ``hold`` calls already in
-flight keeps its new requests until one of those calls is answered; they then leave as one. This is the batch the
+flight keeps its new requests until one of those calls is answered; they then leave as one. Only keys whose joined
+requests the server process answered as one batch are held: for a model that runs its members one by one (no
+dynamic batching, A/B weights), a held group would only wait for its slowest member. This is the batch the
 server would have formed anyway while the earlier calls ran, formed where it costs nothing, and a lone client's
 request still waits for nothing: with fewer than ``hold`` calls in flight it leaves at the end of its turn. No request
 is held longer than ``MAX_HOLD_S``: a model whose batcher waits for company (a queue delay, preferred sizes) gets it
@@ -55,6 +57,7 @@ HOLD_VARIABLE = "KILN_JOIN_HOLD"
 ``DEFAULT_HOLD``); 0 sends them at the end of their event-loop turn whatever is in flight."""
 DEFAULT_HOLD = 2  # one call running while the next one forms: the GPU is never left without the next batch
 MAX_HOLD_S = 0.001
+MAX_KEYS = 1024
 
 
 def joining_enabled() -> bool:
@@ -88,10 +91,11 @@ class _Group:
     """The members of one call (a joined request, or one request) under a join key: the key's call is in flight
     until each member is answered."""
 
-    __slots__ = ("key", "unanswered")
+    __slots__ = ("key", "members", "unanswered")
 
     def __init__(self, key: Hashable, members: int) -> None:
         self.key = key
+        self.members = members
         self.unanswered = members
 
 
@@ -147,6 +151,7 @@ class InferCalls:
         self._sent: dict[int, _Sent] = {}
         self._waiting: list[tuple[Hashable, InferRequest, asyncio.Future[Answer]]] = []
         self._in_flight: dict[Hashable, int] = {}  # calls per join key not yet answered in full
+        self._batches: dict[Hashable, bool] = {}  # per join key: its last joined request was answered as one
         self._scheduled = False
         self._hold_timer: asyncio.TimerHandle | None = None
         self._hold_over = False
@@ -183,6 +188,8 @@ class InferCalls:
         if sent is None:
             return False
         self._answered([sent])
+        if kind == self._answer_kind and sent.group is not None and sent.group.members > 1:
+            self._learn(sent.group.key, batches=False)  # a joined request's member answered on its own
         if kind == self._answer_kind:
             if sent.future.done():  # its client went away: nobody reads the outputs
                 self._give_back(response_slot(payload))
@@ -199,6 +206,8 @@ class InferCalls:
             self._give_back(slot)
             return
         present = [self._sent.pop(call + index) for index in range(members)]
+        if present[0].group is not None:
+            self._learn(present[0].group.key, batches=True)
         self._answered(present)
         try:
             answers = split_response(response, [s.rows for s in present], [s.request_id for s in present])
@@ -222,6 +231,11 @@ class InferCalls:
     def _group(self, key: Hashable, members: int) -> _Group:
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
         return _Group(key, members)
+
+    def _learn(self, key: Hashable, batches: bool) -> None:
+        if len(self._batches) >= MAX_KEYS and key not in self._batches:
+            self._batches.clear()  # keys hold shapes: a client varying them must not grow this without bound
+        self._batches[key] = batches
 
     def _answered(self, sent: list[_Sent]) -> None:
         """Members answered: a call answered in full lets its key's held requests leave at the end of the turn."""
@@ -262,7 +276,7 @@ class InferCalls:
             return
         out = [self._releases.take()]
         for key, members in groups.items():
-            if hold and self._in_flight.get(key, 0) >= hold:
+            if hold and self._in_flight.get(key, 0) >= hold and self._batches.get(key, False):
                 self._waiting.extend((key, request, future) for request, future in members)
                 continue
             for start in range(0, len(members), MAX_MEMBERS):

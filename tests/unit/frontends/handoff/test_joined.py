@@ -297,11 +297,24 @@ async def _one_per_turn(link: Link, requests: list[InferRequest],
     return [answer for (answer,) in await asyncio.gather(*tasks)]
 
 
-@pytest.mark.parametrize(("hold", "kinds"), [(1, [frames.INFER, frames.INFER_JOINED]), (0, [frames.INFER] * 4)])
+async def _burst_first(link: Link, model: str) -> None:
+    """Requests of one turn, joined: the worker learns from the answer whether the model ran them as one batch."""
+    answers = await _send(link, [_request(model, _rows(i)) for i in range(3)])
+    assert all(isinstance(a, InferResponse) for a in answers), answers
+    assert _infer_kinds(link) == [frames.INFER, frames.INFER_JOINED]
+    link.kinds.clear()
+
+
+@pytest.mark.parametrize(("hold", "model", "kinds"), [
+    (1, "batched", [frames.INFER, frames.INFER_JOINED]),
+    (0, "batched", [frames.INFER] * 4),  # holding off: each leaves at the end of its turn
+    (1, "unbatched", [frames.INFER] * 4),  # its members run one by one: a held group would wait for the slowest
+])
 async def test_requests_that_come_one_per_turn_are_held_while_their_model_has_calls_in_flight(
-        server: Server, hold: int, kinds: list[int]) -> None:
+        server: Server, hold: int, model: str, kinds: list[int]) -> None:
     async for held in _link(server, join=True, hold=hold, max_hold_s=60):  # held until the answer, however slow
-        answers = await _one_per_turn(held, [_request("batched", _rows(i), f"h{i}") for i in range(4)], pause=True)
+        await _burst_first(held, model)
+        answers = await _one_per_turn(held, [_request(model, _rows(i), f"h{i}") for i in range(4)], pause=True)
         for i, answer in enumerate(answers):
             assert isinstance(answer, InferResponse) and answer.id == f"h{i}", answer
             np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
@@ -314,6 +327,8 @@ async def test_held_requests_leave_after_max_hold_for_a_batcher_that_waits_for_t
     """The first call waits in the batcher for the rows the worker holds; the hold ends after max_hold_s, so the
     batch fills and runs without the 5 s queue delay."""
     async for held in _link(server, join=True, hold=1, max_hold_s=0.1):  # the requests are all in by then
+        await _send(held, [_request("patient", _rows(i)) for i in range(4)])  # 4 rows: no delay; learnt: it batches
+        held.kinds.clear()
         started = asyncio.get_running_loop().time()
         answers = await _one_per_turn(held, [_request("patient", _rows(i)) for i in range(4)])
         assert all(isinstance(a, InferResponse) for a in answers), answers
@@ -323,6 +338,7 @@ async def test_held_requests_leave_after_max_hold_for_a_batcher_that_waits_for_t
 
 async def test_held_requests_fail_as_unavailable_when_the_link_closes(server: Server) -> None:
     async for held in _link(server, join=True, hold=1):
+        await _send(held, [_request("patient", _rows(i)) for i in range(4)])  # learnt: it batches
         first = asyncio.create_task(_send(held, [_request("patient", _rows(0))]))  # waits 5 s for company
         await asyncio.sleep(0)
         second = asyncio.create_task(_send(held, [_request("patient", _rows(1))]))
