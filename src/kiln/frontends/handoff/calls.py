@@ -281,7 +281,9 @@ class InferCalls:
                 continue
             for start in range(0, len(members), MAX_MEMBERS):
                 out.append(self._send(key, members[start:start + MAX_MEMBERS]))
-        self._protocol.send(b"".join(out))
+        data = b"".join(out)
+        if data:  # nothing when every request is held
+            self._protocol.send(data)
         if not self._waiting and self._hold_timer is not None:
             self._hold_timer.cancel()
             self._hold_timer = None
