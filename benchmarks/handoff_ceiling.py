@@ -62,6 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", default="1,2", help="worker processes, comma-separated: a row each")
     parser.add_argument("--concurrency", default="1,16,64", help="requests in flight over all workers")
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--spread-turns", type=int, default=0,
+                        help="each client yields 0..N event-loop turns (uniform) before each request: answers that "
+                             "came back together lead to requests spread over turns, as requests from the network "
+                             "reach a worker (0: the next request leaves in the answer's turn)")
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--base-ms", type=float, default=0.2, help="stand-in device time per batch")
     parser.add_argument("--per-row-us", type=float, default=0.0, help="stand-in device time per image")
@@ -83,7 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if concurrency < workers:
                         continue
                     for mode, (join, hold) in MODES.items():  # side by side: the machine's drift falls on each
-                        row = asyncio.run(_measure(server, workers, concurrency, join, hold, args.seconds))
+                        row = asyncio.run(_measure(server, workers, concurrency, join, hold, args.seconds,
+                                                   args.spread_turns))
                         rows.append({"workers": workers, "concurrency": concurrency, "mode": mode, **row})
                         print(rows[-1], file=sys.stderr, flush=True)
         finally:
@@ -94,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         row["vs_one_by_one"] = row["requests_per_s"] / alone["requests_per_s"] if alone["requests_per_s"] else 0.0
     info = describe("kiln handoff ceiling: the server process's side of worker processes, against a device stand-in",
                     stand_in=f"{args.base_ms:g} ms per batch + {args.per_row_us:g} us per image, {args.instances} "
-                             f"instances, FP16 3x224x224 images, preferred [8, 32]; {args.seconds:g} s per row")
+                             f"instances, FP16 3x224x224 images, preferred [8, 32]; {args.seconds:g} s per row; "
+                             f"requests spread over 0-{args.spread_turns} turns")
     text = header(info) + "\n" + table(
         ["workers", "conc", "requests", "req/s", "vs one by one", "server cpu us/req", "avg batch"],
         [[r["workers"], r["concurrency"], r["mode"], r["requests_per_s"], f"{r['vs_one_by_one']:.2f}x",
@@ -107,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _measure(server: Server, workers: int, concurrency: int, join: bool, hold: int,
-                   seconds: float) -> dict[str, Any]:
+                   seconds: float, spread_turns: int) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     children: list[subprocess.Popen[bytes]] = []
     links: list[CoreLink] = []
@@ -124,7 +130,8 @@ async def _measure(server: Server, workers: int, concurrency: int, join: bool, h
         links.append(link)
         passed = [theirs.fileno(), *(fd for fd in fds if fd is not None)]
         command = [sys.executable, __file__, "--worker-child", str(theirs.fileno()),
-                   *(str(-1 if fd is None else fd) for fd in fds), str(share), str(seconds), str(int(join)), str(hold)]
+                   *(str(-1 if fd is None else fd) for fd in fds), str(share), str(seconds), str(int(join)), str(hold),
+                   str(spread_turns)]
         children.append(subprocess.Popen(command, pass_fds=passed, stdout=subprocess.PIPE))
         theirs.close()
         for fd in fds:
@@ -148,7 +155,7 @@ async def _measure(server: Server, workers: int, concurrency: int, join: bool, h
 
 
 def _worker_child(argv: list[str]) -> int:
-    link_fd, request_fd, response_fd, share, seconds, join, hold = argv
+    link_fd, request_fd, response_fd, share, seconds, join, hold, spread_turns = argv
     image = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float16)
 
     async def run() -> int:
@@ -159,17 +166,22 @@ def _worker_child(argv: list[str]) -> int:
         answered = 0
         stop = time.perf_counter() + float(seconds)
 
-        async def client() -> None:
+        async def client(index: int) -> None:
             nonlocal answered
             request = InferRequest(MODEL, [InputTensor("input", DataType.FP16, image.shape, image)])
+            turns = np.random.default_rng(index).integers(0, int(spread_turns) + 1, size=1 << 16)
+            sent = 0
             while time.perf_counter() < stop:
+                for _ in range(turns[sent % len(turns)]):
+                    await asyncio.sleep(0)
+                sent += 1
                 response, release = await core.infer(request, None)
                 if response.outputs[0].shape != (1, 1000):
                     raise RuntimeError(f"unexpected answer shape {response.outputs[0].shape}")
                 release()
                 answered += 1
 
-        await asyncio.gather(*(client() for _ in range(int(share))))
+        await asyncio.gather(*(client(index) for index in range(int(share))))
         return answered
 
     answered = asyncio.run(run())
