@@ -107,7 +107,7 @@ def test_handoff_ceiling_runs_each_row_one_by_one_joined_and_held(tmp_path: Path
     monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
     output = tmp_path / "handoff.json"
     assert run_main("handoff_ceiling", "--workers", "1", "--concurrency", "8", "--seconds", "0.5",
-                    "--spread-turns", "2", "--output", str(output)) == 0
+                    "--output", str(output)) == 0
     rows = read_json(output)["rows"]
     assert [row["mode"] for row in rows] == ["one by one", "joined per turn", "joined, held"]
     # The script itself checks the server counted every answer; joined requests form bigger batches.
