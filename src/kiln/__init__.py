@@ -4,7 +4,12 @@ The public API: :func:`load` a model into an :class:`Engine` and call ``engine.i
 protocol-free :class:`Server` over a model repository (what ``kiln serve`` puts behind HTTP and gRPC).
 """
 
+import os
 from typing import TYPE_CHECKING
+
+# ONNX Runtime 1.29+ sends usage telemetry to Microsoft from Linux too, read once when it initializes. A server
+# should not reach out on its users' behalf unasked: off unless the user set the variable (docs/security.md).
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # before any kiln module can import onnxruntime
 
 from kiln import errors
 from kiln.direct import load
