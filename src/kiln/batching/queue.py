@@ -76,7 +76,9 @@ class BatchQueue:
     def put(self, item: Pending) -> None:
         queue = self._levels[item.priority]
         limit = self.policy.queue_policy(item.priority).max_queue_size
-        if limit and len(queue) >= limit:
+        # A joined request (kiln.v2.joined) counts as the clients' requests it stands for, as they would queued
+        # one by one; one that does not fit whole is refused whole (its sender then queues its members alone).
+        if limit and sum(p.request.members for p in queue) + item.request.members > limit:
             raise QueueFullError(f"model '{self.model}': the queue of priority level {item.priority} is full "
                                  f"({limit} requests, max_queue_size); retry later")
         queue.append(item)

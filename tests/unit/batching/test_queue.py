@@ -130,3 +130,25 @@ def test_wake_time_accounts_for_the_next_deadline() -> None:
     q, make = queue(max_queue_delay_ns=10 * MS, queue_policies={1: QueuePolicy(timeout_us=3000)}), Requests()
     q.put(make(at_ns=0, deadline_ns=3 * MS))
     assert q.next_batch(0).wake_at_ns == 3 * MS
+
+
+def test_a_joined_request_counts_as_its_members_against_max_queue_size() -> None:
+    q, make = queue(queue_policies={1: QueuePolicy(max_queue_size=4)}), Requests()
+    q.put(make())
+    joined = make(rows=3)
+    joined.request.members = 3
+    q.put(joined)  # 1 + 3 fills the queue
+    with pytest.raises(QueueFullError, match="max_queue_size"):
+        q.put(make())
+
+
+def test_a_joined_request_that_does_not_fit_whole_is_refused_whole() -> None:
+    q, make = queue(queue_policies={1: QueuePolicy(max_queue_size=4)}), Requests()
+    q.put(make())
+    q.put(make())
+    joined = make(rows=3)
+    joined.request.members = 3
+    with pytest.raises(QueueFullError):
+        q.put(joined)
+    q.put(make())  # what was refused took no room
+    assert len(q) == 3

@@ -5,8 +5,9 @@ of numpy views on that arena (no copy), the Server answers it, and the outputs g
 link around it (HTTP's or gRPC's frames) only frames the answer descriptor or renders the typed error.
 
 A joined request (several clients' requests, kiln.v2.joined) runs as one where the Server allows it, in chunks of
-at most the model's max_batch_size rows; otherwise, or where a chunk is refused as invalid, each member runs on its
-own, so each client gets the answer or the error of its own request.
+at most the model's max_batch_size rows; otherwise, or where a chunk is refused as invalid or finds the queue too
+full for all of it (max_queue_size), each member runs on its own, so each client gets the answer or the error of
+its own request.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 
 import orjson
 
-from kiln.errors import ErrorCode, InvalidArgumentError, KilnError, error_for_code
+from kiln.errors import ErrorCode, InvalidArgumentError, KilnError, QueueFullError, error_for_code
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import unpack_offsets
 from kiln.frontends.handoff.tensors import decode_joined, decode_request, encode_response, member_count
@@ -82,6 +83,8 @@ class InferHandoff:
                     error = self._error(exc)
                     return [(index, error, 1) for index in range(first, stop)]
                 # refused before running: what is wrong may be one member's; each runs on its own, gets its own answer
+            except QueueFullError:
+                pass  # the queue has room for fewer: each member queues on its own, as it would have unjoined
             except Exception as exc:  # the same failure for each (the model, its engine, the server)
                 error = self._error(exc)
                 return [(index, error, 1) for index in range(first, stop)]

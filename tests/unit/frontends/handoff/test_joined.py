@@ -51,6 +51,9 @@ MODELS = {
     "unbatched": (16, ""),
     # Waits for company: a batch below 4 rows runs only after 5 s.
     "patient": (16, "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000 }"),
+    # Room for 4 waiting requests, which wait up to 0.2 s for a batch of 16.
+    "bounded": (16, "dynamic_batching { preferred_batch_size: [ 16 ] max_queue_delay_microseconds: 200000 "
+                    "default_queue_policy { max_queue_size: 4 } }"),
 }
 
 
@@ -241,6 +244,21 @@ async def test_a_joined_request_the_model_refuses_as_it_runs_fails_each_member_o
     for answer in answers:
         assert isinstance(answer, InvalidArgumentError) and "classification needs a numeric output" in answer.message
     assert failures() - before == 5
+    assert await link.all_slots_back()
+
+
+async def test_a_joined_request_counts_its_members_against_max_queue_size(link: Link) -> None:
+    """Six clients' requests for a queue with room for four: as many are refused as would have been unjoined,
+    each with its own error (UNAVAILABLE, as a client sees it), and the others are answered."""
+    answers = await _send(link, [_request("bounded", _rows(i), f"b{i}") for i in range(6)])
+    assert _infer_kinds(link)[:2] == [frames.INFER, frames.INFER_JOINED]
+    refused = [a for a in answers if isinstance(a, UnavailableError)]
+    answered = [a for a in answers if isinstance(a, InferResponse)]
+    assert len(refused) + len(answered) == 6, answers
+    # The lone first one may have run before the rest arrived: then four of the five fit, else three.
+    assert 1 <= len(refused) <= 2 and all("max_queue_size" in e.message for e in refused)
+    for answer in answered:
+        np.testing.assert_array_equal(answer.outputs[0].data, _rows(int(answer.id[1:])))
     assert await link.all_slots_back()
 
 
