@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http import httptools_impl
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("kiln.http")
@@ -155,6 +156,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._cancel_deadline()
         super().on_message_complete()
+
+    def on_body(self, body: bytes) -> None:
+        """uvicorn appends every chunk to a bytearray and hands the ASGI app a bytes copy of it: two copies of a
+        body that comes in one chunk (an image of a few hundred KB costs tens of microseconds each). A chunk that
+        finds nothing waiting is kept as it is instead; ``bytes(chunk)`` in uvicorn's receive is then the chunk
+        itself, and later chunks are appended as before."""
+        cycle = self.cycle
+        if cycle.body or cycle.response_complete or self.parser.should_upgrade():
+            super().on_body(body)
+            return
+        cycle.body = body  # type: ignore[assignment]  # bytes where uvicorn keeps a bytearray: read the same way
+        if len(body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.message_event.set()
 
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
