@@ -68,7 +68,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with :class:`HttpLimits` (the ``limits`` class attribute; see
     :func:`protocol_class`). A head over the size or count limit is answered 431, one not complete in time 408,
     and the connection is closed; a body not complete in time closes the connection (the request is then seen
-    as disconnected)."""
+    as disconnected). It also keeps a body chunk that finds nothing waiting as it is (:meth:`on_body`)."""
 
     limits = HttpLimits()
 
