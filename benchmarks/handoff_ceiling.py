@@ -4,11 +4,12 @@ The server process of `kiln serve --http-workers N` runs every worker's infer re
 its per-request work is what bounds it once several workers feed it (benchmarks/README.md). This script runs that
 server side as it runs there (a real ``kiln.Server`` with the device stand-in of scheduler_ceiling.py, and the HTTP
 workers' link, ``CoreLink``, on a Unix socket pair per worker with both shared-memory arenas) and replaces the
-workers' HTTP by coroutines that call the worker's ``CoreClient.infer`` in a loop, each in its own process. Each row
-runs three times side by side: requests sent one by one, joined the way workers join the requests of one event-loop
-turn (kiln.v2.joined, docs/serving.md "HTTP workers"), and joined with the requests held while a model has two calls
-in flight (the workers' default). It prints the requests/s the server answered, the server
-process's CPU per request, and the batch the server formed.
+workers' HTTP by coroutines that call the worker's ``CoreClient.infer`` in a loop, each in its own process. Both
+sides run on uvloop where it is installed, as `kiln serve` and its workers do. Each row runs three times side by
+side: requests sent one by one, joined the way workers join the requests of one event-loop turn (kiln.v2.joined,
+docs/serving.md "HTTP workers"), and joined with the requests held while a model has two calls in flight (the
+workers' default). It prints the requests/s the server answered, the server process's CPU per request, and the
+batch the server formed.
 
     python benchmarks/handoff_ceiling.py --output benchmarks/results/handoff_ceiling-<machine>-<date>.json
 
@@ -26,9 +27,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from _common import describe, header, int_list, table, write_outputs
@@ -50,6 +51,7 @@ output [ {{ name: "output" data_type: TYPE_FP32 dims: [ 1000 ] }} ]
 instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
 dynamic_batching {{ preferred_batch_size: [ 8, 32 ] }}
 """
+T = TypeVar("T")
 MODES = {"one by one": (False, 0), "joined per turn": (True, 0), "joined, held": (True, DEFAULT_HOLD)}
 """(join, hold) as kiln.frontends.handoff.calls.InferCalls takes them: the workers' default is the last."""
 
@@ -87,8 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if concurrency < workers:
                         continue
                     for mode, (join, hold) in MODES.items():  # side by side: the machine's drift falls on each
-                        row = asyncio.run(_measure(server, workers, concurrency, join, hold, args.seconds,
-                                                   args.spread_turns))
+                        row = _run(_measure(server, workers, concurrency, join, hold, args.seconds,
+                                            args.spread_turns))
                         rows.append({"workers": workers, "concurrency": concurrency, "mode": mode, **row})
                         print(rows[-1], file=sys.stderr, flush=True)
         finally:
@@ -154,6 +156,15 @@ async def _measure(server: Server, workers: int, concurrency: int, join: bool, h
             "wall_s": elapsed}
 
 
+def _run(main: Coroutine[Any, Any, T]) -> T:
+    """On uvloop where it is installed, as `kiln serve` and its workers run."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def _worker_child(argv: list[str]) -> int:
     link_fd, request_fd, response_fd, share, seconds, join, hold, spread_turns = argv
     image = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float16)
@@ -184,7 +195,7 @@ def _worker_child(argv: list[str]) -> int:
         await asyncio.gather(*(client(index) for index in range(int(share))))
         return answered
 
-    answered = asyncio.run(run())
+    answered = _run(run())
     print(json.dumps({"answered": answered}))
     return 0
 

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,13 +80,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = [f"--stand-in-ms={args.base_ms}", f"--stand-in-row-us={args.per_row_us}"]
         for workers in int_list(args.http_workers):
             serve_args = ["--http-workers", str(workers), *args.serve_args.split()]
-            with _served(repo, settings, serve_args, Path(tmp) / "serve.log") as (http_url, grpc_url, pid):
+            with _served(repo, settings, serve_args, Path(tmp) / "serve.log") as (http_url, grpc_url, metrics_url,
+                                                                                  pid):
                 for row in args.rows.split(","):
                     protocol, tensors = row.split(":")
                     for concurrency in int_list(args.concurrency):
                         with _cpu_use(pid) as cpu:
                             measured = _row(protocol, tensors, http_url, grpc_url if protocol == "grpc" else http_url,
-                                            concurrency, args)
+                                            metrics_url, concurrency, args)
                         rows.append({"http_workers": workers, **measured, "cpu": cpu})
                         print(rows[-1], flush=True)
     info = describe("kiln served ceiling: kiln serve against a device stand-in",
@@ -95,24 +97,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  else f"tritonclient in {args.client_processes} client processes") + "; "
                              f"{args.seconds:g} s per row; serve arguments: {args.serve_args or '-'}")
     text = header(info) + "\n" + table(
-        ["protocol", "tensors", "http workers", "conc", "req/s", "p50 ms", "avg batch", "core cpu", "busiest thread",
-         "workers cpu", "machine idle"],
+        ["protocol", "tensors", "http workers", "conc", "req/s", "p50 ms", "avg batch", "reqs/call", "core cpu",
+         "busiest thread", "workers cpu", "busiest worker", "machine idle"],
         [[r["protocol"], r["tensors"], r["http_workers"], r["concurrency"], r["requests_per_s"],
           "-" if r.get("p50_ms") is None else f"{r['p50_ms']:.2f}", f"{r['average_batch']:.2f}",
-          f"{r['cpu']['core']:.2f}", f"{r['cpu']['busiest_thread']:.2f}",
-          f"{r['cpu']['workers']:.2f}", f"{r['cpu']['machine_idle']:.0%}"] for r in rows],
+          f"{r['requests_per_call']:.2f}", f"{r['cpu']['core']:.2f}", f"{r['cpu']['busiest_thread']:.2f}",
+          f"{r['cpu']['workers']:.2f}", f"{r['cpu']['busiest_worker']:.2f}", f"{r['cpu']['machine_idle']:.0%}"]
+         for r in rows],
         numeric_from=2)
-    text += ("\ncpu columns: cores used on average during the row (1.00 = one core busy all the time); busiest "
-             "thread: the core process's busiest thread\n")
+    text += ("\nreqs/call: clients' requests per request the core process received (above 1 where worker processes "
+             "joined them; kiln_inference_joined_* metrics)\ncpu columns: cores used on average during the row (1.00 "
+             "= one core busy all the time); busiest thread: the core process's busiest thread; busiest worker: the "
+             "frontend worker process that used the most\n")
     print(text)
     write_outputs(args.output, {**info, "rows": rows}, text)
     return 0
 
 
 @contextlib.contextmanager
-def _served(repo: Path, settings: list[str], serve_args: list[str], log: Path) -> Iterator[tuple[str, str, int]]:
+def _served(repo: Path, settings: list[str], serve_args: list[str],
+            log: Path) -> Iterator[tuple[str, str, str, int]]:
     """`kiln serve --allow-client-shm` over ``repo``, started through this script so the stand-in is registered;
-    yields its HTTP and gRPC ``host:port`` and its process id."""
+    yields its HTTP, gRPC and metrics ``host:port`` and its process id."""
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     command = [sys.executable, __file__, "--serve-child", *settings, "serve", "--model-repository", str(repo),
                "--allow-client-shm", "true", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
@@ -121,7 +127,7 @@ def _served(repo: Path, settings: list[str], serve_args: list[str], log: Path) -
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         try:
             wait_ready(f"127.0.0.1:{http_port}", process, 60.0)
-            yield f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", process.pid
+            yield f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", f"127.0.0.1:{metrics_port}", process.pid
         finally:
             stop(process)
 
@@ -140,7 +146,7 @@ def _serve_child(argv: list[str]) -> int:
     return kiln_main(argv)
 
 
-def _row(protocol: str, tensors: str, http_url: str, url: str, concurrency: int,
+def _row(protocol: str, tensors: str, http_url: str, url: str, metrics_url: str, concurrency: int,
          args: argparse.Namespace) -> dict[str, Any]:
     import tritonclient.http as httpclient
 
@@ -148,6 +154,7 @@ def _row(protocol: str, tensors: str, http_url: str, url: str, concurrency: int,
     meta = stats.get_model_metadata(MODEL)
     (inp,), (out,) = meta["inputs"], meta["outputs"]
     before = _counts(stats)
+    joined_before = _joined(metrics_url)
     started = time.perf_counter()
     p50_ms: float | None = None
     if args.load_generator == "perf_analyzer":
@@ -158,10 +165,12 @@ def _row(protocol: str, tensors: str, http_url: str, url: str, concurrency: int,
         rate = served_rate(work, concurrency, args.client_processes)
     elapsed = time.perf_counter() - started
     after = _counts(stats)
+    joined, members, success = (a - b for a, b in zip(_joined(metrics_url), joined_before, strict=True))
+    calls = success - members + joined
     executions = after[1] - before[1]
     return {"protocol": protocol, "tensors": tensors, "concurrency": concurrency, "requests_per_s": rate,
             "p50_ms": p50_ms, "average_batch": (after[0] - before[0]) / executions if executions else 0.0,
-            "row_seconds": elapsed}
+            "requests_per_call": success / calls if calls else 0.0, "row_seconds": elapsed}
 
 
 def _perf_analyzer_rate(args: argparse.Namespace, protocol: str, tensors: str, url: str,
@@ -203,9 +212,10 @@ def _cpu_use(pid: int) -> Iterator[dict[str, float]]:
     after_machine = psutil.cpu_times()
     total = sum(after_machine) - sum(machine)
     thread_use = [t.user_time + t.system_time - threads.get(t.id, 0.0) for t in core.threads()]
-    workers = sum(_cpu_seconds(p) - spent[p.pid] for p in children if p.pid in spent)
+    each_worker = [_cpu_seconds(p) - spent[p.pid] for p in children if p.pid in spent]
     use.update(core=(_cpu_seconds(core) - spent[core.pid]) / elapsed, busiest_thread=max(thread_use) / elapsed,
-               workers=workers / elapsed, machine_idle=(after_machine.idle - machine.idle) / total if total else 0.0)
+               workers=sum(each_worker) / elapsed, busiest_worker=max(each_worker, default=0.0) / elapsed,
+               machine_idle=(after_machine.idle - machine.idle) / total if total else 0.0)
 
 
 def _cpu_seconds(process: Any) -> float:
@@ -214,6 +224,20 @@ def _cpu_seconds(process: Any) -> float:
     except Exception:  # a worker replaced meanwhile: its time is lost, the row says so by a lower figure
         return 0.0
     return float(times.user + times.system)
+
+
+def _joined(metrics_url: str) -> tuple[float, float, float]:
+    """The model's joined requests, the clients' requests they carried, and its successful requests (metrics)."""
+    text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10).read().decode()
+    names = ("kiln_inference_joined_request_success", "kiln_inference_joined_member_success",
+             "nv_inference_request_success")
+    values = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in values and f'model="{MODEL}"' in rest:
+            values[name] += float(rest.rsplit(" ", 1)[1])
+    joined, members, success = values.values()
+    return joined, members, success
 
 
 def _counts(client: Any) -> tuple[int, int]:

@@ -57,7 +57,10 @@ def test_served_ceiling_compares_http_worker_counts(tmp_path: Path) -> None:
     assert all(row["requests_per_s"] > 0 and row["average_batch"] >= 1 for row in rows), rows
     one, two = (row["cpu"] for row in rows)  # where the CPU went: with workers, the HTTP work leaves the core process
     assert one["core"] > 0 and 0 < one["busiest_thread"] <= one["core"] + 0.05 and one["workers"] == 0, one
-    assert two["workers"] > 0 and 0 <= two["machine_idle"] <= 1, two
+    assert two["workers"] > 0 and 0 < two["busiest_worker"] <= two["workers"] + 0.05, two
+    assert 0 <= two["machine_idle"] <= 1, two
+    # Without workers nothing is joined: one request per call; with them, at least that.
+    assert rows[0]["requests_per_call"] == 1 and rows[1]["requests_per_call"] >= 1, rows
 
 
 def test_shm_gpu_served_rows_on_a_cpu_model(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,6 +102,30 @@ def test_http_bursts_through_the_workers_get_their_own_rows_and_ids(served: Kiln
 
 def test_grpc_bursts_through_the_workers_get_their_own_rows_and_ids(served: KilnProcess) -> None:
     assert asyncio.run(_grpc_bursts(served.grpc_url)) == []
+
+
+def _joined_metrics(metrics_url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10).read().decode()
+    names = ("kiln_inference_joined_request_success", "kiln_inference_joined_member_success",
+             "nv_inference_request_success")
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition("{")
+        if name in names and 'model="echo"' in value:
+            found[name] = float(value.rsplit(" ", 1)[1])
+    return found
+
+
+def test_the_metrics_count_the_joined_requests_and_the_clients_requests_they_carried(served: KilnProcess) -> None:
+    before = _joined_metrics(served.metrics_url)
+    assert asyncio.run(_http_bursts(served.http_url)) == []
+    after = _joined_metrics(served.metrics_url)
+    joined, members, success = (after[n] - before[n] for n in (
+        "kiln_inference_joined_request_success", "kiln_inference_joined_member_success",
+        "nv_inference_request_success"))
+    assert success == BURST * ROUNDS
+    # Bursts of 24 reach two workers together: some leave joined, each join carrying at least two requests.
+    assert joined > 0 and 2 * joined <= members <= success
 
 
 @pytest.mark.parametrize("flags", [("--http-workers", "2"), ("--http-workers", "0", "--grpc-workers", "2")])

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from kiln.batching.answers import Answer, deliver
 from kiln.batching.inline import InlineRunner
 from kiln.batching.launched import LaunchRunner
-from kiln.batching.model import BatchModel, arrivals
+from kiln.batching.model import BatchModel, arrivals, joined_counts
 from kiln.batching.policy import BatchingPolicy
 from kiln.batching.queue import Batch, BatchQueue, Pending, batch_signature
 from kiln.engines.base import Engine
@@ -221,7 +221,8 @@ class DynamicBatcher:
                 self.model.stats.record_failure(end - pending.enqueued_ns, requests=pending.request.members)
             return [(pending, error) for pending in items]
         self._inline.observe(times)
-        self.model.stats.record_success(times, arrivals((p.enqueued_ns, p.request) for p in items), self._clock())
+        self.model.stats.record_success(times, arrivals((p.enqueued_ns, p.request) for p in items), self._clock(),
+                                        joined_counts(p.request for p in items))
         return list(zip(items, responses, strict=True))
 
     def _answer(self, answers: list[tuple[Pending, InferResponse | BaseException]]) -> None:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Hashable
 
 from kiln.batching.admission import Admission
-from kiln.batching.model import BatchModel, ExecutionTimes, arrivals
+from kiln.batching.model import BatchModel, ExecutionTimes, arrivals, joined_counts
 from kiln.errors import InternalError, InvalidArgumentError, KilnError
 from kiln.v2.types import InferRequest, InferResponse
 
@@ -101,7 +101,8 @@ class InlineRunner:
                     item[3].set_exception(error)
             return
         self.observe(times)
-        self.model.stats.record_success(times, arrivals((item[2], item[0]) for item in batch), time.monotonic_ns())
+        self.model.stats.record_success(times, arrivals((item[2], item[0]) for item in batch), time.monotonic_ns(),
+                                        joined_counts(item[0] for item in batch))
         for item, response in zip(batch, responses, strict=True):
             if not item[3].done():
                 item[3].set_result(response)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from kiln.batching.admission import Admission
-from kiln.batching.model import BatchModel, ExecutionTimes, arrivals
+from kiln.batching.model import BatchModel, ExecutionTimes, arrivals, joined_counts
 from kiln.batching.policy import BatchingPolicy
 from kiln.engines.base import LaunchedBatch
 from kiln.errors import InternalError, InvalidArgumentError, KilnError, VersionUnloadingError
@@ -304,7 +304,7 @@ class LaunchRunner:
                                    end - infer_end)
             try:
                 self.model.stats.record_success(times, arrivals((item.enqueued_ns, item.request) for item in items),
-                                                end)
+                                                end, joined_counts(item.request for item in items))
             except Exception:  # a request observer's failure must not stop the next batches
                 log.exception("model '%s': recording a launched batch's statistics failed", self.model.name)
         self._flush_waiting(flight.loop)

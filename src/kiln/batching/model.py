@@ -36,7 +36,8 @@ class ExecutionTimes:
 class Recorder(Protocol):
     """Where the batching core reports executions and failed requests (the server's StatsRecorder, BatchLog)."""
 
-    def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int) -> None: ...
+    def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int,
+                       joined: tuple[int, int] = (0, 0)) -> None: ...
 
     def record_failure(self, request_ns: int, reason: str = "BACKEND", requests: int = 1) -> None: ...
 
@@ -52,7 +53,8 @@ class BatchLog:
         self.failures: dict[str, int] = {}  # reason -> failed requests
         self.last_batch_size = 0
 
-    def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int) -> None:
+    def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int,
+                       joined: tuple[int, int] = (0, 0)) -> None:
         with self._lock:
             self.executions += 1
             self.inferences += times.batch_size
@@ -68,6 +70,17 @@ def arrivals(enqueued: Iterable[tuple[int, InferRequest]]) -> list[int]:
     """The arrival time of every client request in a batch, for ``record_success``: a request that stands for
     several (InferRequest.members) counts as each of them."""
     return [ns for ns, request in enqueued for _ in range(request.members)]
+
+
+def joined_counts(requests: Iterable[InferRequest]) -> tuple[int, int]:
+    """For ``record_success``: how many of a batch's requests were joined from several clients' requests
+    (kiln.v2.joined), and how many clients' requests those carried."""
+    joined = members = 0
+    for request in requests:
+        if request.members > 1:
+            joined += 1
+            members += request.members
+    return joined, members
 
 
 class BatchModel:

@@ -117,6 +117,12 @@ class ModelCollector(Collector):
                        stats, lambda s: s.inference_count)
         yield _counter("nv_inference_exec_count", "Number of model executions performed",
                        stats, lambda s: s.execution_count)
+        yield _counter("kiln_inference_joined_request_success",
+                       "Successful requests that frontend worker processes joined from several clients' requests",
+                       stats, lambda s: s.joined_requests)
+        yield _counter("kiln_inference_joined_member_success",
+                       "Clients' requests those joined requests carried (also counted in "
+                       "nv_inference_request_success)", stats, lambda s: s.joined_members)
         if self._counter_latencies:
             yield from _duration_counters(stats)
         yield self._gauge("nv_inference_pending_request_count",

@@ -24,6 +24,10 @@ class Duration:
         self.count += 1
         self.ns += ns
 
+    def add_many(self, count: int, total_ns: int) -> None:
+        self.count += count
+        self.ns += total_ns
+
 
 @dataclass
 class BatchStats:
@@ -62,6 +66,10 @@ class ModelStats:
     failures_by_reason: dict[str, int] = field(default_factory=dict)  # REJECTED, CANCELED, BACKEND, OTHER
     load_duration_s: float = 0.0
     response_stats: dict[str, ResponseStats] = field(default_factory=dict)  # by response index ("0", "1", ...)
+    # Requests that frontend worker processes joined from several clients' requests (docs/serving.md), answered
+    # successfully, and the clients' requests they carried (counted in ``success`` as well).
+    joined_requests: int = 0
+    joined_members: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,19 +94,26 @@ class StatsRecorder:
         self._stats = ModelStats(name=name, version=version)
         self.observers: list[RequestObserver] = observers if observers is not None else []
 
-    def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int) -> None:
-        """One execution that answered ``len(enqueued_ns)`` requests successfully."""
+    def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int,
+                       joined: tuple[int, int] = (0, 0)) -> None:
+        """One execution that answered ``len(enqueued_ns)`` requests successfully; ``joined``: how many of its
+        requests were joined from several clients' requests, and how many clients' requests those carried."""
+        requests = len(enqueued_ns)
+        arrived_ns = sum(enqueued_ns)
         with self._lock:
             stats = self._stats
             stats.last_inference_ms = time.time_ns() // 1_000_000
             stats.inference_count += times.batch_size
             stats.execution_count += 1
-            for enqueued in enqueued_ns:
-                stats.queue.add(times.start_ns - enqueued)
-                stats.compute_input.add(times.compute_input_ns)
-                stats.compute_infer.add(times.compute_infer_ns)
-                stats.compute_output.add(times.compute_output_ns)
-                stats.success.add(end_ns - enqueued)
+            # Totals over the batch's requests at once: a joined request counts as each of its members, and a
+            # per-request loop here would cost the event loop microseconds per member.
+            stats.queue.add_many(requests, requests * times.start_ns - arrived_ns)
+            stats.compute_input.add_many(requests, requests * times.compute_input_ns)
+            stats.compute_infer.add_many(requests, requests * times.compute_infer_ns)
+            stats.compute_output.add_many(requests, requests * times.compute_output_ns)
+            stats.success.add_many(requests, requests * end_ns - arrived_ns)
+            stats.joined_requests += joined[0]
+            stats.joined_members += joined[1]
             batch = stats.batch_stats.setdefault(times.batch_size, BatchStats(times.batch_size))
             batch.compute_input.add(times.compute_input_ns)
             batch.compute_infer.add(times.compute_infer_ns)
@@ -113,8 +128,7 @@ class StatsRecorder:
         is Triton's failure label: REJECTED (queue full or timed out in the queue), CANCELED, BACKEND (the engine
         failed) or OTHER."""
         with self._lock:
-            for _ in range(requests):
-                self._stats.fail.add(request_ns)
+            self._stats.fail.add_many(requests, requests * request_ns)
             self._stats.failures_by_reason[reason] = self._stats.failures_by_reason.get(reason, 0) + requests
 
     def record_response(self, index: int, outcome: str, infer_ns: int, output_ns: int) -> None:

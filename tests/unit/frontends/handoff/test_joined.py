@@ -161,8 +161,14 @@ def _success(server: Server, model: str) -> tuple[int, int, int]:
             sum(s.execution_count for s in stats))
 
 
+def _joined(server: Server, model: str) -> tuple[int, int]:
+    stats = server.model_statistics(model)
+    return sum(s.joined_requests for s in stats), sum(s.joined_members for s in stats)
+
+
 async def test_requests_of_one_turn_go_as_one_and_each_gets_its_own_rows(link: Link, server: Server) -> None:
     before = _success(server, "batched")
+    joined_before = _joined(server, "batched")
     routed_before = sum(v.routed for v in server.routing("batched").versions)
     sizes = [1, 2, 1, 3, 1]
     requests = [_request("batched", _rows(i, rows), f"id-{i}") for i, rows in enumerate(sizes)]
@@ -176,6 +182,8 @@ async def test_requests_of_one_turn_go_as_one_and_each_gets_its_own_rows(link: L
     after = _success(server, "batched")
     # Five clients' requests, eight rows, one or two executions: statistics count each client's request.
     assert (after[0] - before[0], after[1] - before[1]) == (5, 8) and after[2] - before[2] <= 2
+    # The metrics' joined counters: one joined request, the four clients' requests it carried.
+    assert _joined(server, "batched") == (joined_before[0] + 1, joined_before[1] + 4)
     assert sum(v.routed for v in server.routing("batched").versions) - routed_before == 5
     assert await link.all_slots_back()  # the joined input slot and the joined answer's slot, once all are done
 
@@ -201,6 +209,7 @@ async def test_members_of_a_model_without_dynamic_batching_run_one_by_one(link: 
         np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
     after = _success(server, "unbatched")
     assert (after[0] - before[0], after[2] - before[2]) == (4, 4)
+    assert _joined(server, "unbatched") == (0, 0)  # each member ran as a request of its own
     assert await link.all_slots_back()  # the joined input slot once every member's slice is gone
 
 
