@@ -68,7 +68,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with :class:`HttpLimits` (the ``limits`` class attribute; see
     :func:`protocol_class`). A head over the size or count limit is answered 431, one not complete in time 408,
     and the connection is closed; a body not complete in time closes the connection (the request is then seen
-    as disconnected). It also keeps a body chunk that finds nothing waiting as it is (:meth:`on_body`)."""
+    as disconnected). It also keeps a body chunk that finds nothing waiting as it is (:meth:`on_body`), and sends
+    a response's head with its body (:class:`HeadWithBody`)."""
 
     limits = HttpLimits()
 
@@ -152,6 +153,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_deadline()
         self._expire_after(self.limits.body_timeout_s, _BODY)
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.transport = HeadWithBody(self.transport, self.loop)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         self._cancel_deadline()
@@ -203,6 +206,46 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.write(status_line + b"content-type: text/plain; charset=utf-8\r\ncontent-length: "
                              + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
         self.transport.close()
+
+
+class HeadWithBody:
+    """The connection as one request's response cycle writes to it: uvicorn writes a response's status line and
+    headers as soon as the app starts the response, and its body in a second write, so each response costs two
+    system calls and wakes the client twice. Here the first write waits and leaves together with the next one;
+    one that nothing follows in the same event-loop turn (a streamed response's head) leaves at the end of the
+    turn. Everything else is the transport's."""
+
+    __slots__ = ("_transport", "_loop", "_held", "_first")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._first = True
+
+    def write(self, data: bytes) -> None:
+        if self._first:
+            self._first = False
+            self._held = data
+            self._loop.call_soon(self.flush)
+        elif self._held is not None:
+            held, self._held = self._held, None
+            self._transport.writelines([held, data])
+        else:
+            self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def protocol_class(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
