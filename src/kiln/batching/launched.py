@@ -95,6 +95,9 @@ class LaunchRunner:
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = weakref.WeakKeyDictionary()
         self._admission = Admission(model.name, model.version)
         self._queues_lock = threading.Lock()  # loops add themselves while other threads walk the queues
+        # The same queues as a tuple that every batch's end walks without the lock; replaced whole when a loop comes
+        # or goes.
+        self._queue_list: tuple[tuple[weakref.ref[asyncio.AbstractEventLoop], _LoopQueue], ...] = ()
         # Under _out_lock: each instance's batches launched and not yet collected, and its launches under way.
         self._out_per_instance: list[list[_Flight]] = [[] for _ in model.engines]
         self._launching = [0] * len(model.engines)
@@ -118,8 +121,7 @@ class LaunchRunner:
             future: asyncio.Future[InferResponse] = loop.create_future()
             pending = self._queues.get(loop)
             if pending is None:
-                with self._queues_lock:
-                    pending = self._queues[loop] = _LoopQueue()
+                pending = self._add_loop(loop)
             pending.items.append(_Item(request, rows, time.monotonic_ns(), future, self._signature(request)))
             if not pending.scheduled:
                 pending.scheduled = True
@@ -324,10 +326,26 @@ class LaunchRunner:
                 except RuntimeError:  # a closed loop's requests are gone with it
                     with self._queues_lock:
                         self._queues.pop(loop, None)
+                        self._list_queues()
+
+    def _add_loop(self, loop: asyncio.AbstractEventLoop) -> _LoopQueue:
+        with self._queues_lock:
+            pending = self._queues[loop] = _LoopQueue()
+            self._list_queues()
+        return pending
+
+    def _list_queues(self) -> None:
+        """Under ``_queues_lock``: the tuple of the loops' queues, without loops that are gone."""
+        self._queue_list = tuple((weakref.ref(loop), pending) for loop, pending in self._queues.items())
 
     def _waiting_loops(self) -> list[tuple[asyncio.AbstractEventLoop, _LoopQueue]]:
-        with self._queues_lock:
-            return [(loop, pending) for loop, pending in self._queues.items() if pending.items]
+        waiting = []
+        for ref, pending in self._queue_list:
+            if pending.items:
+                loop = ref()
+                if loop is not None:
+                    waiting.append((loop, pending))
+        return waiting
 
     def _fail(self, items: list[_Item], exc: BaseException) -> None:
         error = exc if isinstance(exc, KilnError) else InternalError(f"model '{self.model.name}': {exc}")

@@ -68,6 +68,8 @@ class InferHandoff:
         except Exception as exc:  # a descriptor this side cannot read: every member gets the error
             return [(index, self._error(exc), 1) for index in range(member_count(payload))]
         chunks = _chunks([rows for _, rows in members], self._server.joined_rows(request))
+        if len(chunks) == 1:  # the usual case: no gather (it costs a task per chunk)
+            return await self._chunk(request, members, *chunks[0])
         answered = await asyncio.gather(*(self._chunk(request, members, first, stop, start, end)
                                           for first, stop, start, end in chunks))
         return [answer for part in answered for answer in part]

@@ -65,7 +65,7 @@ class CoreLink:
         self._server = server
         self._app = app
         self._on_hello = on_hello
-        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         self._forwarded: dict[int, _Forwarded] = {}
         self.protocol = FrameProtocol(self._on_frame)
         self._releases = Releases(self.protocol)
@@ -74,12 +74,12 @@ class CoreLink:
 
     def _on_frame(self, call: int, kind: int, payload: bytes) -> None:
         if kind == frames.INFER:
-            self._track(call, self._infer(call, payload))
+            self._track(self._infer(call, payload))
         elif kind == frames.INFER_JOINED:
-            self._track(call, self._infer_joined(call, payload))
+            self._track(self._infer_joined(call, payload))
         elif kind == frames.FORWARD:
             self._forwarded[call] = _Forwarded()
-            self._track(call, self._forward(call, payload))
+            self._track(self._forward(call, payload))
         elif kind == frames.ACK and call in self._forwarded:
             self._forwarded[call].credits.release()
         elif kind == frames.DISCONNECT and call in self._forwarded:
@@ -89,14 +89,14 @@ class CoreLink:
         elif kind == frames.HELLO:
             self._on_hello()
 
-    def _track(self, call: int, work: Coroutine[Any, Any, None]) -> None:
+    def _track(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
-        self._tasks[call] = task
-        task.add_done_callback(lambda _: self._tasks.pop(call, None))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _lost(self, _: object) -> None:
         """The worker is gone: its requests' answers have nowhere to go."""
-        for task in list(self._tasks.values()):
+        for task in list(self._tasks):
             task.cancel()
         self._handoff.close()
 
