@@ -215,8 +215,13 @@ def test_exposition_has_triton_names_types_and_labels(server: Server) -> None:
     for name in ensemble_steps:  # the demo pipeline's three steps
         assert scrape.types[name] == "counter"
         assert scrape.label_sets(name) == [{"model", "version", "step", "step_model"}] * 3
+    joined = {"kiln_inference_joined_request_success", "kiln_inference_joined_member_success"}
+    for name in joined:  # per model version; nothing joined without worker processes
+        assert scrape.types[name] == "counter"
+        assert all(labels == MODEL_LABELS for labels in scrape.label_sets(name)), name
+        assert {value for _, value in scrape.samples[name]} == {0}
     assert scrape.sample_names() == {*COUNTERS, *DURATIONS, "nv_inference_pending_request_count",
-                                     "nv_model_load_duration_secs", *CPU, *ensemble_steps}
+                                     "nv_model_load_duration_secs", *CPU, *ensemble_steps, *joined}
     assert len(scrape.samples["nv_inference_request_failure"]) == 4 * len(server.model_statistics())
 
 
