@@ -228,16 +228,14 @@ def _cpu_seconds(process: Any) -> float:
 
 def _joined(metrics_url: str) -> tuple[float, float, float]:
     """The model's joined requests, the clients' requests they carried, and its successful requests (metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10).read().decode()
-    names = ("kiln_inference_joined_request_success", "kiln_inference_joined_member_success",
-             "nv_inference_request_success")
-    values = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        name, _, rest = line.partition("{")
-        if name in values and f'model="{MODEL}"' in rest:
-            values[name] += float(rest.rsplit(" ", 1)[1])
-    joined, members, success = values.values()
-    return joined, members, success
+    # Keyed by family: the parser reports a counter sample as <name>_total.
+    values = {family.name: sample.value for family in text_string_to_metric_families(text)
+              for sample in family.samples if sample.labels.get("model") == MODEL}
+    return (values.get("kiln_inference_joined_request_success", 0.0),
+            values.get("kiln_inference_joined_member_success", 0.0), values.get("nv_inference_request_success", 0.0))
 
 
 def _counts(client: Any) -> tuple[int, int]:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpc_aio
 import tritonclient.http.aio as http_aio
+from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.testing.serve import KilnProcess, kiln_serve
 
@@ -106,14 +107,9 @@ def test_grpc_bursts_through_the_workers_get_their_own_rows_and_ids(served: Kiln
 
 def _joined_metrics(metrics_url: str) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10).read().decode()
-    names = ("kiln_inference_joined_request_success", "kiln_inference_joined_member_success",
-             "nv_inference_request_success")
-    found = {}
-    for line in text.splitlines():
-        name, _, value = line.partition("{")
-        if name in names and 'model="echo"' in value:
-            found[name] = float(value.rsplit(" ", 1)[1])
-    return found
+    # Keyed by family: the parser reports a counter sample as <name>_total.
+    return {family.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.labels.get("model") == "echo"}
 
 
 def test_the_metrics_count_the_joined_requests_and_the_clients_requests_they_carried(served: KilnProcess) -> None:
