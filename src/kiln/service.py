@@ -29,6 +29,7 @@ from kiln.frontends.http.files import DownloadOptions
 from kiln.frontends.http.server import HttpServer, http_config
 from kiln.frontends.http.workers import HttpWorkers, WorkerSettings
 from kiln.frontends.metrics import METRICS_CONTENT_TYPE, MetricsOptions, metrics_registry, render_metrics
+from kiln.heap import keep_freed_heap
 from kiln.server.capture import CaptureStore
 from kiln.server.server import Server
 from kiln.service_options import ServiceOptions
@@ -236,6 +237,7 @@ def _metrics_app(server: Server, options: MetricsOptions) -> Starlette:
 
 
 def run_service(options: ServiceOptions) -> int:
+    keep_freed_heap()
     try:
         import uvloop
     except ImportError:

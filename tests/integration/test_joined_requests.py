@@ -13,11 +13,13 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpc_aio
 import tritonclient.http.aio as http_aio
 from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from kiln.testing.serve import KilnProcess, kiln_serve
 
@@ -122,6 +124,39 @@ def test_the_metrics_count_the_joined_requests_and_the_clients_requests_they_car
     assert success == BURST * ROUNDS
     # Bursts of 24 reach two workers together: some leave joined, each join carrying at least two requests.
     assert joined > 0 and 2 * joined <= members <= success
+
+
+async def _bursts_asking_for_an_empty_final_response(url: str) -> list[str]:
+    """gRPC bursts carrying the parameter NVIDIA's perf_analyzer sets on every request (tritonclient refuses to set
+    it, as a reserved one: the messages are built here)."""
+    wrong: list[str] = []
+    async with grpc.aio.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+        async def one(index: int) -> None:
+            data = _rows(index)
+            request = service_pb2.ModelInferRequest(model_name="echo", id=f"p{index}")
+            request.inputs.add(name="INPUT0", datatype="FP32", shape=data.shape)
+            request.raw_input_contents.append(data.tobytes())
+            request.parameters["triton_enable_empty_final_response"].bool_param = True
+            response = await stub.ModelInfer(request)
+            got = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(data.shape)
+            if response.id != f"p{index}" or not np.array_equal(got, data):
+                wrong.append(f"request {index}: {got}")
+
+        for round_ in range(ROUNDS):
+            await asyncio.gather(*(one(round_ * BURST + i) for i in range(BURST)))
+    return wrong
+
+
+def test_grpc_requests_asking_for_an_empty_final_response_are_joined_too(served: KilnProcess) -> None:
+    # A single-response infer never reads the parameter: it does not keep a request from joining its like.
+    before = _joined_metrics(served.metrics_url)
+    assert asyncio.run(_bursts_asking_for_an_empty_final_response(served.grpc_url)) == []
+    after = _joined_metrics(served.metrics_url)
+    joined, members = (after[n] - before[n] for n in (
+        "kiln_inference_joined_request_success", "kiln_inference_joined_member_success"))
+    assert joined > 0 and 2 * joined <= members
 
 
 @pytest.mark.parametrize("flags", [("--http-workers", "2"), ("--http-workers", "0", "--grpc-workers", "2")])

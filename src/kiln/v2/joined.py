@@ -17,9 +17,12 @@ import orjson
 from kiln.v2.types import InferRequest, InferResponse, InputTensor, OutputTensor
 
 # Parameters that only say how the HTTP body carries tensors, which the worker reads and writes itself: requests
-# may differ in them and still share a batch (the request's own, like binary_data_output, still have to match).
+# may differ in them and still share a batch.
 _INPUT_PARAMETERS = frozenset({"binary_data_size"})
-_REQUEST_PARAMETERS = frozenset({"binary_data_output"})
+# Request parameters the server process never reads for a single-response infer: how the worker encodes the answer
+# (binary_data_output), and what a gRPC stream of a decoupled model sends last (triton_enable_empty_final_response,
+# which perf_analyzer sets on every gRPC request). Joined requests must still agree on them.
+_REQUEST_PARAMETERS = frozenset({"binary_data_output", "triton_enable_empty_final_response"})
 MAX_MEMBERS = 64
 """The most requests a worker joins into one (a batch rarely needs more; the server process splits what exceeds
 a model's max_batch_size)."""

@@ -53,6 +53,7 @@ from kiln.frontends.grpc.server import GrpcConnectionLimits
 from kiln.frontends.handoff.arena import Arena, inherited_arena
 from kiln.frontends.handoff.calls import DEFAULT_HOLD, Answer, InferCalls, Refused, join_hold, joining_enabled
 from kiln.frontends.handoff.frames import unpack_offsets
+from kiln.heap import keep_freed_heap
 from kiln.v2 import grpc_codec as codec
 from kiln.v2._generated import grpc_service_pb2 as pb
 from kiln.v2.types import InferRequest
@@ -312,6 +313,7 @@ def main() -> int:
     args = parser.parse_args()
     # A Ctrl-C reaches the whole process group; the server process answers it by stopping the workers in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_freed_heap()  # request messages are freed every request: their pages stay (kiln/heap.py)
     try:
         import uvloop
     except ImportError:

@@ -22,6 +22,7 @@ from kiln.frontends.handoff.calls import join_hold, joining_enabled
 from kiln.frontends.http.limits import HttpLimits
 from kiln.frontends.http.server import HttpServer, http_config
 from kiln.frontends.http.worker_app import CoreClient, WorkerApp
+from kiln.heap import keep_freed_heap
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -68,6 +69,7 @@ def main() -> int:
                         datefmt="%H:%M:%S")
     # A Ctrl-C reaches the whole process group; the server process answers it by stopping the workers in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_freed_heap()  # request bodies are freed every request: their pages stay (kiln/heap.py)
     try:
         import uvloop
     except ImportError:

@@ -409,6 +409,10 @@ def test_join_keys_match_only_requests_that_can_share_a_batch() -> None:
     assert base is not None and base == join_key(_request("m", _rows(5, 3), "other id"), None)
     binary = join_key(_request("m", _rows(0), parameters={"binary_data_output": True}), None)
     assert binary not in (None, base)  # the answer is encoded another way: they still join with their like
+    final = {"triton_enable_empty_final_response": True}  # perf_analyzer's, on every gRPC request
+    assert join_key(_request("m", _rows(0), parameters=final), None) == join_key(_request("m", _rows(2),
+                                                                                          parameters=final), None)
+    assert join_key(_request("m", _rows(0), parameters=final), None) not in (None, base)
     x = _rows(0)
     different = [
         _request("n", x), _request("m", x, model_version="2"), _request("m", np.zeros((1, 4), np.int32)),
