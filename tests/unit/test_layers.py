@@ -32,6 +32,7 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "_files": (set(), set()),
     "_flags": ({"errors"}, set()),
     "_proto_pool": (set(), {"google"}),
+    "heap": (set(), set()),  # malloc settings for kiln's serving processes: theirs, and the cluster replicas'
     "v2": (BASE | {"_proto_pool"}, {"numpy", "orjson", "google", "grpc", "starlette"}),
     "config": (PROTOCOL | {"_files"}, {"numpy", "onnx", "google"}),
     "engines": (PROTOCOL | {"config", "_files"}, {"numpy", "ml_dtypes", "onnx", "onnxruntime", "torch", "tensorrt"}),
@@ -39,13 +40,13 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "direct": (PROTOCOL | {"config", "engines", "batching"}, {"numpy"}),
     "server": (MODELS | {"kiln"}, {"numpy", "google", "torch"}),
     # uvicorn: the HTTP worker processes run it; orjson: their descriptors (frontends/http/worker.py, handoff/).
-    "frontends": (PROTOCOL | {"config", "server", "kiln", "console"}, {"numpy", "starlette", "grpc", "grpc_health",
-                                                             "prometheus_client", "psutil", "uvloop", "pynvml",
-                                                             "uvicorn", "orjson"}),
+    "frontends": (PROTOCOL | {"config", "server", "kiln", "console", "heap"},
+                  {"numpy", "starlette", "grpc", "grpc_health", "prometheus_client", "psutil", "uvloop", "pynvml",
+                   "uvicorn", "orjson"}),
     # The browser console: pages and a status document over the Server, mounted by the HTTP frontend; GPU figures
     # through the metrics frontend's NVML collector.
     "console": (PROTOCOL | {"server", "frontends", "kiln"}, {"starlette", "prometheus_client"}),
-    "service": (PROTOCOL | {"config", "server", "frontends", "service_options", "kiln", "console"},
+    "service": (PROTOCOL | {"config", "server", "frontends", "service_options", "kiln", "console", "heap"},
                 {"starlette", "uvicorn", "uvloop"}),
     "service_options": (PROTOCOL | {"_flags", "server", "frontends"}, set()),
     "serve_process": (PROTOCOL, set()),
@@ -61,7 +62,7 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "capture": (PRODUCT | {"server"}, {"numpy"}),
     # kiln on a Ray cluster: each Ray Serve replica runs the public Server behind the HTTP frontend's app; config:
     # the repository's instance groups decide the GPUs a replica asks for.
-    "cluster": (PROTOCOL | {"config", "frontends", "kiln"}, {"ray", "starlette", "orjson", "google"}),
+    "cluster": (PROTOCOL | {"config", "frontends", "kiln", "heap"}, {"ray", "starlette", "orjson", "google"}),
     # The commands wire everything together; nothing imports them.
     "cli": (PRODUCT | {"server", "frontends", "service", "service_options", "build", "bench", "advise", "edge",
                        "demo", "ab", "capture", "cluster"}, {"numpy"}),

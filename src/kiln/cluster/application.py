@@ -35,6 +35,7 @@ from kiln.frontends.http.capture import CaptureOptions, replica_capture
 from kiln.frontends.http.documents import statistics_doc
 from kiln.frontends.http.files import DownloadOptions
 from kiln.frontends.metrics import metrics_registry, render_metrics
+from kiln.heap import keep_freed_heap
 
 log = logging.getLogger("kiln.cluster")
 
@@ -58,6 +59,7 @@ class KilnReplica:
                        models: list[str] | None = None) -> None:
         """``board``: the statistics board, or the name of the application whose board to report to; ``models``:
         the models this replica holds (None: all; none at all: the front of a split repository)."""
+        keep_freed_heap()  # the actor's process is this replica's alone; request bodies come and go (kiln/heap.py)
         self.server = Server(ServerOptions(repositories=[Path(repository)],
                                            control_mode="none" if poll_secs is None else "poll",
                                            serve_models=None if models is None else tuple(models)))
