@@ -88,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         with _cpu_use(pid) as cpu:
                             measured = _row(protocol, tensors, http_url, grpc_url if protocol == "grpc" else http_url,
                                             metrics_url, concurrency, args)
+                        served = measured.pop("served_requests")
+                        cpu["core_faults_per_request"] = cpu.pop("core_faults") / served if served else 0.0
+                        cpu["worker_faults_per_request"] = cpu.pop("worker_faults") / served if served else 0.0
                         rows.append({"http_workers": workers, **measured, "cpu": cpu})
                         print(rows[-1], flush=True)
     info = describe("kiln served ceiling: kiln serve against a device stand-in",
@@ -98,17 +101,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                              f"{args.seconds:g} s per row; serve arguments: {args.serve_args or '-'}")
     text = header(info) + "\n" + table(
         ["protocol", "tensors", "http workers", "conc", "req/s", "p50 ms", "avg batch", "reqs/call", "core cpu",
-         "busiest thread", "workers cpu", "busiest worker", "machine idle"],
+         "busiest thread", "workers cpu", "busiest worker", "machine idle", "faults/req core", "faults/req workers"],
         [[r["protocol"], r["tensors"], r["http_workers"], r["concurrency"], r["requests_per_s"],
           "-" if r.get("p50_ms") is None else f"{r['p50_ms']:.2f}", f"{r['average_batch']:.2f}",
           f"{r['requests_per_call']:.2f}", f"{r['cpu']['core']:.2f}", f"{r['cpu']['busiest_thread']:.2f}",
-          f"{r['cpu']['workers']:.2f}", f"{r['cpu']['busiest_worker']:.2f}", f"{r['cpu']['machine_idle']:.0%}"]
+          f"{r['cpu']['workers']:.2f}", f"{r['cpu']['busiest_worker']:.2f}", f"{r['cpu']['machine_idle']:.0%}",
+          f"{r['cpu']['core_faults_per_request']:.1f}", f"{r['cpu']['worker_faults_per_request']:.1f}"]
          for r in rows],
         numeric_from=2)
     text += ("\nreqs/call: clients' requests per request the core process received (above 1 where worker processes "
              "joined them; kiln_inference_joined_* metrics)\ncpu columns: cores used on average during the row (1.00 "
              "= one core busy all the time); busiest thread: the core process's busiest thread; busiest worker: the "
-             "frontend worker process that used the most\n")
+             "frontend worker process that used the most\nfaults/req: minor page faults per request served, in the "
+             "core process and in the workers together (memory given back to the kernel and faulted in again)\n")
     print(text)
     write_outputs(args.output, {**info, "rows": rows}, text)
     return 0
@@ -170,7 +175,8 @@ def _row(protocol: str, tensors: str, http_url: str, url: str, metrics_url: str,
     executions = after[1] - before[1]
     return {"protocol": protocol, "tensors": tensors, "concurrency": concurrency, "requests_per_s": rate,
             "p50_ms": p50_ms, "average_batch": (after[0] - before[0]) / executions if executions else 0.0,
-            "requests_per_call": success / calls if calls else 0.0, "row_seconds": elapsed}
+            "requests_per_call": success / calls if calls else 0.0, "row_seconds": elapsed,
+            "served_requests": success}
 
 
 def _perf_analyzer_rate(args: argparse.Namespace, protocol: str, tensors: str, url: str,
@@ -206,6 +212,7 @@ def _cpu_use(pid: int) -> Iterator[dict[str, float]]:
     machine = psutil.cpu_times()
     threads = {t.id: t.user_time + t.system_time for t in core.threads()}
     spent = {p.pid: _cpu_seconds(p) for p in [core, *children]}
+    faults = {p.pid: _minor_faults(p.pid) for p in [core, *children]}
     use: dict[str, float] = {}
     yield use
     elapsed = time.perf_counter() - started
@@ -215,7 +222,19 @@ def _cpu_use(pid: int) -> Iterator[dict[str, float]]:
     each_worker = [_cpu_seconds(p) - spent[p.pid] for p in children if p.pid in spent]
     use.update(core=(_cpu_seconds(core) - spent[core.pid]) / elapsed, busiest_thread=max(thread_use) / elapsed,
                workers=sum(each_worker) / elapsed, busiest_worker=max(each_worker, default=0.0) / elapsed,
-               machine_idle=(after_machine.idle - machine.idle) / total if total else 0.0)
+               machine_idle=(after_machine.idle - machine.idle) / total if total else 0.0,
+               core_faults=_minor_faults(core.pid) - faults[core.pid],
+               worker_faults=sum(_minor_faults(p.pid) - faults[p.pid] for p in children if p.pid in faults))
+
+
+def _minor_faults(pid: int) -> int:
+    """The process's minor page faults so far (Linux's /proc; 0 elsewhere): memory given back to the kernel and
+    faulted in again shows here."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[7])
+    except OSError:
+        return 0
 
 
 def _cpu_seconds(process: Any) -> float:

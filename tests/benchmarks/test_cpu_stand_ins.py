@@ -59,6 +59,8 @@ def test_served_ceiling_compares_http_worker_counts(tmp_path: Path) -> None:
     assert one["core"] > 0 and 0 < one["busiest_thread"] <= one["core"] + 0.05 and one["workers"] == 0, one
     assert two["workers"] > 0 and 0 < two["busiest_worker"] <= two["workers"] + 0.05, two
     assert 0 <= two["machine_idle"] <= 1, two
+    assert one["core_faults_per_request"] >= 0 and one["worker_faults_per_request"] == 0, one
+    assert two["worker_faults_per_request"] > 0, two  # a worker's first requests fault its buffers in
     # Without workers nothing is joined: one request per call; with them, at least that.
     assert rows[0]["requests_per_call"] == 1 and rows[1]["requests_per_call"] >= 1, rows
 
