@@ -34,6 +34,7 @@ from kiln.v2.types import (
 )
 
 ParameterValue = bool | int | float | str
+Buffer = bytes | memoryview
 
 CLASSIFICATION = "classification"
 """The per-output parameter (int64) asking for the top-k classes instead of the tensor."""
@@ -93,10 +94,10 @@ def _check_raw_sizes(payload: bytes) -> None:
     be right (a wrong entry count, a fixed-size input with a wrong byte size). Anything unusual is left to the
     full parse, which reports it."""
     fields = _top_level_fields(memoryview(payload))
-    if fields is None:
+    if fields is None or not _plain_raw(fields):
         return
-    head = b"".join(payload[start:end] for number, start, _, end in fields if number != _RAW_FIELD)
-    raw_sizes = [end - value for number, _, value, end in fields if number == _RAW_FIELD]
+    head = b"".join(payload[start:end] for number, _, start, _, end in fields if number != _RAW_FIELD)
+    raw_sizes = [end - value for number, _, _, value, end in fields if number == _RAW_FIELD]
     if not raw_sizes:
         return
     try:
@@ -123,9 +124,44 @@ def _raw_size_refusal(model: str, inputs: list[InputMessage], raw_sizes: list[in
     return None
 
 
-def _top_level_fields(data: memoryview) -> list[tuple[int, int, int, int]] | None:
-    """(field number, start of its tag, start of its value, end) of each top-level field of a serialized message;
-    None for anything but varint, fixed and length-delimited fields, or a truncated one."""
+def decode_serialized(payload: bytes) -> InferRequest:
+    """:func:`decode_request` of the serialized request as it came, its raw_input_contents views of ``payload``:
+    only the rest of the message is parsed, so an input's bytes are not copied twice more (by the parse and by
+    reading the field). Where its top level does not read plainly, the whole message is parsed as
+    :func:`parse_request` does. A request that parses but does not decode is refused with the model it names
+    (:class:`RefusedRequest`), so the caller can say first whether that model exists."""
+    view = memoryview(payload)
+    fields = _top_level_fields(view)
+    if fields is None or not _plain_raw(fields):
+        message = parse_request(payload)
+        raw = None
+    else:
+        head = b"".join(view[start:end] for number, _, start, _, end in fields if number != _RAW_FIELD)
+        try:
+            message = pb.ModelInferRequest.FromString(head)
+        except Exception as exc:  # protobuf's DecodeError, as in parse_request
+            raise InvalidArgumentError(f"could not parse the ModelInfer request ({len(payload)} bytes): "
+                                       f"{exc}") from None
+        raw = [view[value:end] for number, _, _, value, end in fields if number == _RAW_FIELD]
+    try:
+        return decode_request(message, raw)
+    except InvalidArgumentError as exc:
+        if isinstance(exc, RefusedRequest):
+            raise
+        reason = exc.message
+    # Raised outside the except block, and bound to no name here: the refusal chains nothing, and no cycle
+    # through this frame keeps ``payload`` (up to --grpc-max-message-size bytes) until the collector runs.
+    raise RefusedRequest(reason, message.model_name, message.model_version)
+
+
+def _plain_raw(fields: list[tuple[int, int, int, int, int]]) -> bool:
+    """Every raw_input_contents entry is length-delimited, as a bytes field is."""
+    return all(wire_type == 2 for number, wire_type, *_ in fields if number == _RAW_FIELD)
+
+
+def _top_level_fields(data: memoryview) -> list[tuple[int, int, int, int, int]] | None:
+    """(field number, wire type, start of its tag, start of its value, end) of each top-level field of a serialized
+    message; None for anything but varint, fixed and length-delimited fields, or a truncated one."""
     fields = []
     at, end = 0, len(data)
     while at < end:
@@ -145,7 +181,7 @@ def _top_level_fields(data: memoryview) -> list[tuple[int, int, int, int]] | Non
             return None
         if at > end or value > end:
             return None
-        fields.append((number, start, value, at))
+        fields.append((number, wire_type, start, value, at))
     return fields
 
 
@@ -178,13 +214,15 @@ def _raw_size_error(model: str, name: str, datatype: DataType, shape: tuple[int,
     )
 
 
-def decode_request(message: pb.ModelInferRequest) -> InferRequest:
-    """Build the protocol-free request; tensor data stays a view over the received bytes where possible."""
+def decode_request(message: pb.ModelInferRequest, raw: Sequence[Buffer] | None = None) -> InferRequest:
+    """Build the protocol-free request; tensor data stays a view over the received bytes where possible. ``raw``:
+    the raw_input_contents entries where the caller has them apart from ``message`` (:func:`decode_serialized`)."""
     # Repeated fields are read with [:] (one list per field): iterating upb containers directly is several
     # times slower, and this runs for every request.
     model = message.model_name
     tensors = message.inputs[:]
-    raw = message.raw_input_contents[:]
+    if raw is None:
+        raw = message.raw_input_contents[:]
     shm = [_shared_memory(model, tensor) for tensor in tensors]
     if raw:
         plain = len(tensors) - sum(ref is not None for ref in shm)
@@ -246,7 +284,7 @@ def _from_shm(model: str, tensor: InputMessage, ref: SharedMemoryRef) -> InputTe
                        _input_parameters(model, tensor), ref)
 
 
-def _from_raw(model: str, tensor: InputMessage, data: bytes) -> InputTensor:
+def _from_raw(model: str, tensor: InputMessage, data: Buffer) -> InputTensor:
     if tensor.HasField("contents"):
         raise InvalidArgumentError(
             f"model '{model}': input '{tensor.name}' sets 'contents' while the request uses raw_input_contents; "

@@ -228,3 +228,82 @@ def test_response_into_a_stream_reply() -> None:
                           reply.infer_response)
     assert reply.HasField("infer_response") and not reply.error_message
     assert reply.infer_response.raw_output_contents[0] == np.float16(0.5).tobytes()
+
+
+# -- decoding the serialized request as it came ------------------------------------------------------------------
+
+
+def _equivalent_cases() -> list[pb.ModelInferRequest]:
+    values = np.arange(12, dtype=np.float32)
+    with_everything = _raw_request(("X", "FP32", [3, 4], values.tobytes()),
+                                   ("S", "BYTES", [1, 2], encode_bytes([b"ab", b""])), model="full")
+    with_everything.model_version, with_everything.id = "2", "request-7"
+    with_everything.parameters["priority"].int64_param = 3
+    with_everything.outputs.add(name="Y").parameters["classification"].int64_param = 2
+    shm = _raw_request(("Y", "INT32", [2], np.arange(2, dtype=np.int32).tobytes()))
+    in_region = shm.inputs.add(name="X", datatype="FP32", shape=[4])
+    in_region.parameters["shared_memory_region"].string_param = "region"
+    in_region.parameters["shared_memory_byte_size"].int64_param = 16
+    contents = pb.ModelInferRequest(model_name="m")
+    contents.inputs.add(name="X", datatype="INT32", shape=[3]).contents.int_contents.extend([1, 2, 3])
+    return [with_everything, shm, contents]
+
+
+def _refusal_cases() -> list[pb.ModelInferRequest]:
+    too_few = _raw_request(("A", "INT32", [2], bytes(8)))
+    too_few.inputs.add(name="B", datatype="INT32", shape=[2])
+    both = _raw_request(("X", "FP32", [1], bytes(4)))
+    both.inputs[0].contents.fp32_contents.append(1.0)
+    return [too_few, _raw_request(("X", "FP32", [4], bytes(12))), both,
+            _raw_request(("X", "FP17", [1], bytes(4))), _raw_request(("X", "FP32", [-1], b""))]
+
+
+@pytest.mark.parametrize("message", _equivalent_cases(), ids=["raw", "raw-and-shm", "contents"])
+def test_the_serialized_request_decodes_as_the_parsed_one(message: pb.ModelInferRequest) -> None:
+    payload = message.SerializeToString()
+    whole, apart = codec.decode_request(pb.ModelInferRequest.FromString(payload)), codec.decode_serialized(payload)
+    assert (apart.model_name, apart.model_version, apart.id, apart.parameters, apart.outputs) == \
+        (whole.model_name, whole.model_version, whole.id, whole.parameters, whole.outputs)
+    for mine, theirs in zip(apart.inputs, whole.inputs, strict=True):
+        assert (mine.name, mine.datatype, mine.shape, mine.parameters, mine.shared_memory) == \
+            (theirs.name, theirs.datatype, theirs.shape, theirs.parameters, theirs.shared_memory)
+        assert mine.data.dtype == theirs.data.dtype and np.array_equal(mine.data, theirs.data)
+
+
+def test_raw_inputs_are_views_of_the_received_bytes() -> None:
+    values = np.arange(1 << 16, dtype=np.float32)
+    payload = _raw_request(("X", "FP32", [1, 1 << 16], values.tobytes())).SerializeToString()
+    tensor = codec.decode_serialized(payload).inputs[0]
+    received = np.frombuffer(payload, np.uint8)
+    start = received.__array_interface__["data"][0]
+    at = tensor.data.__array_interface__["data"][0]
+    assert start <= at and at + tensor.data.nbytes <= start + len(payload)  # no copy: inside the payload
+    assert not tensor.data.flags.writeable and np.array_equal(tensor.data.reshape(-1), values)
+
+
+@pytest.mark.parametrize("message", _refusal_cases(),
+                         ids=["count", "size", "raw-and-contents", "datatype", "negative-dimension"])
+def test_a_refused_serialized_request_names_its_model_and_the_parsed_ones_reason(
+        message: pb.ModelInferRequest) -> None:
+    message.model_name, message.model_version = "named", "4"
+    expected = _invalid(message)
+    with pytest.raises(codec.RefusedRequest) as caught:
+        codec.decode_serialized(message.SerializeToString())
+    assert (caught.value.message, caught.value.model, caught.value.version) == (expected, "named", "4")
+
+
+def test_bytes_that_are_no_request_are_refused_as_before() -> None:
+    for payload in (b"\x0a\xff\xff\xff\x0f", b"\x3b\x00"):  # a truncated field; a group (wire type 3) at the top
+        with pytest.raises(InvalidArgumentError) as caught:
+            codec.decode_serialized(payload)
+        assert caught.value.message.startswith("could not parse the ModelInfer request")
+        assert not isinstance(caught.value, codec.RefusedRequest)
+
+
+def test_a_raw_entry_that_is_no_bytes_field_leaves_the_message_to_the_whole_parse() -> None:
+    values = np.arange(3, dtype=np.int32)
+    # Field 7 once more, as a varint: the whole parse keeps it as an unknown field; it must not become an input.
+    payload = _raw_request(("X", "INT32", [3], values.tobytes())).SerializeToString() + b"\x38\x01"
+    (tensor,) = codec.decode_serialized(payload).inputs
+    assert np.array_equal(tensor.data, values)
+    assert np.array_equal(codec.decode_request(pb.ModelInferRequest.FromString(payload)).inputs[0].data, values)

@@ -163,16 +163,15 @@ class GRPCInferenceService:
     @rpc
     async def ModelInfer(self, request: pb.ModelInferRequest | bytes, context: Context) -> pb.ModelInferResponse:
         try:
-            message = codec.parse_request(request) if isinstance(request, bytes) else request
+            decoded = codec.decode_serialized(request) if isinstance(request, bytes) else codec.decode_request(request)
         except codec.RefusedRequest as exc:  # an unknown model is NOT_FOUND whatever else is wrong, as in Triton
             self._server.model_metadata(exc.model, exc.version)
             raise
-        del request  # the serialized bytes are not needed past here
-        try:
-            decoded = codec.decode_request(message)
         except InvalidArgumentError:
-            self._server.model_metadata(message.model_name, message.model_version)
+            if not isinstance(request, bytes):
+                self._server.model_metadata(request.model_name, request.model_version)
             raise
+        del request  # the decoded request holds what it needs of it
         try:
             return codec.encode_response(await self._server.infer(decoded))
         except DecoupledModelError as exc:

@@ -196,15 +196,12 @@ def _infer_handler(bridge: BridgeClient) -> Any:
 
 def _decode(payload: bytes) -> tuple[InferRequest | None, str, tuple[str, str] | None]:
     """The request; else None, what is wrong with it, and the (model, version) it names if it parsed."""
-    model = None
     try:
-        message = codec.parse_request(payload)
-        model = (message.model_name, message.model_version)
-        return codec.decode_request(message), "", model
+        return codec.decode_serialized(payload), "", None
     except codec.RefusedRequest as exc:
         return None, exc.message, (exc.model, exc.version)
-    except InvalidArgumentError as exc:
-        return None, exc.message, model
+    except InvalidArgumentError as exc:  # bytes that are no request: no model to name
+        return None, exc.message, None
 
 
 async def _abort_if_unknown(bridge: BridgeClient, context: Any, name: str, version: str) -> None:
