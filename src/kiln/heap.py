@@ -1,10 +1,12 @@
-"""Keep freed heap memory in kiln serve's processes instead of giving it back to the kernel after every request.
+"""Keep freed heap memory in kiln's serving processes (`kiln serve`'s server process and workers, the cluster's
+replicas) instead of giving it back to the kernel after every request.
 
 glibc hands the free memory at the top of its heap back to the kernel once it exceeds the trim threshold, which it
 sets to twice the largest block it has seen freed from an mmap (a few hundred KB where requests carry images). A
 worker that receives a 301 KB body and copies its tensor bytes once frees about that much at the top of the heap
-after every request, so the heap shrinks and the next request faults the same pages in again: about 115 minor
-faults per request, 200-300 us of a worker's CPU, half a millisecond of latency at concurrency 1.
+after every request, so the heap shrinks and the next request faults the same pages in again: 100-260 minor faults
+per request, 200-300 us of a worker's CPU, 0.3-0.5 ms of latency at concurrency 1 (benchmarks/README.md). Whether
+it happens depends on what else lies in the heap, so it comes and goes between runs of the same server.
 
 :func:`keep_freed_heap` fixes both thresholds at the ceilings glibc's own adjustment would reach (blocks up to
 32 MB come from the heap, up to 64 MB of free heap stays mapped), as if the process had already seen a 32 MB block
