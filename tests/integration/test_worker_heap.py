@@ -1,6 +1,6 @@
-"""Worker processes of `kiln serve` receive image-sized requests without faulting their memory in again for each
-one (kiln/heap.py): minor page faults of the HTTP and gRPC workers, read from /proc, while the official tritonclient
-sends 301 KB tensors one after another."""
+"""`kiln serve` receives image-sized requests without faulting their memory in again for each one (kiln/heap.py):
+minor page faults of the server process and its HTTP and gRPC workers, read from /proc, while the official
+tritonclient sends 301 KB tensors one after another; with workers, and in one process serving both protocols."""
 
 from __future__ import annotations
 
@@ -28,20 +28,23 @@ REQUESTS = 150
 FAULTS_PER_REQUEST = 10  # glibc's own thresholds gave ~100-150 (the body's pages, every request)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
+@pytest.fixture(scope="module", params=["workers", "one process"])
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     root = tmp_path_factory.mktemp("repo")
     (root / "image" / "1").mkdir(parents=True)
     (root / "image" / "config.pbtxt").write_text(IMAGE)
-    with kiln_serve([Path(root)], "--http-workers", "2", "--grpc-workers", "1",
+    workers = ("2", "1") if request.param == "workers" else ("1", "0")
+    with kiln_serve([Path(root)], "--http-workers", workers[0], "--grpc-workers", workers[1],
                     log_path=tmp_path_factory.mktemp("log") / "serve.log") as process:
         yield process
 
 
-def _worker_faults(process: KilnProcess) -> int:
+def _faults(process: KilnProcess) -> int:
+    """Minor page faults so far of the server process and its workers."""
+    server = psutil.Process(process.process.pid)
     total = 0
-    for child in psutil.Process(process.process.pid).children():
-        with open(f"/proc/{child.pid}/stat") as stat:
+    for member in [server, *server.children()]:
+        with open(f"/proc/{member.pid}/stat") as stat:
             total += int(stat.read().rsplit(")", 1)[1].split()[7])  # minflt, the 10th field
     return total
 
@@ -50,7 +53,7 @@ def _image() -> np.ndarray:
     return np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float16)
 
 
-def test_http_workers_do_not_fault_each_request_body_in(served: KilnProcess) -> None:
+def test_http_requests_do_not_fault_their_bodies_in(served: KilnProcess) -> None:
     image = _image()
     client = httpclient.InferenceServerClient(served.http_url)
     tensor = httpclient.InferInput("INPUT0", list(image.shape), "FP16")
@@ -58,24 +61,24 @@ def test_http_workers_do_not_fault_each_request_body_in(served: KilnProcess) -> 
     output = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
     for _ in range(20):  # the heap settles
         client.infer("image", [tensor], outputs=[output])
-    before = _worker_faults(served)
+    before = _faults(served)
     for _ in range(REQUESTS):
         result = client.infer("image", [tensor], outputs=[output])
-    faults = _worker_faults(served) - before
+    faults = _faults(served) - before
     assert np.array_equal(result.as_numpy("OUTPUT0"), image)
     assert faults < FAULTS_PER_REQUEST * REQUESTS, f"{faults / REQUESTS:.0f} minor faults per request"
 
 
-def test_grpc_workers_do_not_fault_each_request_message_in(served: KilnProcess) -> None:
+def test_grpc_requests_do_not_fault_their_messages_in(served: KilnProcess) -> None:
     image = _image()
     client = grpcclient.InferenceServerClient(served.grpc_url)
     tensor = grpcclient.InferInput("INPUT0", list(image.shape), "FP16")
     tensor.set_data_from_numpy(image)
     for _ in range(20):
         client.infer("image", [tensor])
-    before = _worker_faults(served)
+    before = _faults(served)
     for _ in range(REQUESTS):
         result = client.infer("image", [tensor])
-    faults = _worker_faults(served) - before
+    faults = _faults(served) - before
     assert np.array_equal(result.as_numpy("OUTPUT0"), image)
     assert faults < FAULTS_PER_REQUEST * REQUESTS, f"{faults / REQUESTS:.0f} minor faults per request"
