@@ -32,6 +32,7 @@ dynamic_batching { }
 """
 BURST = 24
 ROUNDS = 5
+MAX_ROUNDS = 40  # bursts of perf_analyzer-like gRPC requests sent before one must have been joined
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +127,8 @@ def test_the_metrics_count_the_joined_requests_and_the_clients_requests_they_car
     assert joined > 0 and 2 * joined <= members <= success
 
 
-async def _bursts_asking_for_an_empty_final_response(url: str) -> list[str]:
-    """gRPC bursts carrying the parameter NVIDIA's perf_analyzer sets on every request (tritonclient refuses to set
+async def _burst_asking_for_an_empty_final_response(url: str, round_: int) -> list[str]:
+    """A gRPC burst carrying the parameter NVIDIA's perf_analyzer sets on every request (tritonclient refuses to set
     it, as a reserved one: the messages are built here)."""
     wrong: list[str] = []
     async with grpc.aio.insecure_channel(url) as channel:
@@ -144,19 +145,24 @@ async def _bursts_asking_for_an_empty_final_response(url: str) -> list[str]:
             if response.id != f"p{index}" or not np.array_equal(got, data):
                 wrong.append(f"request {index}: {got}")
 
-        for round_ in range(ROUNDS):
-            await asyncio.gather(*(one(round_ * BURST + i) for i in range(BURST)))
+        await asyncio.gather(*(one(round_ * BURST + i) for i in range(BURST)))
     return wrong
 
 
 def test_grpc_requests_asking_for_an_empty_final_response_are_joined_too(served: KilnProcess) -> None:
-    # A single-response infer never reads the parameter: it does not keep a request from joining its like.
+    # A single-response infer never reads the parameter: it does not keep a request from joining its like. One
+    # channel's calls reach one worker a loop turn or so apart, so a burst is not always joined: bursts go on until
+    # one is (every one of them would go unjoined if the parameter kept requests apart).
     before = _joined_metrics(served.metrics_url)
-    assert asyncio.run(_bursts_asking_for_an_empty_final_response(served.grpc_url)) == []
-    after = _joined_metrics(served.metrics_url)
-    joined, members = (after[n] - before[n] for n in (
-        "kiln_inference_joined_request_success", "kiln_inference_joined_member_success"))
-    assert joined > 0 and 2 * joined <= members
+    joined = members = 0.0
+    for round_ in range(MAX_ROUNDS):
+        assert asyncio.run(_burst_asking_for_an_empty_final_response(served.grpc_url, round_)) == []
+        after = _joined_metrics(served.metrics_url)
+        joined, members = (after[n] - before[n] for n in (
+            "kiln_inference_joined_request_success", "kiln_inference_joined_member_success"))
+        if joined:
+            break
+    assert joined > 0 and 2 * joined <= members, f"no burst of {BURST} was joined in {MAX_ROUNDS} rounds"
 
 
 @pytest.mark.parametrize("flags", [("--http-workers", "2"), ("--http-workers", "0", "--grpc-workers", "2")])
