@@ -93,13 +93,11 @@ def _check_raw_sizes(payload: bytes) -> None:
     """Parse every field but raw_input_contents, whose entries are only measured, and refuse sizes that cannot
     be right (a wrong entry count, a fixed-size input with a wrong byte size). Anything unusual is left to the
     full parse, which reports it."""
-    fields = _top_level_fields(memoryview(payload))
-    if fields is None or not _plain_raw(fields):
+    split = _raw_apart(payload)
+    if split is None or not split[1]:
         return
-    head = b"".join(payload[start:end] for number, _, start, _, end in fields if number != _RAW_FIELD)
-    raw_sizes = [end - value for number, _, _, value, end in fields if number == _RAW_FIELD]
-    if not raw_sizes:
-        return
+    head, raw = split
+    raw_sizes = [len(entry) for entry in raw]
     try:
         message = pb.ModelInferRequest.FromString(head)
     except Exception:  # the full parse reports it
@@ -130,33 +128,36 @@ def decode_serialized(payload: bytes) -> InferRequest:
     reading the field). Where its top level does not read plainly, the whole message is parsed as
     :func:`parse_request` does. A request that parses but does not decode is refused with the model it names
     (:class:`RefusedRequest`), so the caller can say first whether that model exists."""
-    view = memoryview(payload)
-    fields = _top_level_fields(view)
-    if fields is None or not _plain_raw(fields):
+    split = _raw_apart(payload)
+    raw: list[memoryview] | None = None
+    if split is None:
         message = parse_request(payload)
-        raw = None
     else:
-        head = b"".join(view[start:end] for number, _, start, _, end in fields if number != _RAW_FIELD)
+        head, raw = split
         try:
             message = pb.ModelInferRequest.FromString(head)
         except Exception as exc:  # protobuf's DecodeError, as in parse_request
             raise InvalidArgumentError(f"could not parse the ModelInfer request ({len(payload)} bytes): "
                                        f"{exc}") from None
-        raw = [view[value:end] for number, _, _, value, end in fields if number == _RAW_FIELD]
     try:
         return decode_request(message, raw)
     except InvalidArgumentError as exc:
-        if isinstance(exc, RefusedRequest):
-            raise
         reason = exc.message
     # Raised outside the except block, and bound to no name here: the refusal chains nothing, and no cycle
     # through this frame keeps ``payload`` (up to --grpc-max-message-size bytes) until the collector runs.
     raise RefusedRequest(reason, message.model_name, message.model_version)
 
 
-def _plain_raw(fields: list[tuple[int, int, int, int, int]]) -> bool:
-    """Every raw_input_contents entry is length-delimited, as a bytes field is."""
-    return all(wire_type == 2 for number, wire_type, *_ in fields if number == _RAW_FIELD)
+def _raw_apart(payload: bytes) -> tuple[bytes, list[memoryview]] | None:
+    """The serialized message without its raw_input_contents, and those entries as views of ``payload``; None
+    where the top level does not read plainly (see :func:`_top_level_fields`) or an entry is not length-delimited,
+    as a bytes field is."""
+    view = memoryview(payload)
+    fields = _top_level_fields(view)
+    if fields is None or any(wire_type != 2 for number, wire_type, *_ in fields if number == _RAW_FIELD):
+        return None
+    head = b"".join(view[start:end] for number, _, start, _, end in fields if number != _RAW_FIELD)
+    return head, [view[value:end] for number, _, _, value, end in fields if number == _RAW_FIELD]
 
 
 def _top_level_fields(data: memoryview) -> list[tuple[int, int, int, int, int]] | None:
