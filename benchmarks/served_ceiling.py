@@ -36,6 +36,7 @@ from _common import describe, header, int_list, table, write_outputs
 from scheduler_ceiling import BACKEND, DeviceStandIn
 from shm_gpu import ClientWork, served_rate
 
+from kiln.bench.resources import CpuMeter
 from kiln.serve_process import free_port, stop, wait_ready
 
 MODEL = "resnet50"  # the name benchmarks/shm_gpu.py's client requests use
@@ -203,28 +204,23 @@ def _perf_analyzer_rate(args: argparse.Namespace, protocol: str, tensors: str, u
 @contextlib.contextmanager
 def _cpu_use(pid: int) -> Iterator[dict[str, float]]:
     """Fills the yielded dict, once the block ends, with the cores the server's core process, its busiest thread and
-    its child processes (frontend workers) used on average during the block, and the machine's idle share."""
+    its child processes (frontend workers) used on average during the block (kiln bench's CpuMeter), the machine's
+    idle share, and the minor page faults of the core and of the workers."""
     import psutil
 
-    core = psutil.Process(pid)
-    children = core.children(recursive=True)
-    started = time.perf_counter()
-    machine = psutil.cpu_times()
-    threads = {t.id: t.user_time + t.system_time for t in core.threads()}
-    spent = {p.pid: _cpu_seconds(p) for p in [core, *children]}
-    faults = {p.pid: _minor_faults(p.pid) for p in [core, *children]}
+    pids = [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
+    faults = {p: _minor_faults(p) for p in pids}
+    meter = CpuMeter(pid)
+    meter.start()
     use: dict[str, float] = {}
     yield use
-    elapsed = time.perf_counter() - started
-    after_machine = psutil.cpu_times()
-    total = sum(after_machine) - sum(machine)
-    thread_use = [t.user_time + t.system_time - threads.get(t.id, 0.0) for t in core.threads()]
-    each_worker = [_cpu_seconds(p) - spent[p.pid] for p in children if p.pid in spent]
-    use.update(core=(_cpu_seconds(core) - spent[core.pid]) / elapsed, busiest_thread=max(thread_use) / elapsed,
-               workers=sum(each_worker) / elapsed, busiest_worker=max(each_worker, default=0.0) / elapsed,
-               machine_idle=(after_machine.idle - machine.idle) / total if total else 0.0,
-               core_faults=_minor_faults(core.pid) - faults[core.pid],
-               worker_faults=sum(_minor_faults(p.pid) - faults[p.pid] for p in children if p.pid in faults))
+    cpu = meter.stop()
+    if cpu is None:
+        raise RuntimeError(f"the server process {pid} could not be read")
+    use.update(core=cpu.process, busiest_thread=cpu.busiest_thread, workers=cpu.children,
+               busiest_worker=cpu.busiest_child, machine_idle=cpu.machine_idle_pct / 100,
+               core_faults=_minor_faults(pid) - faults[pid],
+               worker_faults=sum(_minor_faults(p) - faults[p] for p in pids[1:]))
 
 
 def _minor_faults(pid: int) -> int:
@@ -235,14 +231,6 @@ def _minor_faults(pid: int) -> int:
             return int(stat.read().rsplit(")", 1)[1].split()[7])
     except OSError:
         return 0
-
-
-def _cpu_seconds(process: Any) -> float:
-    try:
-        times = process.cpu_times()
-    except Exception:  # a worker replaced meanwhile: its time is lost, the row says so by a lower figure
-        return 0.0
-    return float(times.user + times.system)
 
 
 def _joined(metrics_url: str) -> tuple[float, float, float]:

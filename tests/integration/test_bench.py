@@ -127,6 +127,18 @@ def test_http_bench_against_kiln_serve(server: KilnProcess) -> None:
         check_level(level)
         check_server(level)
         assert level.client_ms is not None and level.client_ms.send > 0 and level.client_ms.recv > 0
+        assert level.cpu is not None and level.cpu.process > 0 and level.cpu.busiest_thread > 0  # the server's
+
+
+def test_a_server_with_workers_shows_their_cpu_apart(repo: Path, tmp_path: Path) -> None:
+    with kiln_serve([repo], "--model-control-mode", "explicit", "--load-model", "simple", "--http-workers", "2",
+                    log_path=tmp_path / "kiln.log") as served:
+        result = run(BenchOptions(model="simple", target="http", url=served.http_url, concurrency=(2,),
+                                  server_pid=served.process.pid, **QUICK))
+    level = result.results[0]
+    check_level(level)
+    # The worker processes parsed and answered every HTTP request; the server process ran the model.
+    assert level.cpu is not None and level.cpu.children > 0.05 and level.cpu.process > 0.05, level.cpu
 
 
 def test_http_bench_with_json_tensors_and_a_data_file(server: KilnProcess, tmp_path: Path) -> None:

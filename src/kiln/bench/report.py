@@ -102,6 +102,32 @@ def _together(scenario: dict[str, Any], concurrency: int) -> float | None:
     return sum(rates.values()) if rates else None
 
 
+CPU_TITLE = ("CPU (cores used while each level ran: process / its busiest thread / its children (the busiest "
+             "child), machine idle)")
+CPU_NOTE = ("The process under test is the server for served scenarios (its children: the frontend worker "
+            "processes) and the measuring process for direct. A busiest thread near 1.00 is an event loop that "
+            "cannot go faster; an idle machine beside it means the cores are not the limit.")
+
+
+def cpu_table(doc: dict[str, Any]) -> Table | None:
+    """Where the CPU went at each level, per scenario; None when no level measured it (no psutil, older files)."""
+    levels: list[int] = doc["concurrency"]
+    rows = []
+    for scenario in doc["scenarios"]:
+        cells = [_cpu_cell(_level(scenario, c)) for c in levels]
+        if any(cell != "-" for cell in cells):
+            rows.append([scenario_label(scenario), *cells])
+    return Table(["scenario", *(f"c={c}" for c in levels)], rows, numeric=1) if rows else None
+
+
+def _cpu_cell(row: dict[str, Any] | None) -> str:
+    cpu = row.get("cpu") if row is not None else None
+    if not cpu:
+        return "-"
+    return (f"{cpu['process']:.2f} / {cpu['busiest_thread']:.2f} / {cpu['children']:.2f} "
+            f"({cpu.get('busiest_child', 0.0):.2f}), {cpu['machine_idle_pct']:.0f}% idle")
+
+
 def memory_keys(doc: dict[str, Any]) -> list[str]:
     """The memory figures present: RSS always, GPU memory when any deployment has it."""
     entries = doc["memory_mb"].values()
@@ -149,7 +175,8 @@ def markdown(doc: dict[str, Any], command: str | None = None) -> str:
              *_together_section(doc),
              "## Memory (RSS)\n",
              markdown_table(memory_table(doc)),
-             "Served memory is the batching variant with the higher peak.\n"]
+             "Served memory is the batching variant with the higher peak.\n",
+             *_cpu_section(doc)]
     notes = doc.get("notes") or []
     if notes:
         parts += ["## Notes\n", *(f"- {note}" for note in notes), ""]
@@ -159,6 +186,11 @@ def markdown(doc: dict[str, Any], command: str | None = None) -> str:
 def _together_section(doc: dict[str, Any]) -> list[str]:
     table = together_table(doc)
     return [] if table is None else [f"## {TOGETHER_TITLE}\n", TOGETHER_NOTE + "\n", markdown_table(table)]
+
+
+def _cpu_section(doc: dict[str, Any]) -> list[str]:
+    table = cpu_table(doc)
+    return [] if table is None else [f"## {CPU_TITLE}\n", CPU_NOTE + "\n", markdown_table(table)]
 
 
 # -- plots --------------------------------------------------------------------------------------------------------

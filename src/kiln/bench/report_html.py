@@ -8,10 +8,13 @@ import html
 from typing import Any
 
 from kiln.bench.report import (
+    CPU_NOTE,
+    CPU_TITLE,
     TOGETHER_NOTE,
     TOGETHER_TITLE,
     Table,
     comparison_table,
+    cpu_table,
     machine_line,
     memory_table,
     together_table,
@@ -60,11 +63,19 @@ def render_html(doc: dict[str, Any], images: dict[str, bytes], command: str | No
         *_together(doc),
         "<h2>Memory (RSS)</h2>", _table(memory_table(doc)),
         "<p>Served memory is the batching variant with the higher peak.</p>",
+        *_cpu(doc),
         f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "",
         "<h2>Plots</h2>", *(_image(name, data) for name, data in images.items()),
         "</body></html>",
     ]
     return "\n".join(part for part in parts if part) + "\n"
+
+
+def _cpu(doc: dict[str, Any]) -> list[str]:
+    table = cpu_table(doc)
+    if table is None:
+        return []
+    return [f"<h2>{html.escape(CPU_TITLE)}</h2>", f"<p>{html.escape(CPU_NOTE)}</p>", _table(table)]
 
 
 def _together(doc: dict[str, Any]) -> list[str]:

@@ -1,5 +1,8 @@
 """Memory of the process under test: RSS through psutil, GPU memory through NVML or torch.cuda; idle before a
-level's load starts, peak while it runs (sampled every 100 ms by a background thread).
+level's load starts, peak while it runs (sampled every 100 ms by a background thread). Its CPU over each level
+(psutil): the process, its busiest thread (a server's event loop, when one thread is what stops it), its children
+(a server's frontend worker processes) and the machine's idle share, so that a level that falls short names the
+resource that stopped it.
 
 The process under test is the server for http and grpc (``--server-pid``, the ``kiln serve`` kiln bench started,
 or the local process listening on the URL's port) and this very process for direct and inprocess. RSS sums the
@@ -15,10 +18,11 @@ import importlib
 import logging
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 log = logging.getLogger("kiln.bench")
 
@@ -36,6 +40,86 @@ class MemoryFigures:
     rss_peak: float | None = None
     gpu_idle: float | None = None
     gpu_peak: float | None = None
+
+
+@dataclass(frozen=True)
+class CpuFigures:
+    """Cores used on average over a level (CPU seconds per second): the process under test alone, its busiest
+    thread, its children together and the busiest of them; and the share of the whole machine's CPU time that was
+    idle (percent)."""
+
+    process: float
+    busiest_thread: float
+    children: float
+    machine_idle_pct: float
+    busiest_child: float = 0.0
+
+
+class _CpuReading(NamedTuple):
+    at: float  # time.monotonic()
+    process: float  # CPU seconds of the process alone
+    threads: dict[int, float]  # per thread id
+    children: dict[int, float]  # per child pid
+    machine: Any  # psutil.cpu_times()
+
+
+class CpuMeter:
+    """The CPU of ``pid`` (and its children) between :meth:`start` and :meth:`stop`; None figures without psutil
+    or once the process is gone."""
+
+    def __init__(self, pid: int | None) -> None:
+        self._process: Any = None
+        self._start: _CpuReading | None = None
+        if pid is None:
+            return
+        try:
+            import psutil
+
+            self._process = psutil.Process(pid)
+        except Exception:  # psutil missing (memory says so already) or no such process
+            self._process = None
+
+    def start(self) -> None:
+        self._start = self._read()
+
+    def stop(self) -> CpuFigures | None:
+        before, after = self._start, self._read()
+        self._start = None
+        if before is None or after is None or after.at <= before.at:
+            return None
+        wall = after.at - before.at
+        busiest = max((spent - before.threads.get(tid, 0.0) for tid, spent in after.threads.items()), default=0.0)
+        # A child that started during the level counts from zero; one that ended is lost (the figure says less).
+        children = [spent - before.children.get(pid, 0.0) for pid, spent in after.children.items()]
+        process = (after.process - before.process) / wall
+        # Thread and process times are read in clock ticks a moment apart: a thread may seem ahead of its process.
+        return CpuFigures(process=round(process, 3), busiest_thread=round(min(busiest / wall, process), 3),
+                          children=round(sum(children) / wall, 3),
+                          machine_idle_pct=round(_idle_share(before.machine, after.machine), 1),
+                          busiest_child=round(max(children, default=0.0) / wall, 3))
+
+    def _read(self) -> _CpuReading | None:
+        if self._process is None:
+            return None
+        import psutil
+
+        try:
+            with self._process.oneshot():
+                times = self._process.cpu_times()
+                threads = {t.id: t.user_time + t.system_time for t in self._process.threads()}
+            children = {}
+            for child in self._process.children(recursive=True):
+                with contextlib.suppress(psutil.Error):  # a child that ended meanwhile
+                    child_times = child.cpu_times()
+                    children[child.pid] = child_times.user + child_times.system
+            return _CpuReading(time.monotonic(), times.user + times.system, threads, children, psutil.cpu_times())
+        except psutil.Error:
+            return None
+
+
+def _idle_share(before: Any, after: Any) -> float:
+    total = sum(after) - sum(before)
+    return 100.0 * (after.idle - before.idle) / total if total > 0 else 0.0
 
 
 class _Process(Protocol):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.bench.measure import Measurement
-from kiln.bench.resources import MemoryFigures
+from kiln.bench.resources import CpuFigures, MemoryFigures
 from kiln.bench.schedule import SendCounts
 
 
@@ -71,6 +71,7 @@ class LevelResult:
     # as every model's on the server, can be matched to exactly the time the figures above cover.
     window_span_ns: tuple[int, int] | None = None
     load_generator: str = "kiln"  # what sent the requests: kiln's own client or perf_analyzer
+    cpu: CpuFigures | None = None  # of the process under test while the level ran
 
     @classmethod
     def from_measurement(cls, measured: Measurement, batch_size: int) -> LevelResult:
@@ -101,7 +102,7 @@ class LevelResult:
                    memory_mb=MemoryFigures(**doc["memory_mb"]), requests=doc.get("requests", 0),
                    duration_s=doc.get("duration_s", 0.0), sends=optional("sends", SendCounts),
                    window_span_ns=tuple(doc["window_span_ns"]) if doc.get("window_span_ns") else None,
-                   load_generator=doc.get("load_generator", "kiln"))
+                   load_generator=doc.get("load_generator", "kiln"), cpu=optional("cpu", CpuFigures))
 
     @property
     def network_us(self) -> float | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -12,7 +13,7 @@ from kiln.bench.options import BenchOptions
 from kiln.bench.perf_analyzer import PerfAnalyzerLoad, find_binary
 from kiln.bench.progress import Progress
 from kiln.bench.records import Level
-from kiln.bench.resources import MemorySampler, gpu_reader, rss_reader
+from kiln.bench.resources import CpuFigures, CpuMeter, MemoryFigures, MemorySampler, gpu_reader, rss_reader
 from kiln.bench.result import BenchResult, LevelResult
 from kiln.bench.targets import create_target
 
@@ -31,7 +32,7 @@ def run(options: BenchOptions, progress: Progress | None = None,
         target.prepare(build_requests(model, options.input_data, options.batch_size, options.shapes, options.seed))
         pid = target.process_id()
         gpu, gpu_source = gpu_reader(pid, target.in_process)
-        sampler = MemorySampler(rss_reader(pid), gpu)
+        sampler = _LevelMeter(MemorySampler(rss_reader(pid), gpu), CpuMeter(pid))
         external = PerfAnalyzerLoad(binary, options, target.url or "") if binary is not None else None
         results: list[LevelResult] = []
         for value in options.levels():
@@ -43,6 +44,7 @@ def run(options: BenchOptions, progress: Progress | None = None,
                                          on_window=functools.partial(progress.window, level))
                 progress.end_level()
                 result = LevelResult.from_measurement(measured, options.batch_size)
+            result = dataclasses.replace(result, cpu=sampler.cpu)
             results.append(result)
             if on_level is not None:
                 on_level(result)
@@ -54,6 +56,26 @@ def run(options: BenchOptions, progress: Progress | None = None,
         return BenchResult(model=options.model, target=options.target, url=target.url,
                            batch_size=options.batch_size, machine=machine_info(gpu_source), results=results,
                            options=options.describe())
+
+
+class _LevelMeter:
+    """The level's memory (sampled while it runs) and its CPU (read at its start and end)."""
+
+    def __init__(self, memory: MemorySampler, cpu: CpuMeter) -> None:
+        self._memory = memory
+        self._cpu = cpu
+        self.cpu: CpuFigures | None = None  # the last level's
+
+    def start_level(self) -> None:
+        self._memory.start_level()
+        self._cpu.start()
+
+    def sample(self) -> None:
+        self._memory.sample()
+
+    def stop_level(self) -> MemoryFigures:
+        self.cpu = self._cpu.stop()
+        return self._memory.stop_level()
 
 
 def _level(options: BenchOptions, value: float) -> Level:

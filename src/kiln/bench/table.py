@@ -44,6 +44,11 @@ def level_block(level: LevelResult) -> str:
     m = level.memory_mb
     lines.append(f"  Memory: RSS idle {_mib(m.rss_idle)}, peak {_mib(m.rss_peak)}; GPU idle {_mib(m.gpu_idle)}, "
                  f"peak {_mib(m.gpu_peak)}")
+    if level.cpu is not None:
+        c = level.cpu
+        lines.append(f"  CPU (cores): process {c.process:.2f}, its busiest thread {c.busiest_thread:.2f}, its "
+                     f"children {c.children:.2f} (busiest {c.busiest_child:.2f}); machine {c.machine_idle_pct:.0f}% "
+                     "idle")
     lines.append(f"  {'Stable' if level.stable else 'NOT stable'} after {level.windows} window(s); "
                  f"errors: {level.errors}")
     return "\n".join(lines) + "\n"

@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 
 from kiln.bench.report import (
+    CPU_TITLE,
     PLOTS,
     TOGETHER_TITLE,
     comparison_table,
+    cpu_table,
     markdown,
     memory_table,
     scenario_label,
@@ -21,7 +23,7 @@ from kiln.bench.report import (
     write_report,
 )
 from kiln.bench.report_html import render_html
-from kiln.bench.resources import MemoryFigures
+from kiln.bench.resources import CpuFigures, MemoryFigures
 from kiln.bench.result import Latency, LevelResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -196,3 +198,21 @@ def test_a_level_that_counted_no_request_is_a_dash_and_slow_rates_keep_a_decimal
     assert table.rows[0][1] == "6.2 (1.00x)"
     assert table.rows[0][2] == "-" and table.rows[0][5] == "-"
     assert table.rows[1][2] == "2,600", "no ratio against a level the direct row did not measure"
+
+
+def test_cpu_table_shows_where_each_level_spent_its_cpu(doc: dict[str, Any]) -> None:
+    assert cpu_table(doc) is None  # files written before CPU was measured
+    assert CPU_TITLE not in markdown(doc) and CPU_TITLE not in render_html(doc, {})
+    served = doc["scenarios"][2]
+    served["results"][2]["cpu"] = dataclasses.asdict(CpuFigures(process=1.02, busiest_thread=0.941, children=2.5,
+                                                                machine_idle_pct=68.4, busiest_child=0.98))
+    table = cpu_table(doc)
+    assert table is not None
+    assert table.header == ["scenario", "c=1", "c=8", "c=16"]
+    assert table.rows == [["served, 1 model, dynamic batching", "-", "-", "1.02 / 0.94 / 2.50 (0.98), 68% idle"]]
+    text = markdown(doc)
+    assert f"## {CPU_TITLE}" in text
+    assert "| served, 1 model, dynamic batching | - | - | 1.02 / 0.94 / 2.50 (0.98), 68% idle |" in text
+    assert "1.02 / 0.94 / 2.50 (0.98), 68% idle" in render_html(doc, {})
+    assert LevelResult.from_dict(served["results"][2]).cpu == CpuFigures(1.02, 0.941, 2.5, 68.4, 0.98)
+    assert LevelResult.from_dict(served["results"][1]).cpu is None

@@ -1,12 +1,19 @@
-"""Memory sampling: idle and peak per level, RSS of a real process, and NVML's per-process attribution."""
+"""Memory sampling: idle and peak per level, RSS of a real process, and NVML's per-process attribution; CPU per level
+of a real process, its threads and its children."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
-from kiln.bench.resources import MIB, MemorySampler, gpu_reader, nvml_process_reader, rss_reader
+import psutil
+
+from kiln.bench.resources import MIB, CpuMeter, MemorySampler, gpu_reader, nvml_process_reader, rss_reader
 
 
 def test_idle_is_read_before_the_level_and_peak_is_the_highest_sample() -> None:
@@ -82,3 +89,58 @@ def test_a_process_nvml_does_not_list_has_no_gpu_figure() -> None:
 def test_without_nvml_or_a_cuda_context_gpu_memory_is_absent() -> None:
     # this machine has no NVIDIA driver; torch, when imported, has no CUDA context here
     assert gpu_reader(os.getpid(), in_process=True) == (None, None)
+
+
+def _burn(stop: threading.Event) -> None:
+    while not stop.is_set():
+        pass
+
+
+def test_cpu_of_this_process_names_the_thread_that_burned_it() -> None:
+    meter = CpuMeter(os.getpid())
+    stop = threading.Event()
+    burner = threading.Thread(target=_burn, args=(stop,))
+    burner.start()
+    try:
+        meter.start()
+        time.sleep(0.6)
+        figures = meter.stop()
+    finally:
+        stop.set()
+        burner.join()
+    assert figures is not None
+    assert figures.busiest_thread > 0.3, figures  # one thread spun for the whole level
+    assert figures.process >= figures.busiest_thread - 0.01
+    assert figures.children == 0.0 and figures.busiest_child == 0.0
+    assert 0.0 <= figures.machine_idle_pct <= 100.0
+
+
+def test_cpu_of_children_is_counted_apart_from_the_process() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+        "print('started', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == b"started\n"
+        meter = CpuMeter(parent.pid)
+        meter.start()
+        time.sleep(0.6)
+        figures = meter.stop()
+    finally:
+        for child in psutil.Process(parent.pid).children(recursive=True):
+            child.kill()
+        parent.kill()
+        parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
+    assert figures is not None
+    assert figures.children > 0.3, figures  # the spinning child
+    assert figures.busiest_child == figures.children  # the only child
+    assert figures.process < 0.2, figures  # the parent slept
+
+
+def test_cpu_without_a_process_is_not_measured() -> None:
+    for meter in (CpuMeter(None), CpuMeter(2**22 + 12345)):
+        meter.start()
+        assert meter.stop() is None

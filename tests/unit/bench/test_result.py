@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from kiln.bench.measure import Measurement
 from kiln.bench.records import Level
-from kiln.bench.resources import MemoryFigures
+from kiln.bench.resources import CpuFigures, MemoryFigures
 from kiln.bench.result import CSV_COLUMNS, BenchResult, LevelResult
 from kiln.bench.schedule import SendCounts
 from kiln.bench.server_stats import Duration, ServerCounters
@@ -103,3 +104,16 @@ def test_text_output_shows_each_figure() -> None:
                                 "p99", "ms", "errors", "stable"]
     assert lines[3].split()[:3] == ["c=2", "100.0", "400.0"]
     assert lines[4].split()[0] == "50/s"
+
+
+def test_cpu_figures_travel_through_json_and_text(tmp_path: Path) -> None:
+    result = bench_result()
+    cpu = CpuFigures(process=1.02, busiest_thread=0.94, children=2.5, machine_idle_pct=68.4, busiest_child=1.5)
+    result = dataclasses.replace(result, results=[dataclasses.replace(result.results[0], cpu=cpu),
+                                                  result.results[1]])
+    path = tmp_path / "bench.json"
+    result.write_json(path)
+    assert BenchResult.from_json(path.read_text()) == result
+    assert ("CPU (cores): process 1.02, its busiest thread 0.94, its children 2.50 (busiest 1.50); machine 68% idle"
+            in level_block(result.results[0]))
+    assert "CPU (cores)" not in level_block(result.results[1])  # not measured (no psutil)
