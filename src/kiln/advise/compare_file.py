@@ -32,6 +32,17 @@ class Row:
     rss_idle_mb: float | None = None
     rss_peak_mb: float | None = None
     together_per_s: float | None = None  # every model the server held, from its statistics (served rows)
+    cpu: Cpu | None = None  # of the process under test while the level ran (kiln bench's ``cpu``)
+
+
+@dataclass(frozen=True)
+class Cpu:
+    """Cores used on average: the process's busiest thread, the busiest of its child processes; the machine's idle
+    share in percent."""
+
+    busiest_thread: float
+    busiest_child: float
+    machine_idle_pct: float
 
 
 @dataclass(frozen=True)
@@ -193,7 +204,7 @@ def _rows(reader: _Reader, items: Sequence[Any], scenario: str) -> tuple[Row, ..
         idle, peak = _row_memory(reader, obj.get("memory_mb"), where)
         rows.append(Row(concurrency=concurrency, throughput_per_s=throughput, p99_ms=p99,
                         stable=reader.optional_bool(obj, "stable", where), rss_idle_mb=idle, rss_peak_mb=peak,
-                        together_per_s=_together(reader, obj, where)))
+                        together_per_s=_together(reader, obj, where), cpu=_cpu(reader, obj.get("cpu"), where)))
     return tuple(sorted(rows, key=lambda r: r.concurrency))
 
 
@@ -214,6 +225,19 @@ def _together(reader: _Reader, row: Mapping[str, Any], where: str) -> float | No
         rate = reader.number(rates, name, f"{where}.server_models_per_s")
         total += rate or 0.0
     return total
+
+
+def _cpu(reader: _Reader, value: object, where: str) -> Cpu | None:
+    """A row's CPU figures; None in files written before kiln bench measured them."""
+    if value is None:
+        return None
+    obj = reader.mapping(value, f"{where}.cpu")
+    thread = reader.number(obj, "busiest_thread", f"{where}.cpu")
+    idle = reader.number(obj, "machine_idle_pct", f"{where}.cpu")
+    child = reader.number(obj, "busiest_child", f"{where}.cpu") if "busiest_child" in obj else 0.0
+    if thread is None or idle is None or child is None:
+        return None
+    return Cpu(busiest_thread=thread, busiest_child=child, machine_idle_pct=idle)
 
 
 def _row_memory(reader: _Reader, value: object, where: str) -> tuple[float | None, float | None]:

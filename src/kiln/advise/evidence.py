@@ -16,6 +16,11 @@ from kiln.advise.inputs import Inputs
 
 # kiln bench's default stability band: throughput differences smaller than this are within measurement noise.
 NOISE = 0.10
+# Cores one thread or process used, on average over a level, from which it counts as the limit (what it did in the
+# rest of the time was waiting its turn).
+SATURATED = 0.85
+# The machine's idle share (percent) under which its cores count as the limit.
+BUSY_MACHINE_PCT = 10.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ def derive(result: CompareResult, inputs: Inputs) -> Evidence:
         served_name = "served_with_others"
     served = _point(result.named(served_name), labels, inputs.concurrency)
     lines += _expected_lines(inputs.concurrency, (direct, served))
+    lines += _limit_lines(result.scenarios, labels, served)
     unstable = [f"{labels[id(s)]} c={r.concurrency}" for s in result.scenarios for r in s.rows if r.stable is False]
     if unstable:
         lines.append(f"unstable measurements (outside the stability band): {', '.join(unstable)}")
@@ -232,6 +238,30 @@ def _point(variants: Sequence[Scenario], labels: dict[int, str], concurrency: in
     if measured:
         return min(measured, key=lambda p: p.p99_ms or 0.0)
     return points[0] if points else None
+
+
+def _limit_lines(scenarios: Sequence[Scenario], labels: dict[int, str], served: Point | None) -> list[str]:
+    """What the served point's CPU figures say stopped it, where kiln bench measured them."""
+    if served is None:
+        return []
+    scenario = next((s for s in scenarios if labels[id(s)] == served.label), None)
+    row = _row(scenario, served.concurrency) if scenario is not None else None
+    if row is None or row.cpu is None:
+        return []
+    cpu = row.cpu
+    if cpu.busiest_thread >= SATURATED:
+        limit = (f"one thread of the server process was busy {cpu.busiest_thread:.2f} of a core (its event loop: "
+                 f"Python work per request, which more cores do not speed up; the machine was "
+                 f"{cpu.machine_idle_pct:.0f}% idle)")
+    elif cpu.busiest_child >= SATURATED:
+        limit = (f"one frontend worker process was busy {cpu.busiest_child:.2f} of a core (clients that share one "
+                 f"connection reach one worker: gRPC channels, for instance)")
+    elif cpu.machine_idle_pct < BUSY_MACHINE_PCT:
+        limit = f"the machine's cores were busy ({cpu.machine_idle_pct:.0f}% idle), clients included"
+    else:
+        limit = ("no thread, worker or core was saturated: the limit is outside the server's CPU (the device, the "
+                 "clients, or waits between them)")
+    return [f"what limited {served.label} at c={served.concurrency}: {limit}"]
 
 
 def _expected_lines(concurrency: int, points: Sequence[Point | None]) -> list[str]:

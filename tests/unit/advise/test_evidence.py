@@ -200,3 +200,28 @@ def test_server_counts_that_are_not_numbers_are_refused(compare: dict[str, Any])
     compare["scenarios"][2]["results"][0]["window_span_ns"] = [10**9, 4 * 10**9]
     with pytest.raises(InvalidArgumentError, match="server_models_per_s.resnet50"):
         evidence_of(compare)
+
+
+@pytest.mark.parametrize(("cpu", "says"), [
+    ({"process": 1.0, "busiest_thread": 0.97, "children": 2.1, "busiest_child": 0.6, "machine_idle_pct": 70.0},
+     "one thread of the server process was busy 0.97 of a core"),
+    ({"process": 0.5, "busiest_thread": 0.45, "children": 1.2, "busiest_child": 0.93, "machine_idle_pct": 80.0},
+     "one frontend worker process was busy 0.93 of a core"),
+    ({"process": 0.7, "busiest_thread": 0.6, "children": 5.0, "busiest_child": 0.7, "machine_idle_pct": 4.0},
+     "the machine's cores were busy (4% idle)"),
+    ({"process": 0.3, "busiest_thread": 0.2, "children": 0.5, "busiest_child": 0.2, "machine_idle_pct": 85.0},
+     "no thread, worker or core was saturated"),
+])
+def test_the_served_points_cpu_names_what_limited_it(compare: dict[str, Any], cpu: dict[str, float],
+                                                      says: str) -> None:
+    compare["scenarios"][1]["results"][1]["cpu"] = cpu  # served, c=8
+    lines = [line for line in evidence_of(compare, concurrency=8).lines if line.startswith("what limited")]
+    assert len(lines) == 1 and lines[0].startswith("what limited served at c=8: " + says), lines
+
+
+def test_results_without_cpu_figures_say_nothing_about_the_limit(compare: dict[str, Any]) -> None:
+    compare["scenarios"][1]["results"][2]["cpu"] = {"process": 1.0, "busiest_thread": 0.97, "children": 0.0,
+                                                    "machine_idle_pct": 70.0}  # c=16, not the point read
+    evidence = evidence_of(compare, concurrency=8)
+    assert not any(line.startswith("what limited") for line in evidence.lines)
+    assert parse_compare(compare, Path("compare.json")).named("served")[0].rows[2].cpu is not None
