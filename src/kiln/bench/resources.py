@@ -64,12 +64,14 @@ class _CpuReading(NamedTuple):
 
 
 class CpuMeter:
-    """The CPU of ``pid`` (and its children) between :meth:`start` and :meth:`stop`; None figures without psutil
-    or once the process is gone."""
+    """The CPU of ``pid`` (and its children) between :meth:`start` and the last :meth:`mark` (else :meth:`stop`);
+    None figures without psutil or once the process is gone. Marking at the end of each measured window keeps the
+    load's own teardown out, and the threads of a load that stops (the bench process's) in."""
 
     def __init__(self, pid: int | None) -> None:
         self._process: Any = None
         self._start: _CpuReading | None = None
+        self._mark: _CpuReading | None = None
         if pid is None:
             return
         try:
@@ -80,11 +82,14 @@ class CpuMeter:
             self._process = None
 
     def start(self) -> None:
-        self._start = self._read()
+        self._start, self._mark = self._read(), None
+
+    def mark(self) -> None:
+        self._mark = self._read() or self._mark
 
     def stop(self) -> CpuFigures | None:
-        before, after = self._start, self._read()
-        self._start = None
+        before, after = self._start, self._mark or self._read()
+        self._start = self._mark = None
         if before is None or after is None or after.at <= before.at:
             return None
         wall = after.at - before.at

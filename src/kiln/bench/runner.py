@@ -70,8 +70,9 @@ class _LevelMeter:
         self._memory.start_level()
         self._cpu.start()
 
-    def sample(self) -> None:
+    def sample(self) -> None:  # at the end of each measured window
         self._memory.sample()
+        self._cpu.mark()
 
     def stop_level(self) -> MemoryFigures:
         self.cpu = self._cpu.stop()

@@ -144,3 +144,19 @@ def test_cpu_without_a_process_is_not_measured() -> None:
     for meter in (CpuMeter(None), CpuMeter(2**22 + 12345)):
         meter.start()
         assert meter.stop() is None
+
+
+def test_cpu_is_read_up_to_the_last_mark_so_threads_that_end_with_the_load_still_count() -> None:
+    meter = CpuMeter(os.getpid())
+    stop = threading.Event()
+    burner = threading.Thread(target=_burn, args=(stop,))
+    meter.start()
+    burner.start()
+    time.sleep(0.6)
+    meter.mark()  # the end of the last window: the load is still running
+    stop.set()
+    burner.join()
+    time.sleep(0.3)  # teardown, not measured
+    figures = meter.stop()
+    assert figures is not None
+    assert figures.busiest_thread > 0.3, figures
