@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kiln.advise.compare_file import CompareResult, Row, Scenario
+from kiln.advise.compare_file import CompareResult, Cpu, Row, Scenario
 from kiln.advise.inputs import Inputs
 
 # kiln bench's default stability band: throughput differences smaller than this are within measurement noise.
@@ -31,6 +31,7 @@ class Point:
     concurrency: int
     p99_ms: float | None
     throughput_per_s: float | None
+    cpu: Cpu | None = None  # of the process under test at that row, where kiln bench measured it
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def derive(result: CompareResult, inputs: Inputs) -> Evidence:
         served_name = "served_with_others"
     served = _point(result.named(served_name), labels, inputs.concurrency)
     lines += _expected_lines(inputs.concurrency, (direct, served))
-    lines += _limit_lines(result.scenarios, labels, served)
+    lines += _limit_lines(served)
     unstable = [f"{labels[id(s)]} c={r.concurrency}" for s in result.scenarios for r in s.rows if r.stable is False]
     if unstable:
         lines.append(f"unstable measurements (outside the stability band): {', '.join(unstable)}")
@@ -233,22 +234,18 @@ def _point(variants: Sequence[Scenario], labels: dict[int, str], concurrency: in
             continue
         row = next((r for r in scenario.rows if r.concurrency >= concurrency), scenario.rows[-1])
         points.append(Point(label=labels[id(scenario)], concurrency=row.concurrency, p99_ms=row.p99_ms,
-                            throughput_per_s=row.throughput_per_s))
+                            throughput_per_s=row.throughput_per_s, cpu=row.cpu))
     measured = [p for p in points if p.p99_ms is not None]
     if measured:
         return min(measured, key=lambda p: p.p99_ms or 0.0)
     return points[0] if points else None
 
 
-def _limit_lines(scenarios: Sequence[Scenario], labels: dict[int, str], served: Point | None) -> list[str]:
+def _limit_lines(served: Point | None) -> list[str]:
     """What the served point's CPU figures say stopped it, where kiln bench measured them."""
-    if served is None:
+    if served is None or served.cpu is None:
         return []
-    scenario = next((s for s in scenarios if labels[id(s)] == served.label), None)
-    row = _row(scenario, served.concurrency) if scenario is not None else None
-    if row is None or row.cpu is None:
-        return []
-    cpu = row.cpu
+    cpu = served.cpu
     if cpu.busiest_thread >= SATURATED:
         limit = (f"one thread of the server process was busy {cpu.busiest_thread:.2f} of a core (its event loop: "
                  f"Python work per request, which more cores do not speed up; the machine was "

@@ -74,12 +74,10 @@ class CpuMeter:
         self._mark: _CpuReading | None = None
         if pid is None:
             return
-        try:
+        with contextlib.suppress(Exception):  # psutil missing (memory says so already) or no such process
             import psutil
 
             self._process = psutil.Process(pid)
-        except Exception:  # psutil missing (memory says so already) or no such process
-            self._process = None
 
     def start(self) -> None:
         self._start, self._mark = self._read(), None

@@ -59,7 +59,7 @@ def run(options: BenchOptions, progress: Progress | None = None,
 
 
 class _LevelMeter:
-    """The level's memory (sampled while it runs) and its CPU (read at its start and end)."""
+    """The level's memory (sampled while it runs) and its CPU (from its start to its last measured window)."""
 
     def __init__(self, memory: MemorySampler, cpu: CpuMeter) -> None:
         self._memory = memory
