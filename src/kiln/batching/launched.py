@@ -12,6 +12,13 @@ Per model: ``parameters { key: "launch_execution" value { string_value: "auto" |
 default) launches whenever every instance can and the batching policy needs no queue: no queue delay, one
 priority level, no queue policies (timeouts, queue sizes), no preserve_ordering (which orders answers across
 loops and workers). Otherwise requests take the worker path.
+
+While a batch of the model is on the device, another instance starts a batch only once it has
+``launch_overlap_rows`` rows (default: the smallest preferred batch size, else an eighth of max_batch_size);
+fewer wait for the batch out to come back and leave with what arrived meanwhile. Requests from the network arrive
+spread over many loop turns: launching each turn's one or two onto the idle instance would keep the device busy
+with batches of one, each costing a launch on the loop, while a lone caller still finds nothing out and leaves at
+once.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from kiln.errors import InternalError, InvalidArgumentError, KilnError, VersionU
 from kiln.v2.types import InferRequest, InferResponse
 
 PARAMETER = "launch_execution"
+OVERLAP_PARAMETER = "launch_overlap_rows"
 RETRY_S = 0.0005  # how soon requests retry when another caller (a blocking one, a draining scheduler) holds every lane
 # Batches each instance may have launched and not yet collected. Requests that arrive meanwhile wait and leave as
 # one batch when the instance's batch is back, as behind a busy Triton instance; launching each one onto another
@@ -85,12 +93,26 @@ def launch_mode(model: BatchModel, policy: BatchingPolicy) -> str:
     return "auto" if mode == "auto" and able and not needs_queue else "off"
 
 
+def overlap_rows(model: BatchModel, policy: BatchingPolicy) -> int:
+    """Rows a batch needs to start while another batch of the model is out (``launch_overlap_rows``)."""
+    value = model.spec.parameters.get(OVERLAP_PARAMETER, "")
+    if not value:
+        if policy.preferred_batch_sizes:
+            return policy.preferred_batch_sizes[0]
+        return max(1, policy.max_batch_size // 8)
+    if not value.isdigit() or int(value) < 1:
+        raise InvalidArgumentError(f"model '{model.name}': parameter '{OVERLAP_PARAMETER}' is '{value}'; expected a "
+                                   f"whole number of rows, 1 or more (1 starts every batch at once)")
+    return int(value)
+
+
 class LaunchRunner:
     def __init__(self, model: BatchModel, policy: BatchingPolicy,
                  signature: Callable[[InferRequest], Hashable]) -> None:
         self.model = model
         self.policy = policy
         self.active = launch_mode(model, policy) == "auto"
+        self.overlap_rows = overlap_rows(model, policy)
         self._signature = signature
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = weakref.WeakKeyDictionary()
         self._admission = Admission(model.name, model.version)
@@ -154,6 +176,9 @@ class LaunchRunner:
             return
         while items:
             batch = self._take_batch(items)
+            if self._company_coming(batch):
+                items[:0] = batch  # the batch out comes back and wakes them (_finish), with more rows by then
+                break
             if not self._launch(loop, batch):
                 items[:0] = batch  # every lane is busy: these go first once a lane comes free
                 if not self._batches_out():  # none of ours will come back to wake them: someone else holds the lanes
@@ -161,6 +186,13 @@ class LaunchRunner:
                     loop.call_later(RETRY_S, self._flush, loop)
                 break
         pending.items = items
+
+    def _company_coming(self, batch: list[_Item]) -> bool:
+        """A batch too small to start beside the batch out (``overlap_rows``); only batches whose loop can still
+        collect them count, so one whose loop closed cannot hold requests back for good."""
+        if self.overlap_rows <= 1 or sum(item.rows for item in batch) >= self.overlap_rows:
+            return False
+        return any(not flight.loop.is_closed() for flights in self._out_per_instance for flight in flights)
 
     def _live(self, items: list[_Item]) -> list[_Item]:
         """The waiting requests whose callers still wait (the others count as CANCELED, as on the worker path)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.batching.launched import launch_mode
+from kiln.batching.launched import launch_mode, overlap_rows
 from kiln.batching.policy import BatchingPolicy
 from kiln.config import parse_config_text
 from kiln.config.validate import validate_config
@@ -153,6 +153,87 @@ async def test_requests_arriving_while_the_instance_has_a_batch_out_leave_togeth
         await asyncio.to_thread(batcher.close)
     assert [float(r.outputs[0].data[0, 0]) for r in responses] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert engine.batches == [1, 5] and engine.free == 4
+
+
+OVERLAP = 'parameters { key: "launch_overlap_rows" value { string_value: "%s" } }'
+
+
+async def _one_per_turn(batcher: DynamicBatcher, values: range) -> list[asyncio.Future[object]]:
+    sent: list[asyncio.Future[object]] = []
+    for value in values:
+        sent.append(asyncio.ensure_future(batcher.submit(request(float(value)), 1)))
+        await asyncio.sleep(0.002)  # the next request comes in a later loop turn, as from the network
+    return sent
+
+
+async def test_while_a_batch_is_out_another_instance_starts_only_a_batch_of_launch_overlap_rows() -> None:
+    """The second instance is idle, but three requests arriving one per turn wait for the first batch rather than
+    leave as batches of one; the fourth makes the rows enough, and they start beside the batch out."""
+    loaded, engines = model(parameters=OVERLAP % 4, instances=2, slots=1)
+    for engine in engines:
+        engine.device_s = 0.2
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    try:
+        first = await _one_per_turn(batcher, range(1))
+        few = await _one_per_turn(batcher, range(1, 4))
+        assert sorted(engines[0].batches + engines[1].batches) == [1]  # the lone caller left at once
+        rest = await _one_per_turn(batcher, range(4, 5))
+        assert sorted(engines[0].batches + engines[1].batches) == [1, 4]
+        assert not first[0].done()  # the batch of four started while the first was still out
+        responses = await asyncio.gather(*first, *few, *rest)
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert [float(r.outputs[0].data[0, 0]) for r in responses] == [1.0, 2.0, 3.0, 4.0, 5.0]  # type: ignore[attr-defined]
+
+
+async def test_a_small_batch_waiting_for_the_batch_out_leaves_when_it_is_back() -> None:
+    loaded, engines = model(parameters=OVERLAP % 8, instances=2, slots=1)
+    for engine in engines:
+        engine.device_s = 0.05
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    try:
+        sent = await _one_per_turn(batcher, range(3))
+        responses = await asyncio.gather(*sent)
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert [float(r.outputs[0].data[0, 0]) for r in responses] == [1.0, 2.0, 3.0]  # type: ignore[attr-defined]
+    assert sorted(engines[0].batches + engines[1].batches) == [1, 2]
+
+
+async def test_launch_overlap_rows_1_starts_every_batch_on_a_free_instance_at_once() -> None:
+    loaded, engines = model(parameters=OVERLAP % 1, instances=2, slots=1)
+    for engine in engines:
+        engine.device_s = 0.05
+    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    try:
+        sent = await _one_per_turn(batcher, range(2))
+        assert engines[0].batches == [1] and engines[1].batches == [1]  # the second did not wait for the first
+        await asyncio.gather(*sent)
+    finally:
+        await asyncio.to_thread(batcher.close)
+
+
+@pytest.mark.parametrize(("batching", "parameters", "expected"), [
+    ("preferred_batch_size: [ 2, 6 ]", "", 2),  # the smallest preferred batch size
+    ("", "", 1),  # max_batch_size 8: an eighth of it
+    ("preferred_batch_size: [ 2 ]", OVERLAP % 5, 5),
+])
+def test_launch_overlap_rows_defaults_to_the_smallest_preferred_batch_size(batching: str, parameters: str,
+                                                                           expected: int) -> None:
+    loaded, _ = model(batching, parameters)
+    assert overlap_rows(loaded, BatchingPolicy.from_config(loaded.spec.config)) == expected
+    spec = validate_config(parse_config_text(CONFIG.replace("max_batch_size: 8", "max_batch_size: 64")
+                                             % ("", "")), "m", "config.pbtxt", None)
+    big = LoadedModel(spec, 1, Path("."), [SlotEngine(spec)])
+    assert overlap_rows(big, BatchingPolicy.from_config(spec.config)) == 8
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many"])
+def test_a_bad_launch_overlap_rows_is_named_when_the_model_loads(value: str) -> None:
+    loaded, _ = model(parameters=OVERLAP % value)
+    with pytest.raises(InvalidArgumentError, match=f"model 'm': parameter 'launch_overlap_rows' is '{value}'; "
+                                                   f"expected a whole number of rows, 1 or more"):
+        DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
 
 
 async def test_without_dynamic_batching_each_request_is_launched_alone_one_per_instance_at_a_time() -> None:
