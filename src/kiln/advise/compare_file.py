@@ -38,11 +38,12 @@ class Row:
 @dataclass(frozen=True)
 class Cpu:
     """Cores used on average: the process's busiest thread, the busiest of its child processes; the machine's idle
-    share in percent."""
+    share in percent; the process's main thread (its event loop; None in files written before it was measured)."""
 
     busiest_thread: float
     busiest_child: float
     machine_idle_pct: float
+    main_thread: float | None = None
 
 
 @dataclass(frozen=True)
@@ -235,9 +236,10 @@ def _cpu(reader: _Reader, value: object, where: str) -> Cpu | None:
     thread = reader.number(obj, "busiest_thread", f"{where}.cpu")
     idle = reader.number(obj, "machine_idle_pct", f"{where}.cpu")
     child = reader.number(obj, "busiest_child", f"{where}.cpu") if "busiest_child" in obj else 0.0
+    main = reader.number(obj, "main_thread", f"{where}.cpu") if obj.get("main_thread") is not None else None
     if thread is None or idle is None or child is None:
         return None
-    return Cpu(busiest_thread=thread, busiest_child=child, machine_idle_pct=idle)
+    return Cpu(busiest_thread=thread, busiest_child=child, machine_idle_pct=idle, main_thread=main)
 
 
 def _row_memory(reader: _Reader, value: object, where: str) -> tuple[float | None, float | None]:

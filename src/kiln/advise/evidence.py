@@ -246,10 +246,12 @@ def _limit_lines(served: Point | None) -> list[str]:
     if served is None or served.cpu is None:
         return []
     cpu = served.cpu
-    if cpu.busiest_thread >= SATURATED:
-        limit = (f"one thread of the server process was busy {cpu.busiest_thread:.2f} of a core (its event loop: "
-                 f"Python work per request, which more cores do not speed up; the machine was "
-                 f"{cpu.machine_idle_pct:.0f}% idle)")
+    loop = cpu.busiest_thread if cpu.main_thread is None else cpu.main_thread
+    if loop >= SATURATED:
+        which = ("one thread of the server process (its event loop, or on a GPU host the thread that waits for the "
+                 "device)" if cpu.main_thread is None else "the server process's event loop")
+        limit = (f"{which} was busy {loop:.2f} of a core (Python work per request, which more cores do not speed "
+                 f"up; the machine was {cpu.machine_idle_pct:.0f}% idle)")
     elif cpu.busiest_child >= SATURATED:
         limit = (f"one frontend worker process was busy {cpu.busiest_child:.2f} of a core (clients that share one "
                  f"connection reach one worker: gRPC channels, for instance)")

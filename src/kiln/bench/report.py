@@ -102,11 +102,13 @@ def _together(scenario: dict[str, Any], concurrency: int) -> float | None:
     return sum(rates.values()) if rates else None
 
 
-CPU_TITLE = ("CPU (cores used while each level ran: process / its busiest thread / its children (the busiest "
-             "child), machine idle)")
+CPU_TITLE = ("CPU (cores used while each level ran: process / its main thread / its busiest thread / its children "
+             "(the busiest child), machine idle)")
 CPU_NOTE = ("The process under test is the server for served scenarios (its children: the frontend worker "
-            "processes) and the measuring process for direct. A busiest thread near 1.00 is an event loop that "
-            "cannot go faster; an idle machine beside it means the cores are not the limit.")
+            "processes) and the measuring process for direct. The main thread runs the event loop: near 1.00 it "
+            "cannot go faster, and an idle machine beside it means the cores are not the limit. On a GPU host the "
+            "busiest thread is often the one that waits for the device, which spins while a batch is out: it "
+            "reads as the device's busy share, not as a CPU limit.")
 
 
 def cpu_table(doc: dict[str, Any]) -> Table | None:
@@ -124,7 +126,9 @@ def _cpu_cell(row: dict[str, Any] | None) -> str:
     cpu = row.get("cpu") if row is not None else None
     if not cpu:
         return "-"
-    return (f"{cpu['process']:.2f} / {cpu['busiest_thread']:.2f} / {cpu['children']:.2f} "
+    main = cpu.get("main_thread")
+    return (f"{cpu['process']:.2f} / {'-' if main is None else f'{main:.2f}'} / {cpu['busiest_thread']:.2f} / "
+            f"{cpu['children']:.2f} "
             f"({cpu.get('busiest_child', 0.0):.2f}), {cpu['machine_idle_pct']:.0f}% idle")
 
 

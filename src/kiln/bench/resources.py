@@ -46,13 +46,16 @@ class MemoryFigures:
 class CpuFigures:
     """Cores used on average over a level (CPU seconds per second): the process under test alone, its busiest
     thread, its children together and the busiest of them; and the share of the whole machine's CPU time that was
-    idle (percent)."""
+    idle (percent). ``main_thread`` is the process's first thread, which runs kiln's event loop; the busiest thread
+    may be another one: on a GPU host, the thread that waits for the device spins while a batch is out (None in
+    files written before it was measured)."""
 
     process: float
     busiest_thread: float
     children: float
     machine_idle_pct: float
     busiest_child: float = 0.0
+    main_thread: float | None = None
 
 
 class _CpuReading(NamedTuple):
@@ -95,11 +98,13 @@ class CpuMeter:
         # A child that started during the level counts from zero; one that ended is lost (the figure says less).
         children = [spent - before.children.get(pid, 0.0) for pid, spent in after.children.items()]
         process = (after.process - before.process) / wall
+        main = (after.threads.get(self._process.pid, 0.0) - before.threads.get(self._process.pid, 0.0)) / wall
         # Thread and process times are read in clock ticks a moment apart: a thread may seem ahead of its process.
         return CpuFigures(process=round(process, 3), busiest_thread=round(min(busiest / wall, process), 3),
                           children=round(sum(children) / wall, 3),
                           machine_idle_pct=round(_idle_share(before.machine, after.machine), 1),
-                          busiest_child=round(max(children, default=0.0) / wall, 3))
+                          busiest_child=round(max(children, default=0.0) / wall, 3),
+                          main_thread=round(min(main, process), 3))
 
     def _read(self) -> _CpuReading | None:
         if self._process is None:

@@ -46,9 +46,10 @@ def level_block(level: LevelResult) -> str:
                  f"peak {_mib(m.gpu_peak)}")
     if level.cpu is not None:
         c = level.cpu
-        lines.append(f"  CPU (cores): process {c.process:.2f}, its busiest thread {c.busiest_thread:.2f}, its "
-                     f"children {c.children:.2f} (busiest {c.busiest_child:.2f}); machine {c.machine_idle_pct:.0f}% "
-                     "idle")
+        main = "" if c.main_thread is None else f"its main thread {c.main_thread:.2f}, "
+        lines.append(f"  CPU (cores): process {c.process:.2f}, {main}its busiest thread {c.busiest_thread:.2f}, "
+                     f"its children {c.children:.2f} (busiest {c.busiest_child:.2f}); machine "
+                     f"{c.machine_idle_pct:.0f}% idle")
     lines.append(f"  {'Stable' if level.stable else 'NOT stable'} after {level.windows} window(s); "
                  f"errors: {level.errors}")
     return "\n".join(lines) + "\n"

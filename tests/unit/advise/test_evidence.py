@@ -203,8 +203,13 @@ def test_server_counts_that_are_not_numbers_are_refused(compare: dict[str, Any])
 
 
 @pytest.mark.parametrize(("cpu", "says"), [
+    ({"process": 1.0, "busiest_thread": 0.97, "children": 2.1, "busiest_child": 0.6, "machine_idle_pct": 70.0,
+      "main_thread": 0.97}, "the server process's event loop was busy 0.97 of a core"),
     ({"process": 1.0, "busiest_thread": 0.97, "children": 2.1, "busiest_child": 0.6, "machine_idle_pct": 70.0},
-     "one thread of the server process was busy 0.97 of a core"),
+     "one thread of the server process (its event loop, or on a GPU host the thread that waits for the device) was "
+     "busy 0.97 of a core"),  # a file written before the main thread was measured
+    ({"process": 1.3, "busiest_thread": 0.93, "children": 1.8, "busiest_child": 0.5, "machine_idle_pct": 67.0,
+      "main_thread": 0.4}, "no thread, worker or core was saturated"),  # the busy thread waits for the GPU
     ({"process": 0.5, "busiest_thread": 0.45, "children": 1.2, "busiest_child": 0.93, "machine_idle_pct": 80.0},
      "one frontend worker process was busy 0.93 of a core"),
     ({"process": 0.7, "busiest_thread": 0.6, "children": 5.0, "busiest_child": 0.7, "machine_idle_pct": 4.0},

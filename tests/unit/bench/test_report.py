@@ -209,10 +209,13 @@ def test_cpu_table_shows_where_each_level_spent_its_cpu(doc: dict[str, Any]) -> 
     table = cpu_table(doc)
     assert table is not None
     assert table.header == ["scenario", "c=1", "c=8", "c=16"]
-    assert table.rows == [["served, 1 model, dynamic batching", "-", "-", "1.02 / 0.94 / 2.50 (0.98), 68% idle"]]
+    assert table.rows == [["served, 1 model, dynamic batching", "-", "-", "1.02 / - / 0.94 / 2.50 (0.98), 68% idle"]]
     text = markdown(doc)
     assert f"## {CPU_TITLE}" in text
-    assert "| served, 1 model, dynamic batching | - | - | 1.02 / 0.94 / 2.50 (0.98), 68% idle |" in text
-    assert "1.02 / 0.94 / 2.50 (0.98), 68% idle" in render_html(doc, {})
+    assert "| served, 1 model, dynamic batching | - | - | 1.02 / - / 0.94 / 2.50 (0.98), 68% idle |" in text
+    assert "1.02 / - / 0.94 / 2.50 (0.98), 68% idle" in render_html(doc, {})
     assert LevelResult.from_dict(served["results"][2]).cpu == CpuFigures(1.02, 0.941, 2.5, 68.4, 0.98)
     assert LevelResult.from_dict(served["results"][1]).cpu is None
+    served["results"][2]["cpu"]["main_thread"] = 0.52
+    table = cpu_table(doc)
+    assert table is not None and table.rows[0][3] == "1.02 / 0.52 / 0.94 / 2.50 (0.98), 68% idle"

@@ -111,6 +111,7 @@ def test_cpu_of_this_process_names_the_thread_that_burned_it() -> None:
     assert figures is not None
     assert figures.busiest_thread > 0.3, figures  # one thread spun for the whole level
     assert figures.process >= figures.busiest_thread - 0.01
+    assert figures.main_thread is not None and figures.main_thread < 0.2, figures  # this thread slept meanwhile
     assert 0.0 <= figures.busiest_child <= figures.children  # whatever children the test run has
     assert 0.0 <= figures.machine_idle_pct <= 100.0
 

@@ -108,12 +108,13 @@ def test_text_output_shows_each_figure() -> None:
 
 def test_cpu_figures_travel_through_json_and_text(tmp_path: Path) -> None:
     result = bench_result()
-    cpu = CpuFigures(process=1.02, busiest_thread=0.94, children=2.5, machine_idle_pct=68.4, busiest_child=1.5)
+    cpu = CpuFigures(process=1.02, busiest_thread=0.94, children=2.5, machine_idle_pct=68.4, busiest_child=1.5,
+                     main_thread=0.61)
     result = dataclasses.replace(result, results=[dataclasses.replace(result.results[0], cpu=cpu),
                                                   result.results[1]])
     path = tmp_path / "bench.json"
     result.write_json(path)
     assert BenchResult.from_json(path.read_text()) == result
-    assert ("CPU (cores): process 1.02, its busiest thread 0.94, its children 2.50 (busiest 1.50); machine 68% idle"
-            in level_block(result.results[0]))
+    assert ("CPU (cores): process 1.02, its main thread 0.61, its busiest thread 0.94, its children 2.50 (busiest "
+            "1.50); machine 68% idle" in level_block(result.results[0]))
     assert "CPU (cores)" not in level_block(result.results[1])  # not measured (no psutil)
