@@ -106,9 +106,8 @@ CPU_TITLE = ("CPU (cores used while each level ran: process / its main thread / 
              "(the busiest child), machine idle)")
 CPU_NOTE = ("The process under test is the server for served scenarios (its children: the frontend worker "
             "processes) and the measuring process for direct. The main thread runs the event loop: near 1.00 it "
-            "cannot go faster, and an idle machine beside it means the cores are not the limit. On a GPU host the "
-            "busiest thread is often the one that waits for the device, which spins while a batch is out: it "
-            "reads as the device's busy share, not as a CPU limit.")
+            "cannot go faster, and an idle machine beside it means the cores are not the limit. The busiest thread "
+            "may be another one (on a GPU host, the thread that waits for the device).")
 
 
 def cpu_table(doc: dict[str, Any]) -> Table | None:

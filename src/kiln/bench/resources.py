@@ -47,8 +47,8 @@ class CpuFigures:
     """Cores used on average over a level (CPU seconds per second): the process under test alone, its busiest
     thread, its children together and the busiest of them; and the share of the whole machine's CPU time that was
     idle (percent). ``main_thread`` is the process's first thread, which runs kiln's event loop; the busiest thread
-    may be another one: on a GPU host, the thread that waits for the device spins while a batch is out (None in
-    files written before it was measured)."""
+    may be another one (the thread that waits for the device, a staging helper). None in files written before it
+    was measured."""
 
     process: float
     busiest_thread: float
