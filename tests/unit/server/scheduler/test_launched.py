@@ -166,13 +166,18 @@ async def _one_per_turn(batcher: DynamicBatcher, values: range) -> list[asyncio.
     return sent
 
 
+def _two_instances(overlap: int, device_s: float) -> tuple[DynamicBatcher, list[SlotEngine]]:
+    """A batcher over two instances of one slot each, with ``launch_overlap_rows`` set."""
+    loaded, engines = model(parameters=OVERLAP % overlap, instances=2, slots=1)
+    for engine in engines:
+        engine.device_s = device_s
+    return DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config)), engines
+
+
 async def test_while_a_batch_is_out_another_instance_starts_only_a_batch_of_launch_overlap_rows() -> None:
     """The second instance is idle, but three requests arriving one per turn wait for the first batch rather than
     leave as batches of one; the fourth makes the rows enough, and they start beside the batch out."""
-    loaded, engines = model(parameters=OVERLAP % 4, instances=2, slots=1)
-    for engine in engines:
-        engine.device_s = 0.2
-    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    batcher, engines = _two_instances(4, 0.2)
     try:
         first = await _one_per_turn(batcher, range(1))
         few = await _one_per_turn(batcher, range(1, 4))
@@ -187,10 +192,7 @@ async def test_while_a_batch_is_out_another_instance_starts_only_a_batch_of_laun
 
 
 async def test_a_small_batch_waiting_for_the_batch_out_leaves_when_it_is_back() -> None:
-    loaded, engines = model(parameters=OVERLAP % 8, instances=2, slots=1)
-    for engine in engines:
-        engine.device_s = 0.05
-    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    batcher, engines = _two_instances(8, 0.05)
     try:
         sent = await _one_per_turn(batcher, range(3))
         responses = await asyncio.gather(*sent)
@@ -201,10 +203,7 @@ async def test_a_small_batch_waiting_for_the_batch_out_leaves_when_it_is_back() 
 
 
 async def test_launch_overlap_rows_1_starts_every_batch_on_a_free_instance_at_once() -> None:
-    loaded, engines = model(parameters=OVERLAP % 1, instances=2, slots=1)
-    for engine in engines:
-        engine.device_s = 0.05
-    batcher = DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config))
+    batcher, engines = _two_instances(1, 0.05)
     try:
         sent = await _one_per_turn(batcher, range(2))
         assert engines[0].batches == [1] and engines[1].batches == [1]  # the second did not wait for the first
