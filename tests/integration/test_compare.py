@@ -35,7 +35,7 @@ psutil = pytest.importorskip("psutil")
 # Debian's package, Ubuntu's older name, Google's build: whichever is on PATH.
 CHROMIUM = next((found for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
                  if (found := shutil.which(name))), None)
-SHOT_SIZE = (1200, 2000)
+SHOT_SIZE = (1200, 2600)  # tall enough for every table and the first plots below them
 ARGS = ["simple", "--models", "1", "--concurrency", "1,4", "-p", "250", "-r", "3", "-s", "100", "--quiet"]
 
 
@@ -92,6 +92,9 @@ def test_served_levels_count_every_model_on_the_server(compared: tuple[dict[str,
             assert all(rate > 0 for rate in rates.values())  # the peers' load reached the server too
             # Both count the same windows: the server's figure for the measured model is the client's.
             assert 0.85 < rates["simple"] / level["throughput_infer_per_s"] < 1.15
+            batch = level["server_rows_per_execution"]["simple"]
+            # One request per execution without dynamic batching; with it, never less (each request has one row).
+            assert (batch >= 0.95) if scenario["batching"] else (0.95 < batch < 1.05), (scenario["name"], batch)
     assert "direct" not in {s["name"] for s in doc["scenarios"] if "server_models_per_s" in s["results"][0]}
 
 

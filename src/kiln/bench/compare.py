@@ -364,6 +364,7 @@ class Comparison:
                 _expect(load, "ready")
             rows: list[LevelResult] = []
             together: dict[int, dict[str, float]] = {}
+            batches: dict[int, dict[str, float]] = {}
             for concurrency in opts.concurrency:
                 for load in loads:
                     _send(load, f"{concurrency}\n")
@@ -377,10 +378,12 @@ class Comparison:
                 for level in result.results:
                     if level.window_span_ns is not None:
                         together[concurrency] = sampler.rates(*level.window_span_ns)
+                        batches[concurrency] = sampler.rows_per_execution(*level.window_span_ns)
                 rows.extend(result.results)
         entry = _scenario(name, batching, 1 + peers, rows, idle_rss, idle_gpu)
         for level in entry["results"]:
             level["server_models_per_s"] = together.get(level["concurrency"])
+            level["server_rows_per_execution"] = batches.get(level["concurrency"])
         return entry
 
     def _start_server(self, processes: Processes, repo: Path) -> tuple[Child, str, str]:

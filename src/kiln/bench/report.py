@@ -121,6 +121,28 @@ def cpu_table(doc: dict[str, Any]) -> Table | None:
     return Table(["scenario", *(f"c={c}" for c in levels)], rows, numeric=1) if rows else None
 
 
+BATCH_TITLE = "Batches (rows per execution of the measured model, from the server's statistics)"
+BATCH_NOTE = ("Over the windows kept at each level. Small batches under load mean the device ran more, smaller "
+              "executions than the load allowed: each one costs the server a launch.")
+
+
+def batch_table(doc: dict[str, Any]) -> Table | None:
+    """The measured model's average batch per served scenario and level; None when no level has it (direct-only
+    runs, older files)."""
+    levels: list[int] = doc["concurrency"]
+    rows = []
+    for scenario in doc["scenarios"]:
+        cells = []
+        for c in levels:
+            row = _level(scenario, c)
+            batches = row.get("server_rows_per_execution") if row is not None else None
+            value = (batches or {}).get(doc["model"])
+            cells.append("-" if value is None else f"{value:.1f}")
+        if any(cell != "-" for cell in cells):
+            rows.append([scenario_label(scenario), *cells])
+    return Table(["scenario", *(f"c={c}" for c in levels)], rows, numeric=1) if rows else None
+
+
 def _cpu_cell(row: dict[str, Any] | None) -> str:
     cpu = row.get("cpu") if row is not None else None
     if not cpu:
@@ -179,7 +201,8 @@ def markdown(doc: dict[str, Any], command: str | None = None) -> str:
              "## Memory (RSS)\n",
              markdown_table(memory_table(doc)),
              "Served memory is the batching variant with the higher peak.\n",
-             *_cpu_section(doc)]
+             *_cpu_section(doc),
+             *_batch_section(doc)]
     notes = doc.get("notes") or []
     if notes:
         parts += ["## Notes\n", *(f"- {note}" for note in notes), ""]
@@ -189,6 +212,11 @@ def markdown(doc: dict[str, Any], command: str | None = None) -> str:
 def _together_section(doc: dict[str, Any]) -> list[str]:
     table = together_table(doc)
     return [] if table is None else [f"## {TOGETHER_TITLE}\n", TOGETHER_NOTE + "\n", markdown_table(table)]
+
+
+def _batch_section(doc: dict[str, Any]) -> list[str]:
+    table = batch_table(doc)
+    return [] if table is None else [f"## {BATCH_TITLE}\n", BATCH_NOTE + "\n", markdown_table(table)]
 
 
 def _cpu_section(doc: dict[str, Any]) -> list[str]:

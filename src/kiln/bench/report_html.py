@@ -8,11 +8,14 @@ import html
 from typing import Any
 
 from kiln.bench.report import (
+    BATCH_NOTE,
+    BATCH_TITLE,
     CPU_NOTE,
     CPU_TITLE,
     TOGETHER_NOTE,
     TOGETHER_TITLE,
     Table,
+    batch_table,
     comparison_table,
     cpu_table,
     machine_line,
@@ -64,11 +67,19 @@ def render_html(doc: dict[str, Any], images: dict[str, bytes], command: str | No
         "<h2>Memory (RSS)</h2>", _table(memory_table(doc)),
         "<p>Served memory is the batching variant with the higher peak.</p>",
         *_cpu(doc),
+        *_batches(doc),
         f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "",
         "<h2>Plots</h2>", *(_image(name, data) for name, data in images.items()),
         "</body></html>",
     ]
     return "\n".join(part for part in parts if part) + "\n"
+
+
+def _batches(doc: dict[str, Any]) -> list[str]:
+    table = batch_table(doc)
+    if table is None:
+        return []
+    return [f"<h2>{html.escape(BATCH_TITLE)}</h2>", f"<p>{html.escape(BATCH_NOTE)}</p>", _table(table)]
 
 
 def _cpu(doc: dict[str, Any]) -> list[str]:

@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 
 from kiln.bench.report import (
+    BATCH_TITLE,
     CPU_TITLE,
     PLOTS,
     TOGETHER_TITLE,
+    batch_table,
     comparison_table,
     cpu_table,
     markdown,
@@ -86,6 +88,19 @@ def _with_server_counts(doc: dict[str, Any]) -> dict[str, Any]:
             peers = {f"resnet50_peer{i}": rate * 0.9 for i in range(1, entry["models_loaded"])}
             level["server_models_per_s"] = {"resnet50": rate, **peers}
     return doc
+
+
+def test_batch_table_shows_the_measured_models_batches_per_served_level(doc: dict[str, Any]) -> None:
+    assert batch_table(doc) is None  # files written before batches were counted
+    assert BATCH_TITLE not in markdown(doc)
+    served = doc["scenarios"][2]
+    served["results"][1]["server_rows_per_execution"] = {"resnet50": 3.24, "resnet50_peer1": 9.0}
+    served["results"][2]["server_rows_per_execution"] = {"resnet50_peer1": 2.0}  # the measured model ran nothing
+    table = batch_table(doc)
+    assert table is not None
+    assert table.header == ["scenario", "c=1", "c=8", "c=16"]
+    assert table.rows == [[scenario_label(served), "-", "3.2", "-"]]
+    assert f"## {BATCH_TITLE}" in markdown(doc) and "<h2>Batches (rows per execution" in render_html(doc, {})
 
 
 def test_together_table_sums_every_model_and_compares_with_one_model(doc: dict[str, Any]) -> None:

@@ -15,6 +15,8 @@ from kiln.bench.served_counts import CountSampler
 from kiln.errors import UnavailableError
 
 RATES = {"a": 1000.0, "b": 250.0}  # requests/s each model's count grows by
+ROWS = {"a": 2, "b": 1}  # rows per request
+EXECUTIONS = {"a": 250.0, "b": 250.0}  # batches/s: a runs 8 rows per execution, b 1
 
 
 class _Stats(BaseHTTPRequestHandler):
@@ -26,7 +28,9 @@ class _Stats(BaseHTTPRequestHandler):
             self.send_error(500)
             return
         elapsed = time.monotonic() - self.started
-        stats = [{"name": name, "version": "1", "inference_stats": {"success": {"count": int(rate * elapsed)}}}
+        stats = [{"name": name, "version": "1", "inference_stats": {"success": {"count": int(rate * elapsed)}},
+                  "inference_count": int(rate * elapsed) * ROWS[name],
+                  "execution_count": int(EXECUTIONS[name] * elapsed)}
                  for name, rate in RATES.items()]
         body = json.dumps({"model_stats": stats}).encode()
         self.send_response(200)
@@ -63,6 +67,8 @@ def test_rates_over_a_span_inside_the_sampled_time_match_the_growth(stats_url: s
     assert set(rates) == set(RATES)
     for name, rate in RATES.items():
         assert rate * 0.9 < rates[name] < rate * 1.1
+    batches = sampler.rows_per_execution(begin, end)
+    assert 7.2 < batches["a"] < 8.8 and 0.9 < batches["b"] < 1.1, batches
 
 
 def test_a_span_outside_the_sampled_time_is_refused(stats_url: str) -> None:
