@@ -12,14 +12,22 @@ server's queue and compute phases (it reads the statistics extension itself), al
 stamped as those lines arrive, when the merged windows ran. perf_analyzer writes no CSV for a level that does not
 stabilize (exit status 2): the level is then run once more with the stability rule relaxed, so its figures are
 those of three real windows, and it is reported with ``stable: false``.
+
+perf_analyzer's memory grows with every request it sends (about the size of a request's input, per request, in
+perf_analyzer 2.60; upstream perf_analyzer issue 84), so a long level at thousands of requests/s can take the
+machine's memory, and the kernel's OOM killer then picks a process: perf_analyzer, or the server under test. Each
+run is watched, and stopped with an error that says so once it holds more than half the memory that was available
+when it started.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -48,6 +56,10 @@ PASS_LINE = re.compile(r"^\s*Pass \[(\d+)\] throughput:")
 REQUEST_COUNT = re.compile(r"^\s*Request count: (\d+)")
 OUTPUT_TAIL_CHARS = 3000
 RUN_TIMEOUT_MARGIN_S = 120.0  # beyond the longest a level can take (max_trials windows)
+MEMORY_POLL_S = 0.5
+MEMORY_SHARE = 0.5  # of the memory available when a run starts
+LEAK_NOTE = ("perf_analyzer's memory grows with every request it sends (upstream perf_analyzer issue 84); use a "
+             "shorter --measurement-interval or fewer --max-trials")
 
 
 class PerfAnalyzerError(UnavailableError):
@@ -159,9 +171,10 @@ def _number(row: dict[str, str], column: str) -> float:
 class PerfAnalyzerLoad:
     """Runs each level of ``options`` as one perf_analyzer run against the server at ``url``."""
 
-    def __init__(self, binary: str, options: BenchOptions, url: str) -> None:
+    def __init__(self, binary: str, options: BenchOptions, url: str, memory_limit_bytes: int | None = None) -> None:
         self.binary = binary
         self.options = options
+        self.memory_limit_bytes = memory_limit_bytes  # None: MEMORY_SHARE of what is available as each run starts
         host, port = split_url(url, 8000 if options.target == "http" else 8001)
         self.url = f"{host}:{port}"
 
@@ -184,8 +197,11 @@ class PerfAnalyzerLoad:
             finally:
                 figures = memory.stop_level()
             if code != 0:
+                killed = (" It was killed (SIGKILL), most likely by the kernel's OOM killer: " + LEAK_NOTE + "."
+                          if code == -signal.SIGKILL else "")
                 raise PerfAnalyzerError(f"perf_analyzer failed (exit status {code}) on model '{self.options.model}' "
-                                        f"at {level.describe()}: {' '.join(words)}\n{output.text[-OUTPUT_TAIL_CHARS:]}")
+                                        f"at {level.describe()}.{killed} {' '.join(words)}\n"
+                                        f"{output.text[-OUTPUT_TAIL_CHARS:]}")
             return level_result(read_row(path), level, self.options.batch_size, requests=output.request_count(),
                                 windows=windows, stable=stable, memory=figures, span_ns=output.span_ns())
 
@@ -200,19 +216,37 @@ class PerfAnalyzerLoad:
         reader = threading.Thread(target=_read_lines, args=(process, output), daemon=True)
         reader.start()
         try:
-            code = process.wait(timeout=self._timeout_s())
-        except subprocess.TimeoutExpired:
+            code = self._wait(process, words, output)
+        except PerfAnalyzerError:
             process.kill()
             process.wait()
             reader.join()
-            raise PerfAnalyzerError(f"perf_analyzer did not finish within {self._timeout_s():.0f} s: "
-                                    f"{' '.join(words)}\n{output.text[-OUTPUT_TAIL_CHARS:]}") from None
+            raise
         finally:
             if process.poll() is None:  # interrupted (Ctrl-C): leave no perf_analyzer behind
                 process.kill()
                 process.wait()
         reader.join()
         return output, code
+
+    def _wait(self, process: subprocess.Popen[str], words: Sequence[str], output: Output) -> int:
+        """Its exit status; PerfAnalyzerError once it runs past the level's time or holds too much memory."""
+        deadline = time.monotonic() + self._timeout_s()
+        limit = self.memory_limit_bytes or _available_share()
+        while True:
+            try:
+                return process.wait(timeout=MEMORY_POLL_S)
+            except subprocess.TimeoutExpired:
+                pass
+            if time.monotonic() >= deadline:
+                raise PerfAnalyzerError(f"perf_analyzer did not finish within {self._timeout_s():.0f} s: "
+                                        f"{' '.join(words)}\n{output.text[-OUTPUT_TAIL_CHARS:]}")
+            held = _rss(process.pid)
+            if limit is not None and held is not None and held > limit:
+                raise PerfAnalyzerError(f"perf_analyzer was stopped holding {held / 2**30:.1f} GiB of memory, more "
+                                        f"than the {limit / 2**30:.1f} GiB allowed ({MEMORY_SHARE:.0%} of what was "
+                                        f"available when it started), on model '{self.options.model}': {LEAK_NOTE}. "
+                                        f"{' '.join(words)}\n{output.text[-OUTPUT_TAIL_CHARS:]}")
 
     def _timeout_s(self) -> float:
         # A window that counts too few requests is lengthened by perf_analyzer, so allow twice the nominal time.
@@ -227,3 +261,26 @@ def _read_lines(process: subprocess.Popen[str], output: Output) -> None:
         output.lines.append(line.rstrip("\n"))
     process.stdout.close()
 
+
+
+def _available_share() -> int | None:
+    """MEMORY_SHARE of the memory available now; None without psutil (the run is then not watched)."""
+    with contextlib.suppress(ImportError):
+        import psutil
+
+        return int(psutil.virtual_memory().available * MEMORY_SHARE)
+    return None
+
+
+def _rss(pid: int) -> int | None:
+    """Resident memory of ``pid`` with its children (the wheel's launcher may run the binary as one)."""
+    with contextlib.suppress(ImportError):
+        import psutil
+
+        try:
+            process = psutil.Process(pid)
+            return int(process.memory_info().rss + sum(child.memory_info().rss
+                                                       for child in process.children(recursive=True)))
+        except psutil.Error:
+            return None
+    return None

@@ -1,18 +1,30 @@
 """perf_analyzer as kiln bench's load generator, without the binary: the command line built for a level, its CSV
-turned into a LevelResult, the windows read from its output, finding the binary, and the options checked."""
+turned into a LevelResult, the windows read from its output, finding the binary, the options checked, and runs
+stopped or killed for their memory (a stand-in process in the binary's place)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import stat
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kiln.bench import BenchOptions, BenchResult
 from kiln.bench.compare import CompareOptions
-from kiln.bench.perf_analyzer import Output, PerfAnalyzerError, command, find_binary, level_result, read_row
+from kiln.bench.perf_analyzer import (
+    Output,
+    PerfAnalyzerError,
+    PerfAnalyzerLoad,
+    command,
+    find_binary,
+    level_result,
+    read_row,
+)
+from kiln.bench.progress import Progress
 from kiln.bench.records import Level
 from kiln.bench.resources import MemoryFigures
 from kiln.bench.result import CSV_COLUMNS
@@ -173,3 +185,41 @@ def test_compare_checks_the_served_load_generator_before_running(tmp_path: Path)
     assert (served.target, served.load_generator, served.shared_memory) == ("grpc", "perf_analyzer", "system")
     assert served.concurrency == (8,) and served.server_pid == 1234
     assert served.client_processes == 1  # perf_analyzer is one process; the peers keep 3
+
+
+class _NoMemory:
+    def start_level(self) -> None:
+        pass
+
+    def sample(self) -> None:
+        pass
+
+    def stop_level(self) -> MemoryFigures:
+        return MEMORY
+
+
+def _stand_in(tmp_path: Path, body: str) -> str:
+    """An executable in perf_analyzer's place that runs ``body`` (Python) whatever its arguments."""
+    binary = tmp_path / "perf_analyzer"
+    binary.write_text(f"#!{sys.executable}\n{body}\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    return str(binary)
+
+
+def test_a_run_whose_memory_keeps_growing_is_stopped_with_the_reason(tmp_path: Path) -> None:
+    binary = _stand_in(tmp_path, "import time\nheld = []\nwhile True:\n"
+                                 "    held.append(bytearray(16 * 2**20))\n    time.sleep(0.02)")
+    load = PerfAnalyzerLoad(binary, options(), "127.0.0.1:8001", memory_limit_bytes=200 * 2**20)
+    started = time.monotonic()
+    with pytest.raises(PerfAnalyzerError, match=r"stopped holding [\d.]+ GiB of memory, more than the 0\.2 GiB "
+                                                r"allowed .* on model 'mlp': .*memory grows with every request"):
+        load.measure(Level(concurrency=1), _NoMemory(), Progress(enabled=False))
+    assert time.monotonic() - started < 30  # stopped by the guard, not by the level's time limit
+
+
+def test_a_run_killed_with_sigkill_points_at_the_oom_killer(tmp_path: Path) -> None:
+    binary = _stand_in(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    load = PerfAnalyzerLoad(binary, options(), "127.0.0.1:8001")
+    with pytest.raises(PerfAnalyzerError, match=r"exit status -9\) on model 'mlp' at .*killed \(SIGKILL\), most "
+                                                r"likely by the kernel's OOM killer"):
+        load.measure(Level(concurrency=1), _NoMemory(), Progress(enabled=False))
