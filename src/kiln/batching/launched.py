@@ -17,8 +17,9 @@ While a batch of the model is on the device, another instance starts a batch onl
 ``launch_overlap_rows`` rows (default: the smallest preferred batch size, else an eighth of max_batch_size);
 fewer wait for the batch out to come back and leave with what arrived meanwhile. Requests from the network arrive
 spread over many loop turns: launching each turn's one or two onto the idle instance would keep the device busy
-with batches of one, each costing a launch on the loop, while a lone caller still finds nothing out and leaves at
-once.
+with batches of one, each costing a launch on the loop. Only when the rows out and waiting together reach
+``launch_overlap_rows``, though: below that load no fuller batch can form, and small batches side by side are
+what the device can do best; a lone caller finds nothing out and leaves at once.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ class LaunchRunner:
             return
         while items:
             batch = self._take_batch(items)
-            if self._company_coming(batch):
+            if self._company_coming(batch, items):
                 items[:0] = batch  # the batch out comes back and wakes them (_finish), with more rows by then
                 break
             if not self._launch(loop, batch):
@@ -187,12 +188,18 @@ class LaunchRunner:
                 break
         pending.items = items
 
-    def _company_coming(self, batch: list[_Item]) -> bool:
-        """A batch too small to start beside the batch out (``overlap_rows``); only batches whose loop can still
-        collect them count, so one whose loop closed cannot hold requests back for good."""
-        if self.overlap_rows <= 1 or sum(item.rows for item in batch) >= self.overlap_rows:
+    def _company_coming(self, batch: list[_Item], rest: list[_Item]) -> bool:
+        """A batch too small to start beside the batches out (``overlap_rows``) while enough rows are out and
+        waiting to make a fuller one. Only batches whose loop can still collect them count, so one whose loop
+        closed cannot hold requests back for good."""
+        rows = sum(item.rows for item in batch)
+        if self.overlap_rows <= 1 or rows >= self.overlap_rows:
             return False
-        return any(not flight.loop.is_closed() for flights in self._out_per_instance for flight in flights)
+        out = [flight for flights in self._out_per_instance for flight in flights if not flight.loop.is_closed()]
+        if not out:
+            return False
+        rows += sum(item.rows for item in rest) + sum(item.rows for flight in out for item in flight.items)
+        return rows >= self.overlap_rows
 
     def _live(self, items: list[_Item]) -> list[_Item]:
         """The waiting requests whose callers still wait (the others count as CANCELED, as on the worker path)."""

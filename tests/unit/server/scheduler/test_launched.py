@@ -174,39 +174,64 @@ def _two_instances(overlap: int, device_s: float) -> tuple[DynamicBatcher, list[
     return DynamicBatcher(loaded, BatchingPolicy.from_config(loaded.spec.config)), engines
 
 
+async def _one_turn(batcher: DynamicBatcher, values: range) -> list[asyncio.Future[object]]:
+    sent = [asyncio.ensure_future(batcher.submit(request(float(value)), 1)) for value in values]
+    await asyncio.sleep(0.002)
+    return sent
+
+
+def _launched(engines: list[SlotEngine]) -> list[int]:
+    return sorted(engines[0].batches + engines[1].batches)
+
+
 async def test_while_a_batch_is_out_another_instance_starts_only_a_batch_of_launch_overlap_rows() -> None:
-    """The second instance is idle, but three requests arriving one per turn wait for the first batch rather than
-    leave as batches of one; the fourth makes the rows enough, and they start beside the batch out."""
-    batcher, engines = _two_instances(4, 0.2)
+    """Under load (rows out and waiting reach launch_overlap_rows) the idle second instance does not take requests
+    arriving one per turn as batches of one; they wait until they are enough, and start beside the batch out."""
+    batcher, engines = _two_instances(4, 0.3)
     try:
-        first = await _one_per_turn(batcher, range(1))
-        few = await _one_per_turn(batcher, range(1, 4))
-        assert sorted(engines[0].batches + engines[1].batches) == [1]  # the lone caller left at once
-        rest = await _one_per_turn(batcher, range(4, 5))
-        assert sorted(engines[0].batches + engines[1].batches) == [1, 4]
+        first = await _one_turn(batcher, range(3))
+        assert _launched(engines) == [3]  # nothing was out: they left at once
+        few = await _one_per_turn(batcher, range(3, 6))
+        assert _launched(engines) == [3]  # 3 out and 1-3 waiting: company is coming
+        rest = await _one_per_turn(batcher, range(6, 7))
+        assert _launched(engines) == [3, 4]
         assert not first[0].done()  # the batch of four started while the first was still out
         responses = await asyncio.gather(*first, *few, *rest)
     finally:
         await asyncio.to_thread(batcher.close)
-    assert [float(r.outputs[0].data[0, 0]) for r in responses] == [1.0, 2.0, 3.0, 4.0, 5.0]  # type: ignore[attr-defined]
+    assert [float(r.outputs[0].data[0, 0]) for r in responses] == [float(i + 1) for i in range(7)]  # type: ignore[attr-defined]
 
 
-async def test_a_small_batch_waiting_for_the_batch_out_leaves_when_it_is_back() -> None:
-    batcher, engines = _two_instances(8, 0.05)
+async def test_a_held_batch_leaves_when_the_batch_out_is_back() -> None:
+    batcher, engines = _two_instances(4, 0.05)
     try:
-        sent = await _one_per_turn(batcher, range(3))
+        sent = [*await _one_turn(batcher, range(3)), *await _one_per_turn(batcher, range(3, 4))]
+        assert _launched(engines) == [3]
         responses = await asyncio.gather(*sent)
     finally:
         await asyncio.to_thread(batcher.close)
-    assert [float(r.outputs[0].data[0, 0]) for r in responses] == [1.0, 2.0, 3.0]  # type: ignore[attr-defined]
-    assert sorted(engines[0].batches + engines[1].batches) == [1, 2]
+    assert [float(r.outputs[0].data[0, 0]) for r in responses] == [1.0, 2.0, 3.0, 4.0]  # type: ignore[attr-defined]
+    assert _launched(engines) == [1, 3]
+
+
+async def test_below_launch_overlap_rows_in_flight_small_batches_start_side_by_side() -> None:
+    """Two clients cannot fill a batch of 8: the second request starts on the idle instance at once."""
+    batcher, engines = _two_instances(8, 0.3)
+    try:
+        sent = await _one_per_turn(batcher, range(2))
+        assert engines[0].batches == [1] and engines[1].batches == [1]
+        assert not sent[0].done()
+        await asyncio.gather(*sent)
+    finally:
+        await asyncio.to_thread(batcher.close)
 
 
 async def test_launch_overlap_rows_1_starts_every_batch_on_a_free_instance_at_once() -> None:
-    batcher, engines = _two_instances(1, 0.05)
+    batcher, engines = _two_instances(1, 0.3)
     try:
-        sent = await _one_per_turn(batcher, range(2))
-        assert engines[0].batches == [1] and engines[1].batches == [1]  # the second did not wait for the first
+        sent = [*await _one_turn(batcher, range(3)), *await _one_per_turn(batcher, range(3, 4))]
+        assert _launched(engines) == [1, 3]  # the fourth did not wait for the batch out, though the load was there
+        assert not sent[0].done()
         await asyncio.gather(*sent)
     finally:
         await asyncio.to_thread(batcher.close)
