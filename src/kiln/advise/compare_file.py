@@ -33,6 +33,7 @@ class Row:
     rss_peak_mb: float | None = None
     together_per_s: float | None = None  # every model the server held, from its statistics (served rows)
     cpu: Cpu | None = None  # of the process under test while the level ran (kiln bench's ``cpu``)
+    batch_rows: float | None = None  # the measured model's rows per execution on the server (served rows)
 
 
 @dataclass(frozen=True)
@@ -142,14 +143,15 @@ def parse_compare(data: object, path: Path) -> CompareResult:
     top = reader.mapping(data, "the file")
     if "scenarios" not in top:
         raise reader.fail("the file", "has no 'scenarios'")
-    scenarios = _scenarios(reader, reader.sequence(top["scenarios"], "scenarios"))
+    model = top.get("model")
+    scenarios = _scenarios(reader, reader.sequence(top["scenarios"], "scenarios"),
+                           str(model) if model is not None else None)
     if not scenarios:
         raise reader.fail("scenarios", f"holds none of {', '.join(SCENARIOS)}")
     for name in SCENARIOS:
         if not any(s.name == name for s in scenarios):
             reader.missing.append(f"scenario {name}")
     memory = _memory(reader, top.get("memory_mb"), scenarios)
-    model = top.get("model")
     if model is None:
         reader.missing.append("model")
     return CompareResult(path=path, model=str(model) if model is not None else None,
@@ -157,7 +159,7 @@ def parse_compare(data: object, path: Path) -> CompareResult:
                          missing=tuple(reader.missing), ignored=tuple(reader.ignored))
 
 
-def _scenarios(reader: _Reader, items: Sequence[Any]) -> tuple[Scenario, ...]:
+def _scenarios(reader: _Reader, items: Sequence[Any], model: str | None) -> tuple[Scenario, ...]:
     scenarios: list[Scenario] = []
     for index, item in enumerate(items):
         where = f"scenarios[{index}]"
@@ -175,13 +177,13 @@ def _scenarios(reader: _Reader, items: Sequence[Any]) -> tuple[Scenario, ...]:
         if "results" not in obj:
             raise reader.fail(where, "has no 'results'")
         label = name if batching is None else f"{name}[{'batching' if batching else 'no batching'}]"
-        rows = _rows(reader, reader.sequence(obj["results"], f"{where}.results"), label)
+        rows = _rows(reader, reader.sequence(obj["results"], f"{where}.results"), label, model)
         scenarios.append(Scenario(name=name, batching=batching,
                                   models_loaded=reader.optional_int(obj, "models_loaded", where), rows=rows))
     return tuple(scenarios)
 
 
-def _rows(reader: _Reader, items: Sequence[Any], scenario: str) -> tuple[Row, ...]:
+def _rows(reader: _Reader, items: Sequence[Any], scenario: str, model: str | None) -> tuple[Row, ...]:
     rows: list[Row] = []
     for index, item in enumerate(items):
         where = f"{scenario}.results[{index}]"
@@ -205,8 +207,18 @@ def _rows(reader: _Reader, items: Sequence[Any], scenario: str) -> tuple[Row, ..
         idle, peak = _row_memory(reader, obj.get("memory_mb"), where)
         rows.append(Row(concurrency=concurrency, throughput_per_s=throughput, p99_ms=p99,
                         stable=reader.optional_bool(obj, "stable", where), rss_idle_mb=idle, rss_peak_mb=peak,
-                        together_per_s=_together(reader, obj, where), cpu=_cpu(reader, obj.get("cpu"), where)))
+                        together_per_s=_together(reader, obj, where), cpu=_cpu(reader, obj.get("cpu"), where),
+                        batch_rows=_batch_rows(reader, obj, where, model)))
     return tuple(sorted(rows, key=lambda r: r.concurrency))
+
+
+def _batch_rows(reader: _Reader, row: Mapping[str, Any], where: str, model: str | None) -> float | None:
+    """The measured model's rows per execution (``server_rows_per_execution``); None in files without it."""
+    value = row.get("server_rows_per_execution")
+    if value is None or model is None:
+        return None
+    batches = reader.mapping(value, f"{where}.server_rows_per_execution")
+    return reader.number(batches, model, f"{where}.server_rows_per_execution") if model in batches else None
 
 
 def _together(reader: _Reader, row: Mapping[str, Any], where: str) -> float | None:

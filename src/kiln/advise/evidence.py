@@ -32,6 +32,7 @@ class Point:
     p99_ms: float | None
     throughput_per_s: float | None
     cpu: Cpu | None = None  # of the process under test at that row, where kiln bench measured it
+    batch_rows: float | None = None  # the server's rows per execution there (served rows)
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ def _point(variants: Sequence[Scenario], labels: dict[int, str], concurrency: in
             continue
         row = next((r for r in scenario.rows if r.concurrency >= concurrency), scenario.rows[-1])
         points.append(Point(label=labels[id(scenario)], concurrency=row.concurrency, p99_ms=row.p99_ms,
-                            throughput_per_s=row.throughput_per_s, cpu=row.cpu))
+                            throughput_per_s=row.throughput_per_s, cpu=row.cpu, batch_rows=row.batch_rows))
     measured = [p for p in points if p.p99_ms is not None]
     if measured:
         return min(measured, key=lambda p: p.p99_ms or 0.0)
@@ -260,7 +261,8 @@ def _limit_lines(served: Point | None) -> list[str]:
     else:
         limit = ("no thread, worker or core was saturated: the limit is outside the server's CPU (the device, the "
                  "clients, or waits between them)")
-    return [f"what limited {served.label} at c={served.concurrency}: {limit}"]
+    batches = "" if served.batch_rows is None else f"; the server ran batches of {served.batch_rows:.1f} rows there"
+    return [f"what limited {served.label} at c={served.concurrency}: {limit}{batches}"]
 
 
 def _expected_lines(concurrency: int, points: Sequence[Point | None]) -> list[str]:

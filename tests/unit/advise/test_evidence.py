@@ -224,6 +224,18 @@ def test_the_served_points_cpu_names_what_limited_it(compare: dict[str, Any], cp
     assert len(lines) == 1 and lines[0].startswith("what limited served at c=8: " + says), lines
 
 
+def test_the_limit_line_gives_the_servers_batches_where_compare_counted_them(compare: dict[str, Any]) -> None:
+    level = compare["scenarios"][1]["results"][1]  # served, c=8
+    level["cpu"] = {"process": 1.0, "busiest_thread": 0.9, "children": 1.0, "busiest_child": 0.4,
+                    "machine_idle_pct": 70.0, "main_thread": 0.9}
+    level["server_rows_per_execution"] = {compare["model"]: 1.43, "peer": 9.0}
+    lines = [line for line in evidence_of(compare, concurrency=8).lines if line.startswith("what limited")]
+    assert lines and lines[0].endswith("; the server ran batches of 1.4 rows there"), lines
+    level["server_rows_per_execution"] = {"peer": 9.0}  # the measured model ran no batch in those windows
+    lines = [line for line in evidence_of(compare, concurrency=8).lines if line.startswith("what limited")]
+    assert lines and "batches of" not in lines[0], lines
+
+
 def test_results_without_cpu_figures_say_nothing_about_the_limit(compare: dict[str, Any]) -> None:
     compare["scenarios"][1]["results"][2]["cpu"] = {"process": 1.0, "busiest_thread": 0.97, "children": 0.0,
                                                     "machine_idle_pct": 70.0}  # c=16, not the point read
