@@ -184,7 +184,7 @@ def _perf_analyzer_rate(args: argparse.Namespace, protocol: str, tensors: str, u
                         concurrency: int) -> tuple[float, float]:
     """Requests/s and p50 latency (ms) of one perf_analyzer run at ``concurrency``: windows of --seconds, at most
     three, the last stable pair reported."""
-    from kiln.bench.perf_analyzer import find_binary, read_row
+    from kiln.bench.perf_analyzer import find_binary, read_row, wait_watched
 
     with tempfile.TemporaryDirectory(prefix="kiln-served-ceiling-pa-") as tmp:
         csv_path = Path(tmp) / "row.csv"
@@ -194,9 +194,16 @@ def _perf_analyzer_rate(args: argparse.Namespace, protocol: str, tensors: str, u
                    "--max-trials", "3", "-f", str(csv_path)]
         if tensors == "system shm":
             command += ["--shared-memory", "system", "--output-shared-memory-size", str(1000 * 4)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.seconds * 6 + 60)
-        if done.returncode != 0 and not csv_path.exists():
-            raise RuntimeError(f"perf_analyzer failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
+        log_path = Path(tmp) / "output.txt"
+        with log_path.open("w") as log, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT) as process:
+            try:  # its memory grows per request (kiln.bench.perf_analyzer): stopped before the OOM killer picks
+                code = wait_watched(process, args.seconds * 6 + 60, None, MODEL,
+                                    lambda: log_path.read_text()[-2000:])
+            finally:
+                if process.poll() is None:
+                    process.kill()
+        if code != 0 and not csv_path.exists():
+            raise RuntimeError(f"perf_analyzer failed ({code}): {log_path.read_text()[-4000:]}")
         row = read_row(csv_path)
     return float(row["Inferences/Second"]), float(row["p50 latency"]) / 1000
 

@@ -32,9 +32,10 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kiln.bench.measure import MemoryMeter
 from kiln.bench.options import BenchOptions
@@ -216,7 +217,8 @@ class PerfAnalyzerLoad:
         reader = threading.Thread(target=_read_lines, args=(process, output), daemon=True)
         reader.start()
         try:
-            code = self._wait(process, words, output)
+            code = wait_watched(process, self._timeout_s(), self.memory_limit_bytes, self.options.model,
+                                lambda: f"{' '.join(words)}\n{output.text[-OUTPUT_TAIL_CHARS:]}")
         except PerfAnalyzerError:
             process.kill()
             process.wait()
@@ -229,28 +231,31 @@ class PerfAnalyzerLoad:
         reader.join()
         return output, code
 
-    def _wait(self, process: subprocess.Popen[str], words: Sequence[str], output: Output) -> int:
-        """Its exit status; PerfAnalyzerError once it runs past the level's time or holds too much memory."""
-        deadline = time.monotonic() + self._timeout_s()
-        limit = self.memory_limit_bytes or _available_share()
-        while True:
-            try:
-                return process.wait(timeout=MEMORY_POLL_S)
-            except subprocess.TimeoutExpired:
-                pass
-            if time.monotonic() >= deadline:
-                raise PerfAnalyzerError(f"perf_analyzer did not finish within {self._timeout_s():.0f} s: "
-                                        f"{' '.join(words)}\n{output.text[-OUTPUT_TAIL_CHARS:]}")
-            held = _rss(process.pid)
-            if limit is not None and held is not None and held > limit:
-                raise PerfAnalyzerError(f"perf_analyzer was stopped holding {held / 2**30:.1f} GiB of memory, more "
-                                        f"than the {limit / 2**30:.1f} GiB allowed ({MEMORY_SHARE:.0%} of what was "
-                                        f"available when it started), on model '{self.options.model}': {LEAK_NOTE}. "
-                                        f"{' '.join(words)}\n{output.text[-OUTPUT_TAIL_CHARS:]}")
-
     def _timeout_s(self) -> float:
         # A window that counts too few requests is lengthened by perf_analyzer, so allow twice the nominal time.
         return 2 * self.options.max_trials * self.options.measurement_interval_ms / 1000 + RUN_TIMEOUT_MARGIN_S
+
+
+def wait_watched(process: subprocess.Popen[Any], timeout_s: float, memory_limit_bytes: int | None, model: str,
+                 context: Callable[[], str]) -> int:
+    """A perf_analyzer run's exit status; PerfAnalyzerError (the caller kills it) once it runs past ``timeout_s``
+    or holds more than ``memory_limit_bytes`` (None: MEMORY_SHARE of what is available now). ``context`` gives
+    the command and output to quote."""
+    deadline = time.monotonic() + timeout_s
+    limit = memory_limit_bytes or _available_share()
+    why = "" if memory_limit_bytes else f" ({MEMORY_SHARE:.0%} of what was available when it started)"
+    while True:
+        try:
+            return process.wait(timeout=MEMORY_POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() >= deadline:
+            raise PerfAnalyzerError(f"perf_analyzer did not finish within {timeout_s:.0f} s: {context()}")
+        held = _rss(process.pid)
+        if limit is not None and held is not None and held > limit:
+            raise PerfAnalyzerError(f"perf_analyzer was stopped holding {held / 2**30:.1f} GiB of memory, more than "
+                                    f"the {limit / 2**30:.1f} GiB allowed{why}, on model '{model}': {LEAK_NOTE}. "
+                                    f"{context()}")
 
 
 def _read_lines(process: subprocess.Popen[str], output: Output) -> None:

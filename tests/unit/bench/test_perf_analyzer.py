@@ -212,7 +212,7 @@ def test_a_run_whose_memory_keeps_growing_is_stopped_with_the_reason(tmp_path: P
     load = PerfAnalyzerLoad(binary, options(), "127.0.0.1:8001", memory_limit_bytes=200 * 2**20)
     started = time.monotonic()
     with pytest.raises(PerfAnalyzerError, match=r"stopped holding [\d.]+ GiB of memory, more than the 0\.2 GiB "
-                                                r"allowed .* on model 'mlp': .*memory grows with every request"):
+                                                r"allowed, on model 'mlp': .*memory grows with every request"):
         load.measure(Level(concurrency=1), _NoMemory(), Progress(enabled=False))
     assert time.monotonic() - started < 30  # stopped by the guard, not by the level's time limit
 
