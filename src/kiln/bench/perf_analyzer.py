@@ -41,7 +41,7 @@ from kiln.bench.measure import MemoryMeter
 from kiln.bench.options import BenchOptions
 from kiln.bench.progress import Progress
 from kiln.bench.records import Level
-from kiln.bench.resources import MemoryFigures
+from kiln.bench.resources import MemoryFigures, rss_reader
 from kiln.bench.result import ClientTimesMs, Latency, LevelResult, ServerTimesUs
 from kiln.bench.targets.remote import split_url
 from kiln.errors import UnavailableError
@@ -243,6 +243,7 @@ def wait_watched(process: subprocess.Popen[Any], timeout_s: float, memory_limit_
     the command and output to quote."""
     deadline = time.monotonic() + timeout_s
     limit = memory_limit_bytes or _available_share()
+    held_now = rss_reader(process.pid) if limit is not None else None
     why = "" if memory_limit_bytes else f" ({MEMORY_SHARE:.0%} of what was available when it started)"
     while True:
         try:
@@ -251,7 +252,7 @@ def wait_watched(process: subprocess.Popen[Any], timeout_s: float, memory_limit_
             pass
         if time.monotonic() >= deadline:
             raise PerfAnalyzerError(f"perf_analyzer did not finish within {timeout_s:.0f} s: {context()}")
-        held = _rss(process.pid)
+        held = held_now() if held_now is not None else None
         if limit is not None and held is not None and held > limit:
             raise PerfAnalyzerError(f"perf_analyzer was stopped holding {held / 2**30:.1f} GiB of memory, more than "
                                     f"the {limit / 2**30:.1f} GiB allowed{why}, on model '{model}': {LEAK_NOTE}. "
@@ -267,25 +268,10 @@ def _read_lines(process: subprocess.Popen[str], output: Output) -> None:
     process.stdout.close()
 
 
-
 def _available_share() -> int | None:
     """MEMORY_SHARE of the memory available now; None without psutil (the run is then not watched)."""
     with contextlib.suppress(ImportError):
         import psutil
 
         return int(psutil.virtual_memory().available * MEMORY_SHARE)
-    return None
-
-
-def _rss(pid: int) -> int | None:
-    """Resident memory of ``pid`` with its children (the wheel's launcher may run the binary as one)."""
-    with contextlib.suppress(ImportError):
-        import psutil
-
-        try:
-            process = psutil.Process(pid)
-            return int(process.memory_info().rss + sum(child.memory_info().rss
-                                                       for child in process.children(recursive=True)))
-        except psutil.Error:
-            return None
     return None

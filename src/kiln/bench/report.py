@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,11 +112,17 @@ CPU_NOTE = ("The process under test is the server for served scenarios (its chil
 
 def cpu_table(doc: dict[str, Any]) -> Table | None:
     """Where the CPU went at each level, per scenario; None when no level measured it (no psutil, older files)."""
+    return _per_level_table(doc, _cpu_cell)
+
+
+def _per_level_table(doc: dict[str, Any], cell: Callable[[dict[str, Any] | None], str]) -> Table | None:
+    """One cell per scenario and level; scenarios with nothing to show ("-" everywhere) are left out, and the
+    table is None when none is left."""
     levels: list[int] = doc["concurrency"]
     rows = []
     for scenario in doc["scenarios"]:
-        cells = [_cpu_cell(_level(scenario, c)) for c in levels]
-        if any(cell != "-" for cell in cells):
+        cells = [cell(_level(scenario, c)) for c in levels]
+        if any(text != "-" for text in cells):
             rows.append([scenario_label(scenario), *cells])
     return Table(["scenario", *(f"c={c}" for c in levels)], rows, numeric=1) if rows else None
 
@@ -129,18 +135,11 @@ BATCH_NOTE = ("Over the windows kept at each level. Small batches under load mea
 def batch_table(doc: dict[str, Any]) -> Table | None:
     """The measured model's average batch per served scenario and level; None when no level has it (direct-only
     runs, older files)."""
-    levels: list[int] = doc["concurrency"]
-    rows = []
-    for scenario in doc["scenarios"]:
-        cells = []
-        for c in levels:
-            row = _level(scenario, c)
-            batches = row.get("server_rows_per_execution") if row is not None else None
-            value = (batches or {}).get(doc["model"])
-            cells.append("-" if value is None else f"{value:.1f}")
-        if any(cell != "-" for cell in cells):
-            rows.append([scenario_label(scenario), *cells])
-    return Table(["scenario", *(f"c={c}" for c in levels)], rows, numeric=1) if rows else None
+    def cell(row: dict[str, Any] | None) -> str:
+        value = ((row or {}).get("server_rows_per_execution") or {}).get(doc["model"])
+        return "-" if value is None else f"{value:.1f}"
+
+    return _per_level_table(doc, cell)
 
 
 def _cpu_cell(row: dict[str, Any] | None) -> str:
