@@ -17,9 +17,11 @@ While a batch of the model is on the device, another instance starts a batch onl
 ``launch_overlap_rows`` rows (default: the smallest preferred batch size, else an eighth of max_batch_size);
 fewer wait for the batch out to come back and leave with what arrived meanwhile. Requests from the network arrive
 spread over many loop turns: launching each turn's one or two onto the idle instance would keep the device busy
-with batches of one, each costing a launch on the loop. Only when the rows out and waiting together reach
-``launch_overlap_rows``, though: below that load no fuller batch can form, and small batches side by side are
-what the device can do best; a lone caller finds nothing out and leaves at once.
+with batches of one, each costing a launch on the loop. Only under load, though: when the rows out and waiting
+together reach ``launch_overlap_rows``, or when the loop's thread is busy (kiln.batching.loop_load: requests then
+queue outside the loop, in sockets and frontend workers, where no count of rows sees them). Below that no fuller
+batch can form, and small batches side by side are what the device can do best; a lone caller finds nothing out
+and leaves at once.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from kiln.batching.admission import Admission
+from kiln.batching.loop_load import LoopLoad
 from kiln.batching.model import BatchModel, ExecutionTimes, arrivals, joined_counts
 from kiln.batching.policy import BatchingPolicy
 from kiln.engines.base import LaunchedBatch
@@ -81,6 +84,7 @@ class _Flight:
 class _LoopQueue:
     items: list[_Item] = field(default_factory=list)
     scheduled: bool = False
+    load: LoopLoad = field(default_factory=LoopLoad)  # made on the loop's thread, whose CPU time it reads
 
 
 def launch_mode(model: BatchModel, policy: BatchingPolicy) -> str:
@@ -177,7 +181,7 @@ class LaunchRunner:
             return
         while items:
             batch = self._take_batch(items)
-            if self._company_coming(batch, items):
+            if self._company_coming(batch, items, pending.load):
                 items[:0] = batch  # the batch out comes back and wakes them (_finish), with more rows by then
                 break
             if not self._launch(loop, batch):
@@ -188,9 +192,10 @@ class LaunchRunner:
                 break
         pending.items = items
 
-    def _company_coming(self, batch: list[_Item], rest: list[_Item]) -> bool:
-        """A batch too small to start beside the batches out (``overlap_rows``) while enough rows are out and
-        waiting to make a fuller one. Only batches whose loop can still collect them count, so one whose loop
+    def _company_coming(self, batch: list[_Item], rest: list[_Item], load: LoopLoad) -> bool:
+        """A batch too small to start beside the batches out (``overlap_rows``) while a fuller one can form: the
+        rows out and waiting reach ``overlap_rows``, or the loop's thread is busy (requests then wait outside the
+        loop, where no count sees them). Only batches whose loop can still collect them count, so one whose loop
         closed cannot hold requests back for good."""
         rows = sum(item.rows for item in batch)
         if self.overlap_rows <= 1 or rows >= self.overlap_rows:
@@ -198,6 +203,8 @@ class LaunchRunner:
         out = [flight for flights in self._out_per_instance for flight in flights if not flight.loop.is_closed()]
         if not out:
             return False
+        if load.busy():
+            return True
         rows += sum(item.rows for item in rest) + sum(item.rows for flight in out for item in flight.items)
         return rows >= self.overlap_rows
 

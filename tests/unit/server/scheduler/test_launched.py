@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kiln.batching import loop_load
 from kiln.batching.launched import launch_mode, overlap_rows
 from kiln.batching.policy import BatchingPolicy
 from kiln.config import parse_config_text
@@ -224,6 +225,34 @@ async def test_below_launch_overlap_rows_in_flight_small_batches_start_side_by_s
         await asyncio.gather(*sent)
     finally:
         await asyncio.to_thread(batcher.close)
+
+
+def _spin(cpu_s: float) -> None:
+    """Keep the calling thread (the event loop's, in a test coroutine) working, as one answering many clients does."""
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
+async def test_on_a_busy_event_loop_a_small_batch_waits_for_the_batch_out_whatever_the_rows_in_flight(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests that queue outside the loop (in sockets, in frontend workers) are not counted in the rows in flight:
+    while the loop's own thread is busy, a batch below launch_overlap_rows waits for the batch out anyway."""
+    monkeypatch.setattr(loop_load, "WINDOW_S", 0.02)
+    monkeypatch.setattr(loop_load, "BUSY_SHARE", 0.5)  # a margin for a shared machine: the spin below runs ~1 core
+    batcher, engines = _two_instances(8, 0.2)
+    try:
+        first = await _one_turn(batcher, range(1))
+        assert _launched(engines) == [1]  # nothing was out: it left at once
+        _spin(0.05)
+        second = await _one_turn(batcher, range(1, 2))
+        assert _launched(engines) == [1]  # two rows in flight, far below 8, and yet it waits
+        assert not first[0].done()
+        responses = await asyncio.gather(*first, *second)
+    finally:
+        await asyncio.to_thread(batcher.close)
+    assert [float(r.outputs[0].data[0, 0]) for r in responses] == [1.0, 2.0]  # type: ignore[attr-defined]
+    assert _launched(engines) == [1, 1]
 
 
 async def test_launch_overlap_rows_1_starts_every_batch_on_a_free_instance_at_once() -> None:
