@@ -11,7 +11,9 @@ import gc
 import logging
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from starlette.applications import Starlette
@@ -23,12 +25,14 @@ from kiln.console import ConsoleOptions
 from kiln.frontends.grpc.access import GrpcTls
 from kiln.frontends.grpc.server import GrpcConnectionLimits, start_grpc_server
 from kiln.frontends.grpc.workers import start_grpc_workers
+from kiln.frontends.handoff.supervisor import WorkerPool
 from kiln.frontends.http.app import build_app
 from kiln.frontends.http.capture import CaptureOptions
 from kiln.frontends.http.files import DownloadOptions
 from kiln.frontends.http.server import HttpServer, http_config
 from kiln.frontends.http.workers import HttpWorkers, WorkerSettings
 from kiln.frontends.metrics import METRICS_CONTENT_TYPE, MetricsOptions, metrics_registry, render_metrics
+from kiln.frontends.metrics_processes import Processes, WatchedProcess
 from kiln.heap import keep_freed_heap
 from kiln.server.capture import CaptureStore
 from kiln.server.server import Server
@@ -45,9 +49,12 @@ class Service:
         self._signals = 0
         self.bound: dict[str, int] = {}
         self.grpc_tls: GrpcTls | None = None
+        self._loop_thread = 0  # the native id of the thread running the event loop, once run() runs
+        self._pools: list[tuple[str, WorkerPool]] = []  # ("http_worker", its pool), ...: their processes' metrics
 
     async def run(self) -> int:
         started = time.monotonic()
+        self._loop_thread = threading.get_native_id()
         self.grpc_tls = self.options.grpc_tls  # bad certificates fail here, before any model loads
         loop = asyncio.get_running_loop()
         failed = await loop.run_in_executor(None, self.server.start)
@@ -65,14 +72,15 @@ class Service:
             loop.add_signal_handler(sig, self._on_signal, sig)
         in_process_http = self.options.allow_http and self.options.http_workers <= 1
         http = self._uvicorn(self._http_app(), self.options.http_port, tls=True) if in_process_http else None
-        metrics = self._uvicorn(_metrics_app(self.server, self.options.metrics), self.options.metrics_port) \
-            if self.options.allow_metrics else None
+        metrics = self._uvicorn(_metrics_app(self.server, self.options.metrics, self._processes),
+                                self.options.metrics_port) if self.options.allow_metrics else None
         grpc_server = None
         if self.options.allow_grpc and self.options.grpc_workers:
             grpc_server, self.bound["grpc"] = await start_grpc_workers(
                 self.server, self.options.host, self.options.grpc_port, self.options.grpc_workers,
                 max_message_bytes=self.options.grpc_max_message_bytes, grace_s=self.options.exit_timeout_s,
                 access=self.options.grpc_access, tls=self.grpc_tls, limits=self._grpc_limits())
+            self._pools.append(("grpc_worker", grpc_server.pool))
         elif self.options.allow_grpc:
             grpc_server, self.bound["grpc"] = await start_grpc_server(
                 self.server, self.options.host, self.options.grpc_port,
@@ -93,6 +101,15 @@ class Service:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         return 0
+
+    def _processes(self) -> Iterator[WatchedProcess]:
+        """This process and its frontend workers, for the metrics of their CPU time; each worker's event loop runs
+        on its main thread."""
+        yield WatchedProcess("server", os.getpid(), self._loop_thread)
+        for prefix, pool in self._pools:
+            for index, process in enumerate(pool.processes):
+                if process.returncode is None:
+                    yield WatchedProcess(f"{prefix}_{index}", process.pid, process.pid)
 
     def request_stop(self) -> None:
         """What SIGTERM does: stop accepting, drain, exit."""
@@ -138,6 +155,8 @@ class Service:
                                   options.https_client_ca, log_level="DEBUG" if options.log_verbose else "INFO",
                                   access=options.http_access, limits=options.http_limits)
         workers = HttpWorkers(self.server, self._http_app(), settings)
+        # Known before they start: a client may see the server ready (from a worker) before start() returns here.
+        self._pools.append(("http_worker", workers.pool))
         try:
             self.bound["http"] = await workers.start()
         except OSError as exc:
@@ -227,8 +246,8 @@ async def _wait_started(servers: list[HttpServer], tasks: list[asyncio.Task[None
         await asyncio.sleep(0.01)
 
 
-def _metrics_app(server: Server, options: MetricsOptions) -> Starlette:
-    registry = metrics_registry(server, options)
+def _metrics_app(server: Server, options: MetricsOptions, processes: Processes) -> Starlette:
+    registry = metrics_registry(server, options, processes)
 
     async def metrics(request: Request) -> Response:
         return Response(render_metrics(registry), media_type=METRICS_CONTENT_TYPE)

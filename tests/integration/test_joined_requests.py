@@ -175,3 +175,13 @@ def test_a_bad_join_hold_stops_kiln_serve_at_start_with_its_name(tmp_path: Path,
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "KILN_JOIN_HOLD is 'two'; expected a whole number" in done.stderr
+
+
+def test_the_cpu_metrics_name_every_worker_of_both_frontends(served: KilnProcess) -> None:
+    text = urllib.request.urlopen(f"http://{served.metrics_url}/metrics", timeout=10).read().decode()
+    labels = {(family.name, sample.labels["process"]) for family in text_string_to_metric_families(text)
+              if family.name in ("kiln_process_cpu_seconds", "kiln_event_loop_cpu_seconds")
+              for sample in family.samples}
+    processes = {"server", "http_worker_0", "http_worker_1", "grpc_worker_0", "grpc_worker_1"}
+    assert labels == {(name, process) for name in ("kiln_process_cpu_seconds", "kiln_event_loop_cpu_seconds")
+                      for process in processes}

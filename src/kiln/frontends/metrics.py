@@ -22,6 +22,7 @@ from kiln.frontends.metrics_cpu import CpuCollector
 from kiln.frontends.metrics_ensemble import ensemble_step_families
 from kiln.frontends.metrics_gpu import gpu_collector
 from kiln.frontends.metrics_latency import DEFAULT_BUCKETS_MS, DEFAULT_QUANTILES, HISTOGRAM_NAME, LatencyRecorder
+from kiln.frontends.metrics_processes import ProcessCpuCollector, Processes
 from kiln.server.server import Server
 from kiln.server.stats import ModelStats
 
@@ -47,8 +48,11 @@ class MetricsOptions:
             raise InvalidArgumentError(f"metrics: summary quantiles {bad} are out of range; expected values in [0, 1]")
 
 
-def metrics_registry(server: Server, options: MetricsOptions | None = None) -> CollectorRegistry:
-    """A registry with every metric ``options`` enables. Summaries or the histogram add a request observer."""
+def metrics_registry(server: Server, options: MetricsOptions | None = None,
+                     processes: Processes | None = None) -> CollectorRegistry:
+    """A registry with every metric ``options`` enables. Summaries or the histogram add a request observer.
+    ``processes`` names the processes whose CPU time to expose with the CPU metrics (`kiln serve`'s and its
+    workers': metrics_processes.py)."""
     options = options or MetricsOptions()
     latency = None
     if options.summary_latencies or options.histogram_latencies:
@@ -59,6 +63,8 @@ def metrics_registry(server: Server, options: MetricsOptions | None = None) -> C
     registry.register(ModelCollector(server, options.counter_latencies, latency))
     if options.cpu_metrics:
         registry.register(CpuCollector())
+        if processes is not None:
+            registry.register(ProcessCpuCollector(processes))
     gpu = gpu_collector() if options.gpu_metrics else None
     if gpu is not None:
         registry.register(gpu)

@@ -23,6 +23,7 @@ import psutil
 import pytest
 import tritonclient.http as th
 import tritonclient.utils.shared_memory as shm
+from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.demo import build_demo_repository
 from kiln.engines import register_backend
@@ -260,6 +261,40 @@ def test_many_concurrent_requests_get_their_own_answers(served: KilnProcess) -> 
     assert failures == []
     for worker in _workers(served):  # the tensors went through the arenas the server process made
         assert Path(f"/proc/{worker.pid}/maps").read_text().count("memfd:kiln-arena") == 2
+
+
+def _cpu_metrics(process: KilnProcess) -> dict[tuple[str, str], float]:
+    text = urllib.request.urlopen(f"http://{process.metrics_url}/metrics", timeout=10).read().decode()
+    return {(family.name, sample.labels["process"]): sample.value for family in text_string_to_metric_families(text)
+            if family.name in ("kiln_process_cpu_seconds", "kiln_event_loop_cpu_seconds")
+            for sample in family.samples}
+
+
+def test_the_metrics_give_each_process_and_its_event_loop_their_cpu_time(served: KilnProcess) -> None:
+    before = _cpu_metrics(served)
+    processes = {"server", "http_worker_0", "http_worker_1"}
+    assert set(before) == {(name, label) for name in ("kiln_process_cpu_seconds", "kiln_event_loop_cpu_seconds")
+                           for label in processes}
+
+    def run() -> None:
+        client = th.InferenceServerClient(served.http_url)
+        for value in range(40):
+            inputs, _ = _simple_inputs(value, binary=False)  # JSON: parsing it costs the worker's loop
+            client.infer("simple", inputs)
+        client.close()
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    after = _cpu_metrics(served)
+    for label in processes:
+        assert before[("kiln_event_loop_cpu_seconds", label)] <= after[("kiln_event_loop_cpu_seconds", label)] \
+            <= after[("kiln_process_cpu_seconds", label)]
+    assert after[("kiln_event_loop_cpu_seconds", "server")] > before[("kiln_event_loop_cpu_seconds", "server")]
+    assert sum(after[("kiln_event_loop_cpu_seconds", w)] - before[("kiln_event_loop_cpu_seconds", w)]
+               for w in ("http_worker_0", "http_worker_1")) > 0
 
 
 def test_a_worker_killed_is_replaced_and_requests_keep_succeeding(served: KilnProcess) -> None:

@@ -38,12 +38,12 @@ class GrpcWorkers:
         self._max_message_bytes = max_message_bytes
         self._grace_s = grace_s
         self._arena_bytes = arena_bytes
-        self._pool = WorkerPool("gRPC worker", count, self._spawn)
-        self._core = BridgeCore(server, GRPCInferenceService(server), ReadinessHealth(server), self._pool.hello)
+        self.pool = WorkerPool("gRPC worker", count, self._spawn)
+        self._core = BridgeCore(server, GRPCInferenceService(server), ReadinessHealth(server), self.pool.hello)
 
     async def start(self) -> None:
         join_hold()  # a bad KILN_JOIN_HOLD stops kiln serve here, not each worker as it starts
-        await self._pool.start(self._address)
+        await self.pool.start(self._address)
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
         """One worker with its link (one end of a socket pair) and its two arenas, passed down as inherited
@@ -71,7 +71,7 @@ class GrpcWorkers:
                     os.close(fd)
 
     async def stop(self, grace: float | None = None) -> None:
-        await self._pool.stop((grace if grace is not None else self._grace_s) + 5.0)
+        await self.pool.stop((grace if grace is not None else self._grace_s) + 5.0)
 
 
 async def start_grpc_workers(server: Server, host: str, port: int, count: int, *, max_message_bytes: int,
