@@ -6,19 +6,13 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from kiln.frontends.metrics import render_metrics
 from kiln.frontends.metrics_processes import ProcessCpuCollector, WatchedProcess
-
-
-def _spin(cpu_s: float) -> None:
-    end = time.thread_time() + cpu_s
-    while time.thread_time() < end:
-        pass
+from kiln.testing.cpu import spin
 
 
 def _scrape(processes: list[WatchedProcess]) -> dict[tuple[str, str], float]:
@@ -33,8 +27,8 @@ def _scrape(processes: list[WatchedProcess]) -> dict[tuple[str, str], float]:
 def test_the_loop_thread_counts_its_own_cpu_and_the_process_every_thread() -> None:
     here = [WatchedProcess("server", os.getpid(), threading.get_native_id())]
     before = _scrape(here)
-    _spin(0.3)  # on the "loop" thread
-    helper = threading.Thread(target=_spin, args=(0.3,))
+    spin(0.3)  # on the "loop" thread
+    helper = threading.Thread(target=spin, args=(0.3,))
     helper.start()
     helper.join()
     after = _scrape(here)

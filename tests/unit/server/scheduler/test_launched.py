@@ -22,6 +22,7 @@ from kiln.server.model import LoadedModel
 from kiln.server.scheduler import DynamicBatcher
 from kiln.server.scheduler.direct import DirectScheduler
 from kiln.tensor import DataType
+from kiln.testing.cpu import spin
 from kiln.v2.types import InferRequest, InputTensor
 
 CONFIG = """
@@ -227,13 +228,6 @@ async def test_below_launch_overlap_rows_in_flight_small_batches_start_side_by_s
         await asyncio.to_thread(batcher.close)
 
 
-def _spin(cpu_s: float) -> None:
-    """Keep the calling thread (the event loop's, in a test coroutine) working, as one answering many clients does."""
-    end = time.thread_time() + cpu_s
-    while time.thread_time() < end:
-        pass
-
-
 async def test_on_a_busy_event_loop_a_small_batch_waits_for_the_batch_out_whatever_the_rows_in_flight(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests that queue outside the loop (in sockets, in frontend workers) are not counted in the rows in flight:
@@ -244,7 +238,7 @@ async def test_on_a_busy_event_loop_a_small_batch_waits_for_the_batch_out_whatev
     try:
         first = await _one_turn(batcher, range(1))
         assert _launched(engines) == [1]  # nothing was out: it left at once
-        _spin(0.05)
+        spin(0.05)  # the loop's thread works, as one answering many clients does
         second = await _one_turn(batcher, range(1, 2))
         assert _launched(engines) == [1]  # two rows in flight, far below 8, and yet it waits
         assert not first[0].done()
