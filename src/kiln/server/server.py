@@ -17,6 +17,8 @@ from pathlib import Path
 
 from kiln import __version__
 from kiln._flags import flag
+from kiln.engines import host_memory
+from kiln.engines.host_memory import SharedHost
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.server.catalog import ModelCatalog
 from kiln.server.cuda_shm import CudaRegionStatus
@@ -229,6 +231,11 @@ class Server:
         """Unregister one CUDA region, or all (``""``); an unknown name does nothing, also on a host without CUDA.
         Blocks while the region is in use (bounded): call it from a thread in async code."""
         self._regions.unregister_cuda(name)
+
+    def share_host_memory(self, buffer: memoryview) -> SharedHost:
+        """List memory another process writes requests into (a frontend worker's arena): a GPU engine may copy
+        inputs lying there to the device in place (kiln.engines.host_memory). Close the handle before unmapping."""
+        return host_memory.share(buffer)
 
     def check_cuda_shm(self) -> None:
         """Raise UnsupportedError unless clients may register CUDA shared memory on this server."""

@@ -2,8 +2,9 @@
 
 A region is a named window (``offset``, ``byte_size``) into a POSIX shared-memory object that the client created
 (``key``, e.g. ``/input_simple``, which lives at ``/dev/shm/input_simple`` on Linux). Registering maps the object
-into the server; request inputs that name a region become read-only numpy views over the mapping (no copy), and
-outputs that name one are written into it.
+into the server; request inputs that name a region become read-only numpy views over the mapping (no copy), which
+a GPU engine copies to the device from the mapping itself (it is listed in kiln.engines.host_memory), and outputs
+that name one are written into it.
 
 Safety: every offset and size is checked against the region; keys must name regular files directly (no
 symbolic links, so a region cannot become a window onto another file). A region counts the requests using it,
@@ -32,6 +33,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kiln.engines import host_memory
+from kiln.engines.host_memory import SharedHost
 from kiln.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from kiln.server.region_table import RegionTable
 from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
@@ -59,6 +62,7 @@ class _Region:
     fd: int
     memory: mmap.mmap
     inode: tuple[int, int]  # (st_dev, st_ino) of the object when it was mapped
+    listed: SharedHost  # inputs read from the mapping may go to a GPU from where they lie (engines/host_memory.py)
     inflight: int = 0
     unregistering: int = 0  # unregister calls waiting for in-flight requests; new requests are refused meanwhile
     closed: bool = False
@@ -74,7 +78,9 @@ class _Region:
             if self.closed:
                 return
             self.closed = True
+            self.listed.close()  # an engine that pinned the mapping lets go of it first
             try:
+                self.listed.buffer.release()
                 self.memory.close()
             except BufferError:
                 pass  # a numpy view still exists somewhere; the mapping goes when the last one is collected
@@ -288,7 +294,7 @@ def _map(status: RegionStatus, path: Path) -> _Region:
     except BaseException:
         os.close(fd)
         raise
-    return _Region(status, path, fd, memory, (info.st_dev, info.st_ino))
+    return _Region(status, path, fd, memory, (info.st_dev, info.st_ino), host_memory.share(memoryview(memory)))
 
 
 def _check_open(region: _Region, where: str) -> None:

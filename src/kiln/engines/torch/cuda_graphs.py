@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.engines.torch.pinned_host import HostRows
 from kiln.errors import InternalError
 
 WARMUP_RUNS = 3  # runs before capture, so lazy initialisation (cuBLAS handles, autotuning) stays out of the graph
@@ -72,15 +73,18 @@ class CudaGraphs:
             self._graphs[batch] = captured
         return captured
 
-    def replay(self, captured: CapturedGraph, inputs: Sequence[torch.Tensor],
+    def replay(self, captured: CapturedGraph, inputs: Sequence[torch.Tensor | HostRows],
                compute: tuple[torch.cuda.Stream, SharedStream] | None = None) -> object:
-        """Copy ``inputs`` into the static buffers and replay, all on the current stream; or, given ``compute``
-        (the current stream, the shared stream to replay on), copy on the current stream, replay on the shared one
-        once the copies are done, and leave the current stream waiting for the replay, so what the caller queues
-        next (its copies out) follows it. Call with ``lock`` held, and read the returned outputs before releasing
-        it."""
+        """Copy ``inputs`` (tensors, or rows in pinned shared memory) into the static buffers and replay, all on the
+        current stream; or, given ``compute`` (the current stream, the shared stream to replay on), copy on the
+        current stream, replay on the shared one once the copies are done, and leave the current stream waiting for
+        the replay, so what the caller queues next (its copies out) follows it. Call with ``lock`` held, and read
+        the returned outputs before releasing it."""
         for static, value in zip(captured.inputs, inputs, strict=True):
-            static.copy_(value, non_blocking=True)
+            if isinstance(value, HostRows):
+                value.copy_into(static)
+            else:
+                static.copy_(value, non_blocking=True)
         if compute is None:
             captured.graph.replay()
             return captured.outputs

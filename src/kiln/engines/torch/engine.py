@@ -53,6 +53,7 @@ from kiln.engines.torch.options import (
     TorchSettings,
     read_settings,
 )
+from kiln.engines.torch.pinned_host import HostRows, host_rows
 from kiln.engines.torch.staging import RowStaging, numpy_view
 from kiln.engines.torch.tensors import checked_output, host_tensor, to_device, to_numpy, torch_dtype
 from kiln.errors import ConfigError, InternalError, KilnError, UnavailableError
@@ -92,6 +93,8 @@ class TorchEngine(Engine):
         self.format = detect_format(spec, model_file)
         _check_format(spec, self.format, self.settings)
         self._input_dtypes = {t.name: torch_dtype(spec, t, "input") for t in spec.inputs}
+        self._input_numpy_dtypes = {name: numpy_view(torch.empty(0, dtype=dtype)).dtype
+                                    for name, dtype in self._input_dtypes.items()}
         self._output_dtypes = {t.name: torch_dtype(spec, t, "output") for t in spec.outputs}
         if self.settings.cuda_graphs:
             _check_static(spec)
@@ -286,7 +289,7 @@ class TorchEngine(Engine):
         instead, between its copies."""
         with _current_stream(lane.stream, self._device_index) as caller:
             sources = [self._source(lane, caller, name, parts) for name in self._order]
-            batch = sources[0].shape[0] if self.spec.batching and sources else 0
+            batch = _rows(sources[0]) if self.spec.batching and sources else 0
             captured = lane.graphs.get(batch, functools.partial(self._static_inputs, lane, batch))
             shared = self._shared_stream
             compute = (lane.stream, shared) if shared is not None and batch >= self._shared_from else None
@@ -324,13 +327,16 @@ class TorchEngine(Engine):
         return host
 
     def _source(self, lane: GraphLane, caller: torch.cuda.Stream, name: str,
-                parts: Sequence[Mapping[str, Array]]) -> torch.Tensor:
-        """What the graph's static input ``name`` is copied from: the lane's pinned buffer holding every part's
-        rows, or, when some part is a tensor (read in place from CUDA shared memory), the parts joined where they
-        lie. The lane's stream waits for the caller's, which made those tensors."""
+                parts: Sequence[Mapping[str, Array]]) -> torch.Tensor | HostRows:
+        """What the graph's static input ``name`` is copied from: the parts where they lie when each is in pinned
+        shared memory (a worker's arena: pinned_host.py), else the lane's pinned buffer holding every part's rows,
+        or, when some part is a tensor (read in place from CUDA shared memory), the parts joined where they lie.
+        The lane's stream waits for the caller's, which made those tensors."""
         values = [part[name] for part in parts]
         if not any(isinstance(value, torch.Tensor) for value in values):
-            return lane.staging[name].fill([self._to_model_shape(name, value) for value in values])
+            arrays = [self._to_model_shape(name, value) for value in values]
+            in_place = host_rows(arrays, self._input_numpy_dtypes[name], self.device)
+            return in_place if in_place is not None else lane.staging[name].fill(arrays)
         if any(isinstance(value, torch.Tensor) and value.is_cuda for value in values):
             lane.stream.wait_stream(caller)
         joined = values[0] if len(values) == 1 else join_rows(values)
@@ -442,6 +448,10 @@ def _current_stream(stream: torch.cuda.Stream, device_index: int) -> Iterator[to
         yield previous
     finally:
         torch.cuda.set_stream(previous)
+
+
+def _rows(source: torch.Tensor | HostRows) -> int:
+    return source.rows if isinstance(source, HostRows) else int(source.shape[0])
 
 
 class _LaunchedGraph:

@@ -49,6 +49,8 @@ class InferHandoff:
         self._release = release
         self._route = route
         self._translate = translate
+        # Inputs lie in the worker's arena: a GPU engine may copy them to the device from there.
+        self._shared = server.share_host_memory(request_arena.buffer) if request_arena is not None else None
 
     async def answer(self, payload: bytes) -> bytes | KilnError:
         """The answer's descriptor, or the typed error the client is to see."""
@@ -120,6 +122,8 @@ class InferHandoff:
 
     def close(self) -> None:
         """The worker is gone: unmap both arenas (once the last views of them are gone)."""
+        if self._shared is not None:
+            self._shared.close()
         for arena in (self._request_arena, self._response_arena):
             if arena is not None:
                 arena.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kiln.engines import host_memory
 from kiln.errors import ErrorCode, NotFoundError, UnsupportedError
 from kiln.frontends.handoff.arena import Arena, create_arena_file
 from kiln.frontends.handoff.frames import pack_offsets
@@ -91,3 +92,19 @@ async def test_the_frontend_words_an_error_its_own_way(server: Server) -> None:
     handoff = InferHandoff(server, None, None, lambda _: None, translate=translate)
     error = await handoff.answer(encode_request(_request("no_such_model", np.zeros((1, 2), np.int32)), None))
     assert isinstance(error, UnsupportedError) and error.message == "not here"
+
+
+def test_the_request_arena_is_listed_for_engines_while_the_worker_lives(server: Server) -> None:
+    """A GPU engine copies inputs to the device from where the worker wrote them (kiln.engines.host_memory): the
+    arena is listed from the start and off the list once the worker is gone, before it is unmapped."""
+    worker_requests, server_requests = _pair()
+    server_responses, _ = _pair()
+    handoff = InferHandoff(server, server_requests, server_responses, lambda _: None)
+    inside = np.frombuffer(server_requests.buffer, dtype=np.uint8, count=64, offset=128)
+    address = int(inside.__array_interface__["data"][0])
+    del inside
+    listed = host_memory.containing(address, 64)
+    assert listed is not None and listed.size == server_requests.size
+    handoff.close()
+    assert host_memory.containing(address, 64) is None
+    worker_requests.close()

@@ -1,0 +1,124 @@
+"""Request rows copied to the device straight from shared host memory (kiln.engines.host_memory).
+
+A batch's rows normally go through the lane's pinned staging buffer: one host copy into it, then one asynchronous
+copy to the device (staging.py). Rows that a frontend worker wrote into a shared-memory arena can skip the first
+copy: the arena is page-locked once (``cudaHostRegister``), and each request's rows are copied to the device from
+where they lie, asynchronously, like the staging buffer's. For `kiln serve` on a GPU that copy was a fifth of the
+server process's event loop (benchmarks/results/served_core_profile-h100-2026-12-05.md).
+
+Registering pins the whole buffer: its pages are taken at once and stay in memory until the buffer is closed (64 MiB
+per worker's request arena). Where pinning fails, the buffer is not tried again and its rows are staged as before.
+Closing a buffer waits for the devices that copied from it, then unpins it, before its owner unmaps it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kiln.engines import host_memory
+
+log = logging.getLogger(__name__)
+_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process, not only the current one
+
+
+@dataclass
+class _Pinned:
+    whole: torch.Tensor | None  # uint8 over the whole buffer; None where pinning failed
+    devices: set[int] = field(default_factory=set)
+
+
+_lock = threading.Lock()
+_pinned: dict[int, _Pinned] = {}  # by id() of a listed SharedHost
+
+
+class HostRows:
+    """A batch input's rows as pieces of pinned shared memory, copied back to back into the graph's static input."""
+
+    __slots__ = ("pieces", "rows", "nbytes")
+
+    def __init__(self, pieces: list[torch.Tensor], rows: int) -> None:
+        self.pieces = pieces
+        self.rows = rows
+        self.nbytes = sum(int(piece.numel()) for piece in pieces)
+
+    def copy_into(self, static: torch.Tensor) -> None:
+        """Queue the copies on the current stream; ``static`` must be contiguous and hold exactly these bytes."""
+        flat = static.view(-1).view(torch.uint8)
+        if flat.numel() != self.nbytes:
+            raise ValueError(f"a static input of {flat.numel()} bytes cannot take {self.nbytes} bytes of rows")
+        start = 0
+        for piece in self.pieces:
+            stop = start + int(piece.numel())
+            flat[start:stop].copy_(piece, non_blocking=True)
+            start = stop
+
+
+def host_rows(arrays: Sequence[npt.NDArray[Any]], dtype: np.dtype[Any], device: torch.device) -> HostRows | None:
+    """``arrays`` (a batch's parts of one input, in the model's dtype and shape) as pieces of pinned shared memory,
+    or None unless every one of them lies, contiguous and in ``dtype``, in a listed buffer that could be pinned."""
+    pieces = []
+    rows = 0
+    for array in arrays:
+        if array.dtype != dtype or not array.flags.c_contiguous or array.ndim == 0:
+            return None
+        address = array.__array_interface__["data"][0]
+        shared = host_memory.containing(address, array.nbytes)
+        if shared is None:
+            return None
+        whole = _whole(shared, device)
+        if whole is None:
+            return None
+        start = address - shared.address
+        pieces.append(whole[start:start + array.nbytes])
+        rows += int(array.shape[0])
+    return HostRows(pieces, rows)
+
+
+def _whole(shared: host_memory.SharedHost, device: torch.device) -> torch.Tensor | None:
+    with _lock:
+        pinned = _pinned.get(id(shared))
+        if pinned is None:
+            pinned = _Pinned(_pin(shared))
+            _pinned[id(shared)] = pinned
+            shared.on_close(_unpin)  # also forgets a buffer that could not be pinned, whose id may come again
+        if pinned.whole is not None:
+            pinned.devices.add(device.index if device.index is not None else torch.cuda.current_device())
+        return pinned.whole
+
+
+def _pin(shared: host_memory.SharedHost) -> torch.Tensor | None:
+    error = _cudart().cudaHostRegister(shared.address, shared.size, _PORTABLE)
+    if int(error) != 0:
+        log.warning("could not page-lock a shared buffer of %d bytes (CUDA error %s); requests in it are staged "
+                    "through a pinned copy instead", shared.size, error)
+        return None
+    return torch.frombuffer(shared.buffer, dtype=torch.uint8)
+
+
+def _unpin(shared: host_memory.SharedHost) -> None:
+    with _lock:
+        pinned = _pinned.pop(id(shared), None)
+    if pinned is None or pinned.whole is None:
+        return
+    for index in sorted(pinned.devices):  # no copy from the buffer may still be running once it is unpinned
+        torch.cuda.synchronize(index)
+    pinned.whole = None
+    _cudart().cudaHostUnregister(shared.address)
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+
+
+def pinned_count() -> int:
+    """Shared buffers currently page-locked (for tests and diagnostics)."""
+    with _lock:
+        return sum(1 for pinned in _pinned.values() if pinned.whole is not None)

@@ -1,0 +1,73 @@
+"""Rows that lie in shared host memory (a frontend worker's arena, listed in kiln.engines.host_memory) are copied to
+the device from where they lie, once the buffer is page-locked: the lane's staging buffer is never filled, the
+results match, and closing the buffer unpins it. Rows elsewhere still go through staging. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.engines import host_memory
+from kiln.engines.torch import TorchEngine
+from kiln.engines.torch.pinned_host import pinned_count
+
+from .test_gpu import GPU_PARAMETERS, fp32_reference, images, load_gpu
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; PyTorch sees none")]
+
+
+class _Arena:
+    """A shared mapping, listed for engines, with requests' rows written back to back as a worker writes them."""
+
+    def __init__(self, size: int = 1 << 20) -> None:
+        self.memory = mmap.mmap(-1, size)
+        self.buffer = memoryview(self.memory)
+        self.shared = host_memory.share(self.buffer)
+        self._next = 0
+
+    def put(self, array: np.ndarray) -> np.ndarray:
+        view = np.frombuffer(self.buffer, dtype=array.dtype, count=array.size, offset=self._next)
+        self._next += (array.nbytes + 63) // 64 * 64
+        view[...] = array.reshape(-1)
+        view.flags.writeable = False  # as the server process sees a worker's arena
+        return view.reshape(array.shape)
+
+
+def _staged_rows(engine: TorchEngine) -> int:
+    assert engine._lanes is not None
+    return sum(lane.staging["image"].capacity for lane in engine._lanes.lanes)
+
+
+def test_rows_in_a_shared_arena_skip_the_staging_buffer(tmp_path: Path, files: dict[str, Path]) -> None:
+    engine = load_gpu(tmp_path, files["conv_export"], {**GPU_PARAMETERS, "cuda_streams": "2"})
+    arena = _Arena()
+    pinned_before = pinned_count()
+    parts = [images(2), images(1), images(1)]
+    launched = engine.launch_parts([{"image": arena.put(p)} for p in parts], ["logits"])
+    assert launched is not None
+    logits = launched.collect()["logits"]
+    np.testing.assert_allclose(logits, fp32_reference(np.concatenate(parts)), rtol=2e-2, atol=2e-2)
+    assert _staged_rows(engine) == 0
+    assert pinned_count() == pinned_before + 1
+    worker_path = engine.execute_parts([{"image": arena.put(parts[0])}], ["logits"])["logits"]
+    np.testing.assert_allclose(worker_path, fp32_reference(parts[0]), rtol=2e-2, atol=2e-2)
+    assert _staged_rows(engine) == 0
+    arena.shared.close()
+    assert pinned_count() == pinned_before
+    engine.close()
+
+
+def test_a_batch_with_rows_elsewhere_is_staged(tmp_path: Path, files: dict[str, Path]) -> None:
+    engine = load_gpu(tmp_path, files["conv_export"], GPU_PARAMETERS)
+    arena = _Arena()
+    parts = [images(1), images(3)]
+    logits = engine.execute_parts([{"image": arena.put(parts[0])}, {"image": parts[1]}], ["logits"])["logits"]
+    np.testing.assert_allclose(logits, fp32_reference(np.concatenate(parts)), rtol=2e-2, atol=2e-2)
+    assert _staged_rows(engine) >= 4
+    arena.shared.close()
+    engine.close()
