@@ -63,8 +63,10 @@ class HostRows:
 
 def host_rows(arrays: Sequence[npt.NDArray[Any]], dtype: np.dtype[Any], device: torch.device) -> HostRows | None:
     """``arrays`` (a batch's parts of one input, in the model's dtype and shape) as pieces of pinned shared memory,
-    or None unless every one of them lies, contiguous and in ``dtype``, in a listed buffer that could be pinned."""
-    pieces = []
+    or None unless every one of them lies, contiguous and in ``dtype``, in a listed buffer that could be pinned.
+    Parts that follow each other in the buffer (a worker's requests in consecutive arena slots) make one piece:
+    one copy instead of several."""
+    runs: list[tuple[torch.Tensor, int, int]] = []  # (a pinned buffer, start, stop) in bytes
     rows = 0
     for array in arrays:
         if array.dtype != dtype or not array.flags.c_contiguous or array.ndim == 0:
@@ -77,9 +79,12 @@ def host_rows(arrays: Sequence[npt.NDArray[Any]], dtype: np.dtype[Any], device: 
         if whole is None:
             return None
         start = address - shared.address
-        pieces.append(whole[start:start + array.nbytes])
+        if runs and runs[-1][0] is whole and runs[-1][2] == start:
+            runs[-1] = (whole, runs[-1][1], start + array.nbytes)
+        else:
+            runs.append((whole, start, start + array.nbytes))
         rows += int(array.shape[0])
-    return HostRows(pieces, rows)
+    return HostRows([whole[start:stop] for whole, start, stop in runs], rows)
 
 
 def _whole(shared: host_memory.SharedHost, device: torch.device) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ import torch
 
 from kiln.engines import host_memory
 from kiln.engines.torch import TorchEngine
-from kiln.engines.torch.pinned_host import pinned_count
+from kiln.engines.torch.pinned_host import host_rows, pinned_count
 
 from .test_gpu import GPU_PARAMETERS, fp32_reference, images, load_gpu
 
@@ -71,3 +71,16 @@ def test_a_batch_with_rows_elsewhere_is_staged(tmp_path: Path, files: dict[str, 
     assert _staged_rows(engine) >= 4
     arena.shared.close()
     engine.close()
+
+
+def test_rows_back_to_back_make_one_copy() -> None:
+    arena = _Arena()
+    first, second = arena.put(images(2)), arena.put(images(1))
+    arena.put(images(1))  # a request not in this batch leaves a gap
+    fourth = arena.put(images(1))
+    rows = host_rows([first, second, fourth], np.dtype(np.float32), torch.device("cuda"))
+    assert rows is not None and rows.rows == 4 and len(rows.pieces) == 2
+    assert rows.nbytes == 4 * images(1).nbytes
+    assert host_rows([first, images(1)], np.dtype(np.float32), torch.device("cuda")) is None  # one part elsewhere
+    assert host_rows([first.astype(np.float16)], np.dtype(np.float32), torch.device("cuda")) is None
+    arena.shared.close()

@@ -1,0 +1,110 @@
+"""What a launched batch costs the launching thread when its requests' rows lie in a page-locked shared arena (copied
+to the device from where they lie: kiln/engines/torch/pinned_host.py) against ordinary host arrays (copied into the
+lane's pinned staging buffer first), on the built ResNet-50 of a repository.
+
+Each batch is k separate 3x224x224 requests, launched back to back from one thread with two batches in flight, as
+`kiln serve`'s event loop launches them. Rounds alternate the two sources. Printed per source and batch size:
+images/s, and the launching thread's CPU time per batch (``time.thread_time``), which is what a busy event loop
+pays.
+
+    python benchmarks/pinned_rows.py --repo /tmp/gpu16 --output benchmarks/results/pinned_rows-<machine>-<date>.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from _common import describe, header, int_list
+
+import kiln
+from kiln.engines import host_memory
+
+Array = np.ndarray[Any, Any]
+
+
+def _arena_rows(buffer: memoryview, images: Sequence[Array]) -> list[Array]:
+    """The images written back to back (64-byte aligned) into the shared buffer, as read-only views."""
+    views, offset = [], 0
+    for image in images:
+        view = np.frombuffer(buffer, dtype=image.dtype, count=image.size, offset=offset)
+        view[...] = image.reshape(-1)
+        view.flags.writeable = False
+        views.append(view.reshape(image.shape))
+        offset += (image.nbytes + 63) // 64 * 64
+    return views
+
+
+def _run(engine: Any, parts: list[Array], name: str, output: str, seconds: float) -> tuple[float, float]:
+    """(images/s, launching-thread CPU us per batch) with two batches in flight."""
+    feeds = [{name: part} for part in parts]
+    rows = sum(int(part.shape[0]) for part in parts)
+    out: deque[Any] = deque()
+    for _ in range(3):  # warm: graphs captured, buffers grown, the arena pinned
+        engine.launch_parts(feeds, [output]).collect()
+    count = 0
+    wall, cpu = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - wall < seconds:
+        launched = engine.launch_parts(feeds, [output])
+        if launched is None:  # both lanes busy
+            out.popleft().collect()
+            continue
+        out.append(launched)
+        count += 1
+        if len(out) == 2:
+            out.popleft().collect()
+    while out:
+        out.popleft().collect()
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    return count * rows / wall, 1e6 * cpu / count
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repo", type=Path, required=True, help="a repository with the built resnet50")
+    parser.add_argument("--batches", default="2,4,8,16", help="requests (one image each) per batch")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--output", type=Path, default=None, help="write the table here too")
+    args = parser.parse_args(argv)
+    engine = kiln.load(args.repo / "resnet50", kind="gpu", batching=False)
+    spec = engine.spec
+    name, output = spec.inputs[0].name, spec.outputs[0].name
+    dtype = spec.inputs[0].datatype.numpy_dtype
+    memory = mmap.mmap(-1, 64 * 2**20)
+    buffer = memoryview(memory)
+    shared = host_memory.share(buffer)
+    rng = np.random.default_rng(0)
+    lines = [header(describe("Launched batches: rows in a pinned shared arena against staged host arrays",
+                             gpu=f"{torch.cuda.get_device_name()}, torch {torch.__version__}"))]
+    lines += ["| requests per batch | round | source | images/s | launching thread CPU us per batch |",
+              "| ---: | ---: | --- | ---: | ---: |"]
+    print("\n".join(lines), flush=True)
+    for batch in int_list(args.batches):
+        images = [rng.standard_normal((1, *spec.inputs[0].dims)).astype(dtype) for _ in range(batch)]
+        sources = {"staged": images, "in place": _arena_rows(buffer, images)}
+        for round_ in range(1, args.rounds + 1):
+            order = list(sources) if round_ % 2 else list(sources)[::-1]
+            for label in order:
+                rate, cpu_us = _run(engine, sources[label], name, output, args.seconds)
+                line = f"| {batch} | {round_} | {label} | {rate:,.0f} | {cpu_us:,.0f} |"
+                lines.append(line)
+                print(line, flush=True)
+        del sources
+    shared.close()
+    engine.close()
+    if args.output is not None:
+        args.output.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
