@@ -4,8 +4,8 @@ lane's pinned staging buffer first), on the built ResNet-50 of a repository.
 
 Each batch is k separate 3x224x224 requests, launched back to back from one thread with two batches in flight, as
 `kiln serve`'s event loop launches them. Rounds alternate the two sources. Printed per source and batch size:
-images/s, and the launching thread's CPU time per batch (``time.thread_time``), which is what a busy event loop
-pays.
+images/s, and the thread's CPU time per batch (``time.thread_time``). That time includes collecting each batch,
+whose wait for the device spins, so compare images/s; the CPU column only shows the launch got no dearer.
 
     python benchmarks/pinned_rows.py --repo /tmp/gpu16 --output benchmarks/results/pinned_rows-<machine>-<date>.txt
 """

@@ -100,6 +100,17 @@ def test_gpu_streams(gpu_repo: Path) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
+def test_pinned_rows(gpu_repo: Path, tmp_path: Path) -> None:
+    output = tmp_path / "pinned.txt"
+    _script("pinned_rows", "--repo", str(gpu_repo), "--batches", "2", "--rounds", "1", "--seconds", "0.2",
+            "--output", str(output))
+    rows = [line.split("|") for line in output.read_text().splitlines() if line.startswith("| 2 |")]
+    assert sorted(row[3].strip() for row in rows) == ["in place", "staged"]
+    assert all(float(row[4].replace(",", "")) > 0 for row in rows), rows
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_direct_paths(gpu_repo: Path, tmp_path: Path) -> None:
     output = tmp_path / "direct.json"
     _script("gpu_direct_paths", "--repo", str(gpu_repo), "--seconds", "0.2", "--warmup", "0.1", "--output",
