@@ -16,8 +16,10 @@ those of three real windows, and it is reported with ``stable: false``.
 perf_analyzer's memory grows with every request it sends (about the size of a request's input, per request, in
 perf_analyzer 2.60; upstream perf_analyzer issue 84), so a long level at thousands of requests/s can take the
 machine's memory, and the kernel's OOM killer then picks a process: perf_analyzer, or the server under test. Each
-run is watched, and stopped with an error that says so once it holds more than half the memory that was available
-when it started.
+run is watched, and stopped once it holds more than half the memory that was available when it started. The level
+is then measured once more over three windows half as long, without the stability rule (fewer requests sent, and
+perf_analyzer's time between windows grows with what it holds), and reported with ``stable: false``; a second stop
+is an error that says why.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ RELAXED_STABILITY = 999  # the rerun of an unstable level: any 3 windows with re
 PASS_LINE = re.compile(r"^\s*Pass \[(\d+)\] throughput:")
 REQUEST_COUNT = re.compile(r"^\s*Request count: (\d+)")
 OUTPUT_TAIL_CHARS = 3000
+SHORTEST_WINDOW_MS = 250  # the rerun of a level stopped for its memory halves the windows, down to this
 RUN_TIMEOUT_MARGIN_S = 120.0  # beyond the longest a level can take (max_trials windows)
 MEMORY_POLL_S = 0.5
 MEMORY_SHARE = 0.5  # of the memory available when a run starts
@@ -65,6 +68,14 @@ LEAK_NOTE = ("perf_analyzer's memory grows with every request it sends (upstream
 
 class PerfAnalyzerError(UnavailableError):
     """perf_analyzer is missing, or a run failed for another reason than an unstable measurement."""
+
+
+class MemoryStopped(PerfAnalyzerError):
+    """A run was stopped because perf_analyzer's memory outgrew the guard; ``held`` says how much it held."""
+
+    def __init__(self, message: str, held: str) -> None:
+        super().__init__(message)
+        self.held = held
 
 
 def find_binary(configured: str | None) -> str:
@@ -79,10 +90,11 @@ def find_binary(configured: str | None) -> str:
 
 
 def command(binary: str, options: BenchOptions, url: str, level: Level, csv_path: Path,
-            stability_percentage: float | None = None, max_trials: int | None = None) -> list[str]:
+            stability_percentage: float | None = None, max_trials: int | None = None,
+            measurement_interval_ms: int | None = None) -> list[str]:
     """The perf_analyzer command line for one level of ``options`` against the server at ``url`` (host:port)."""
     words = [binary, "-m", options.model, "-u", url, "-i", options.target, "-b", str(options.batch_size),
-             "--measurement-interval", str(options.measurement_interval_ms),
+             "--measurement-interval", str(measurement_interval_ms or options.measurement_interval_ms),
              "--stability-percentage", f"{stability_percentage or options.stability_percentage:g}",
              "--max-trials", str(max_trials or options.max_trials),
              "--input-data", options.input_data, "-v", "-f", str(csv_path), "--verbose-csv"]
@@ -183,18 +195,9 @@ class PerfAnalyzerLoad:
         progress.note(f"perf_analyzer: {level.describe()}")
         with tempfile.TemporaryDirectory(prefix="kiln-bench-pa-") as folder:
             path = Path(folder) / "level.csv"
-            words = command(self.binary, self.options, self.url, level, path)
             memory.start_level()
             try:
-                output, code = self._run(words)
-                stable, windows = True, len(output.pass_ns)
-                if code == UNSTABLE_EXIT and UNSTABLE_TEXT in output.text:
-                    progress.note(f"perf_analyzer: {level.describe()} did not stabilize within "
-                                  f"{self.options.max_trials} windows; measuring 3 windows without the stability rule")
-                    words = command(self.binary, self.options, self.url, level, path, RELAXED_STABILITY,
-                                    MERGED_WINDOWS)
-                    output, code = self._run(words)
-                    stable = False
+                words, output, code, stable, windows = self._level_runs(level, path, progress)
             finally:
                 figures = memory.stop_level()
             if code != 0:
@@ -205,6 +208,30 @@ class PerfAnalyzerLoad:
                                         f"{output.text[-OUTPUT_TAIL_CHARS:]}")
             return level_result(read_row(path), level, self.options.batch_size, requests=output.request_count(),
                                 windows=windows, stable=stable, memory=figures, span_ns=output.span_ns())
+
+    def _level_runs(self, level: Level, path: Path, progress: Progress) -> tuple[list[str], Output, int, bool, int]:
+        """The level's last run (command, output, exit status), whether it was stable, and its windows (the first
+        run's, unless that was stopped for its memory). Runs: as configured; once more without the stability rule
+        if it did not stabilize; once more with windows half as long if perf_analyzer outgrew its memory guard."""
+        words = command(self.binary, self.options, self.url, level, path)
+        try:
+            output, code = self._run(words)
+            if code == UNSTABLE_EXIT and UNSTABLE_TEXT in output.text:
+                windows = len(output.pass_ns)
+                progress.note(f"perf_analyzer: {level.describe()} did not stabilize within "
+                              f"{self.options.max_trials} windows; measuring 3 windows without the stability rule")
+                words = command(self.binary, self.options, self.url, level, path, RELAXED_STABILITY, MERGED_WINDOWS)
+                output, code = self._run(words)
+                return words, output, code, False, windows
+            return words, output, code, True, len(output.pass_ns)
+        except MemoryStopped as stopped:
+            interval = max(SHORTEST_WINDOW_MS, self.options.measurement_interval_ms // 2)
+            progress.note(f"perf_analyzer: {level.describe()}: {stopped.held}; measuring 3 windows of {interval} ms "
+                          f"without the stability rule")
+            words = command(self.binary, self.options, self.url, level, path, RELAXED_STABILITY, MERGED_WINDOWS,
+                            interval)
+            output, code = self._run(words)  # stopped again: the error reaches the caller
+            return words, output, code, False, len(output.pass_ns)
 
     def _run(self, words: Sequence[str]) -> tuple[Output, int]:
         output = Output(started_ns=time.monotonic_ns())
@@ -254,9 +281,9 @@ def wait_watched(process: subprocess.Popen[Any], timeout_s: float, memory_limit_
             raise PerfAnalyzerError(f"perf_analyzer did not finish within {timeout_s:.0f} s: {context()}")
         held = held_now() if held_now is not None else None
         if limit is not None and held is not None and held > limit:
-            raise PerfAnalyzerError(f"perf_analyzer was stopped holding {held / 2**30:.1f} GiB of memory, more than "
-                                    f"the {limit / 2**30:.1f} GiB allowed{why}, on model '{model}': {LEAK_NOTE}. "
-                                    f"{context()}")
+            raise MemoryStopped(f"perf_analyzer was stopped holding {held / 2**30:.1f} GiB of memory, more than "
+                                f"the {limit / 2**30:.1f} GiB allowed{why}, on model '{model}': {LEAK_NOTE}. "
+                                f"{context()}", held=f"stopped holding {held / 2**30:.1f} GiB")
 
 
 def _read_lines(process: subprocess.Popen[str], output: Output) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import stat
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from kiln.bench import BenchOptions, BenchResult
 from kiln.bench.compare import CompareOptions
 from kiln.bench.perf_analyzer import (
+    MemoryStopped,
     Output,
     PerfAnalyzerError,
     PerfAnalyzerLoad,
@@ -222,4 +224,42 @@ def test_a_run_killed_with_sigkill_points_at_the_oom_killer(tmp_path: Path) -> N
     load = PerfAnalyzerLoad(binary, options(), "127.0.0.1:8001")
     with pytest.raises(PerfAnalyzerError, match=r"exit status -9\) on model 'mlp' at .*killed \(SIGKILL\), most "
                                                 r"likely by the kernel's OOM killer"):
+        load.measure(Level(concurrency=1), _NoMemory(), Progress(enabled=False))
+
+
+
+def test_a_level_stopped_for_its_memory_is_measured_again_over_shorter_windows(tmp_path: Path) -> None:
+    """The first run outgrows the guard; the rerun (three windows half as long, no stability rule) writes its CSV
+    and the level is reported unstable from it."""
+    runs = tmp_path / "runs"
+    binary = _stand_in(tmp_path, textwrap.dedent(f"""
+        import pathlib, sys, time
+        runs = pathlib.Path({str(runs)!r})
+        first = not runs.exists()
+        with runs.open("a") as f:
+            f.write(" ".join(sys.argv[1:]) + "\\n")
+        if first:
+            held = []
+            while True:
+                held.append(bytearray(16 * 2**20))
+                time.sleep(0.02)
+        pathlib.Path(sys.argv[sys.argv.index("-f") + 1]).write_text({VERBOSE_CSV!r})
+        for n in (1, 2, 3):
+            print(f"  Pass [{{n}}] throughput: 2231.52 infer/sec.", flush=True)
+        print("  Request count: 6700")
+    """))
+    load = PerfAnalyzerLoad(binary, options(measurement_interval_ms=2000), "127.0.0.1:8001",
+                            memory_limit_bytes=200 * 2**20)
+    result = load.measure(Level(concurrency=64), _NoMemory(), Progress(enabled=False))
+    assert result.throughput_infer_per_s == pytest.approx(2231.52) and not result.stable and result.windows == 3
+    first, rerun = runs.read_text().splitlines()
+    assert "--measurement-interval 2000 --stability-percentage 25 --max-trials 6" in first
+    assert "--measurement-interval 1000 --stability-percentage 999 --max-trials 3" in rerun
+
+
+def test_a_level_stopped_twice_for_its_memory_is_an_error(tmp_path: Path) -> None:
+    binary = _stand_in(tmp_path, "import time\nheld = []\nwhile True:\n"
+                                 "    held.append(bytearray(16 * 2**20))\n    time.sleep(0.02)")
+    load = PerfAnalyzerLoad(binary, options(), "127.0.0.1:8001", memory_limit_bytes=200 * 2**20)
+    with pytest.raises(MemoryStopped, match="--measurement-interval 250 "):  # 300 ms halved, but not below 250
         load.measure(Level(concurrency=1), _NoMemory(), Progress(enabled=False))
