@@ -10,6 +10,17 @@ protocol.
     python benchmarks/before_after_perf_analyzer.py --before /tmp/before/src --perf-analyzer PATH \\
         --output benchmarks/results/<what>.json
 
+A GPU model is measured the same way from a repository of built models, for instance the ResNet-50 of
+benchmarks/README.md ("The GPU figures now"), its images as zeros, and in system shared memory:
+
+    python benchmarks/before_after_perf_analyzer.py --before /tmp/before/src --repository /tmp/gpu16 \\
+        --models resnet50 --protocols http --concurrency 16,64 --input-data zero --window-ms 2500 \\
+        --output benchmarks/results/<what>.json          # add --shared-memory system for the client's regions
+
+Each cell also gives the rows per execution the server formed (its metrics over the cell's run). perf_analyzer's
+memory grows with every request it sends (upstream issue 84): each run is watched as `kiln bench` watches it, and a
+run stopped for its memory is recorded as unstable.
+
 perf_analyzer comes with the ``perf-analyzer`` wheel on PyPI (it needs glibc 2.38 or newer).
 """
 
@@ -17,21 +28,27 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+SERVER_READY_S = 300.0  # a compiled GPU build loads in 20-40 s, more with a cold compile cache
+RUN_TIMEOUT_S = 600.0
 sys.path.insert(0, str(SRC))
 
 from kiln.bench.machine import machine_info  # noqa: E402
+from kiln.bench.perf_analyzer import MemoryStopped, wait_watched  # noqa: E402
 from kiln.demo import build_demo_repository  # noqa: E402
 from kiln.serve_process import KilnProcess, kiln_serve  # noqa: E402
 
@@ -46,7 +63,7 @@ def server_from(src: Path, repo: Path, models: list[str], log: Path,
     try:
         load = [arg for model in models for arg in ("--load-model", model)]
         with kiln_serve([repo], "--model-control-mode", "explicit", *load, *(serve_args or []),
-                        log_path=log) as server:
+                        log_path=log, ready_timeout_s=SERVER_READY_S) as server:
             yield server
     finally:
         if saved is None:
@@ -56,24 +73,52 @@ def server_from(src: Path, repo: Path, models: list[str], log: Path,
 
 
 def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurrency: int, window_ms: int,
-            stability: int, folder: Path) -> dict[str, float | None]:
-    """Throughput (inferences/s) and p50 latency (us) of one perf_analyzer run; a cell that does not stabilise is
-    tried once more with windows twice as long, then recorded as None (unstable) rather than ending the run."""
+            stability: int, folder: Path, extra: list[str]) -> dict[str, float | None]:
+    """Throughput (inferences/s), p50 latency (us) and the server's rows per execution of one perf_analyzer run; a
+    cell that does not stabilise is tried once more with windows twice as long, then recorded as None (unstable)
+    rather than ending the run, as is a run stopped for perf_analyzer's memory."""
     out = folder / f"{model}-{protocol}-{concurrency}.csv"
     url = server.http_url if protocol == "http" else server.grpc_url
+    unstable: dict[str, float | None] = {"throughput": None, "p50_us": None, "rows_per_execution": None}
     for window in (window_ms, 2 * window_ms):
         command = [binary, "-m", model, "-u", url, "-i", protocol, "--concurrency-range",
                    f"{concurrency}:{concurrency}", "--measurement-interval", str(window), "--stability-percentage",
-                   str(stability), "--max-trials", "8", "-f", str(out)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if done.returncode == 0:
+                   str(stability), "--max-trials", "8", "-f", str(out), *extra]
+        counted = _counts(server, model)
+        with tempfile.TemporaryFile("w+") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+            try:
+                code = wait_watched(process, RUN_TIMEOUT_S, None, model, functools.partial(" ".join, command))
+            except MemoryStopped as stopped:
+                print(f"  {stopped.held}: recorded as unstable", file=sys.stderr)
+                return unstable
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            log.seek(0)
+            text = log.read()
+        if code == 0:
             with out.open() as f:
                 row = next(csv.DictReader(f))
-            return {"throughput": float(row["Inferences/Second"]), "p50_us": float(row["p50 latency"])}
-        if "stable measurement" not in done.stdout + done.stderr:
-            raise RuntimeError(f"perf_analyzer failed ({done.returncode}): {' '.join(command)}\n"
-                               f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return {"throughput": None, "p50_us": None}
+            requests, executions = (after - before for after, before in zip(_counts(server, model), counted,
+                                                                             strict=True))
+            return {"throughput": float(row["Inferences/Second"]), "p50_us": float(row["p50 latency"]),
+                    "rows_per_execution": requests / executions if executions else None}
+        if "stable measurement" not in text:
+            raise RuntimeError(f"perf_analyzer failed ({code}): {' '.join(command)}\n{text[-4000:]}")
+    return unstable
+
+
+def _counts(server: KilnProcess, model: str) -> tuple[float, float]:
+    """The model's inferences and executions so far, from the server's metrics."""
+    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = []
+    for family in ("nv_inference_count", "nv_inference_exec_count"):
+        values = re.findall(rf'^{family}{{model="{re.escape(model)}",version="[^"]*"}} (\S+)$', text, re.MULTILINE)
+        found.append(sum(float(value) for value in values))
+    return found[0], found[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,25 +135,36 @@ def main(argv: list[str] | None = None) -> int:
                         help="perf_analyzer's --stability-percentage: windows agreeing within it count as stable")
     parser.add_argument("--serve-args", default="", help="more `kiln serve` arguments for both trees, e.g. "
                                                          "'--grpc-workers 4'")
+    parser.add_argument("--repository", type=Path, default=None,
+                        help="a model repository holding --models (default: the demo repository, built here)")
+    parser.add_argument("--input-data", default=None, help="perf_analyzer's --input-data (zero, random, a file)")
+    parser.add_argument("--shared-memory", choices=("none", "system"), default="none",
+                        help="the inputs and outputs in system shared memory (the servers get --allow-client-shm)")
     parser.add_argument("--output", type=Path, default=None, help="JSON results (a .txt table goes beside it)")
     args = parser.parse_args(argv)
     models, protocols = args.models.split(","), args.protocols.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
     rows: list[dict[str, Any]] = []
+    extra = ["--input-data", args.input_data] if args.input_data else []
+    serve_args = args.serve_args.split()
+    if args.shared_memory != "none":
+        extra += ["--shared-memory", args.shared_memory]
+        serve_args.append("--allow-client-shm")
     with tempfile.TemporaryDirectory(prefix="kiln-pa-before-after-") as tmp:
-        repo = Path(tmp) / "repo"
-        build_demo_repository(repo)
+        repo = args.repository
+        if repo is None:
+            repo = Path(tmp) / "repo"
+            build_demo_repository(repo)
         for round_ in range(1, args.rounds + 1):
             trees = [("before", args.before), ("after", args.after)]
             # Odd rounds run before first, even rounds after first: a drift within a round falls on both alike.
             for label, src in trees if round_ % 2 else trees[::-1]:
-                with server_from(src, repo, models, Path(tmp) / f"{label}-{round_}.log",
-                                 args.serve_args.split()) as server:
+                with server_from(src, repo, models, Path(tmp) / f"{label}-{round_}.log", serve_args) as server:
                     for model in models:
                         for protocol in protocols:
                             for concurrency in levels:
                                 cell = measure(args.perf_analyzer, server, model, protocol, concurrency,
-                                               args.window_ms, args.stability, Path(tmp))
+                                               args.window_ms, args.stability, Path(tmp), extra)
                                 rows.append({"round": round_, "tree": label, "model": model, "protocol": protocol,
                                              "concurrency": concurrency, **cell})
                                 print(f"round {round_} {label} {model} {protocol} c={concurrency}: {cell}",
@@ -128,8 +184,9 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] 
     lines = [f"perf_analyzer before/after, {info['date']}, {info['cpu_model']}, {info['cpu_count']} CPUs, "
              f"GPUs: {', '.join(info['gpus']) or 'none'}",
              f"before: {args.before}; after: {args.after}; command: {command_line(argv)}", "",
-             "| model | protocol | c | round | before /s | after /s | after/before | p50 before us | p50 after us |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | protocol | c | round | before /s | after /s | after/before | p50 before us | p50 after us "
+             "| rows/exec before | rows/exec after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios: dict[str, list[float]] = {}
     key = ("model", "protocol", "concurrency", "round")
     cells = {(tuple(r[k] for k in key), r["tree"]): r for r in rows}
@@ -142,11 +199,17 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] 
         ratio = after["throughput"] / before["throughput"]
         ratios.setdefault(str(cell_key[1]), []).append(ratio)
         lines.append(f"| {cell_key[0]} | {cell_key[1]} | {cell_key[2]} | {cell_key[3]} | {before['throughput']:,.0f} "
-                     f"| {after['throughput']:,.0f} | {ratio:.2f} | {before['p50_us']:,.0f} | {after['p50_us']:,.0f} |")
+                     f"| {after['throughput']:,.0f} | {ratio:.2f} | {before['p50_us']:,.0f} | {after['p50_us']:,.0f} "
+                     f"| {_rows(before)} | {_rows(after)} |")
     lines.append("")
     lines += [f"median after/before, {protocol}: {statistics.median(values):.2f} over {len(values)} cells"
               for protocol, values in sorted(ratios.items())]
     return lines
+
+
+def _rows(cell: dict[str, Any]) -> str:
+    value = cell.get("rows_per_execution")
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _rate(value: float | None) -> str:

@@ -96,10 +96,12 @@ def test_before_after_perf_analyzer(tmp_path: Path) -> None:
     output = tmp_path / "pa.json"
     assert run_main("before_after_perf_analyzer", "--before", str(SRC), "--perf-analyzer", binary, "--models",
                     "simple", "--protocols", "http,grpc", "--concurrency", "1", "--rounds", "1", "--window-ms", "500",
-                    "--stability", "50", "--output", str(output)) == 0
+                    "--stability", "50", "--shared-memory", "system", "--input-data", "zero",
+                    "--output", str(output)) == 0
     rows = read_json(output)["rows"]
     assert {(r["tree"], r["protocol"]) for r in rows} == {(t, p) for t in ("before", "after") for p in ("http", "grpc")}
     assert all(r["throughput"] > 0 and r["p50_us"] > 0 for r in rows)
+    assert all(r["rows_per_execution"] == 1.0 for r in rows), rows  # `simple` has no dynamic batching
     assert "median after/before, grpc" in output.with_suffix(".txt").read_text()
 
 
