@@ -7,13 +7,17 @@ where they lie, asynchronously, like the staging buffer's. For `kiln serve` on a
 server process's event loop (benchmarks/results/served_core_profile-h100-2026-12-05.md).
 
 Registering pins the whole buffer: its pages are taken at once and stay in memory until the buffer is closed (64 MiB
-per worker's request arena). Where pinning fails, the buffer is not tried again and its rows are staged as before.
-Closing a buffer waits for the devices that copied from it, then unpins it, before its owner unmaps it.
+per worker's request arena, and the size of each client's region). Page-locked memory is taken from what the rest of
+the machine can use, so buffers are pinned only while the total stays within ``PINNED_LIMIT_BYTES`` (a quarter of
+the host's memory); a buffer past it, or one that fails to pin, is not tried again while it is listed, and its rows
+are staged as before. Closing a buffer waits for the devices that copied from it, then unpins it, before its owner
+unmaps it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +31,7 @@ from kiln.engines import host_memory
 
 log = logging.getLogger(__name__)
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process, not only the current one
+PINNED_LIMIT_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
 
 @dataclass
@@ -37,6 +42,7 @@ class _Pinned:
 
 _lock = threading.Lock()
 _pinned: dict[int, _Pinned] = {}  # by id() of a listed SharedHost
+_pinned_bytes = 0
 
 
 class HostRows:
@@ -100,15 +106,24 @@ def _whole(shared: host_memory.SharedHost, device: torch.device) -> torch.Tensor
 
 
 def _pin(shared: host_memory.SharedHost) -> torch.Tensor | None:
+    """Called with ``_lock`` held."""
+    global _pinned_bytes
+    if _pinned_bytes + shared.size > PINNED_LIMIT_BYTES:
+        log.warning("not page-locking a shared buffer of %d bytes: %d bytes are locked already, and the limit is %d; "
+                    "requests in it are staged through a pinned copy instead", shared.size, _pinned_bytes,
+                    PINNED_LIMIT_BYTES)
+        return None
     error = _cudart().cudaHostRegister(shared.address, shared.size, _PORTABLE)
     if int(error) != 0:
         log.warning("could not page-lock a shared buffer of %d bytes (CUDA error %s); requests in it are staged "
                     "through a pinned copy instead", shared.size, error)
         return None
+    _pinned_bytes += shared.size
     return torch.frombuffer(shared.buffer, dtype=torch.uint8)
 
 
 def _unpin(shared: host_memory.SharedHost) -> None:
+    global _pinned_bytes
     with _lock:
         pinned = _pinned.pop(id(shared), None)
     if pinned is None or pinned.whole is None:
@@ -117,6 +132,8 @@ def _unpin(shared: host_memory.SharedHost) -> None:
         torch.cuda.synchronize(index)
     pinned.whole = None
     _cudart().cudaHostUnregister(shared.address)
+    with _lock:
+        _pinned_bytes -= shared.size
 
 
 def _cudart() -> Any:

@@ -13,6 +13,7 @@ import torch
 
 from kiln.engines import host_memory
 from kiln.engines.torch import TorchEngine
+from kiln.engines.torch import pinned_host
 from kiln.engines.torch.pinned_host import host_rows, pinned_count
 
 from .test_gpu import GPU_PARAMETERS, fp32_reference, images, load_gpu
@@ -84,3 +85,17 @@ def test_rows_back_to_back_make_one_copy() -> None:
     assert host_rows([first, images(1)], np.dtype(np.float32), torch.device("cuda")) is None  # one part elsewhere
     assert host_rows([first.astype(np.float16)], np.dtype(np.float32), torch.device("cuda")) is None
     arena.shared.close()
+
+
+def test_a_buffer_past_the_pinned_limit_is_staged(tmp_path: Path, files: dict[str, Path],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = load_gpu(tmp_path, files["conv_export"], GPU_PARAMETERS)
+    monkeypatch.setattr(pinned_host, "PINNED_LIMIT_BYTES", pinned_host._pinned_bytes + 4096)  # below one arena
+    arena = _Arena()
+    pinned_before = pinned_count()
+    image = images(2)
+    logits = engine.execute_parts([{"image": arena.put(image)}], ["logits"])["logits"]
+    np.testing.assert_allclose(logits, fp32_reference(image), rtol=2e-2, atol=2e-2)
+    assert _staged_rows(engine) >= 2 and pinned_count() == pinned_before
+    arena.shared.close()
+    engine.close()
