@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from kiln.engines import host_memory
-from kiln.engines.torch import TorchEngine
-from kiln.engines.torch import pinned_host
+from kiln.engines.torch import TorchEngine, pinned_host
 from kiln.engines.torch.pinned_host import host_rows, pinned_count
 
 from .test_gpu import GPU_PARAMETERS, fp32_reference, images, load_gpu
