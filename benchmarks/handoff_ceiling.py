@@ -5,11 +5,11 @@ its per-request work is what bounds it once several workers feed it (benchmarks/
 server side as it runs there (a real ``kiln.Server`` with the device stand-in of scheduler_ceiling.py, and the HTTP
 workers' link, ``CoreLink``, on a Unix socket pair per worker with both shared-memory arenas) and replaces the
 workers' HTTP by coroutines that call the worker's ``CoreClient.infer`` in a loop, each in its own process. Both
-sides run on uvloop where it is installed, as `kiln serve` and its workers do. Each row runs three times side by
+sides run on uvloop where it is installed, as `kiln serve` and its workers do. Each row runs four times side by
 side: requests sent one by one, joined the way workers join the requests of one event-loop turn (kiln.v2.joined,
-docs/serving.md "HTTP workers"), and joined with the requests held while a model has two calls in flight (the
-workers' default). It prints the requests/s the server answered, the server process's CPU per request, and the
-batch the server formed.
+docs/serving.md "HTTP workers"), joined with the requests held while a model has two calls in flight from the first
+request out, and the same once the worker has ``HOLD_FROM`` requests out (the workers' default). It prints the
+requests/s the server answered, the server process's CPU per request, and the batch the server formed.
 
     python benchmarks/handoff_ceiling.py --output benchmarks/results/handoff_ceiling-<machine>-<date>.json
 
@@ -37,7 +37,7 @@ from scheduler_ceiling import BACKEND, DeviceStandIn
 
 from kiln.engines import register_backend
 from kiln.frontends.handoff.arena import ARENA_BYTES, Arena, create_arena_file, inherited_arena
-from kiln.frontends.handoff.calls import DEFAULT_HOLD
+from kiln.frontends.handoff.calls import DEFAULT_HOLD, HOLD_FROM
 from kiln.frontends.http.core import CoreLink
 from kiln.frontends.http.worker_app import CoreClient
 from kiln.server import InferRequest, InputTensor, Server, ServerOptions
@@ -52,8 +52,10 @@ instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
 dynamic_batching {{ preferred_batch_size: [ 8, 32 ] }}
 """
 T = TypeVar("T")
-MODES = {"one by one": (False, 0), "joined per turn": (True, 0), "joined, held": (True, DEFAULT_HOLD)}
-"""(join, hold) as kiln.frontends.handoff.calls.InferCalls takes them: the workers' default is the last."""
+MODES = {"one by one": (False, 0, HOLD_FROM), "joined per turn": (True, 0, HOLD_FROM),
+         "joined, held at once": (True, DEFAULT_HOLD, 1), "joined, held": (True, DEFAULT_HOLD, HOLD_FROM)}
+"""(join, hold, hold_from) as kiln.frontends.handoff.calls.InferCalls takes them: the workers' default is the last;
+"held at once" holds from the first request out, as workers did before ``HOLD_FROM``."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,8 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for concurrency in int_list(args.concurrency):
                     if concurrency < workers:
                         continue
-                    for mode, (join, hold) in MODES.items():  # side by side: the machine's drift falls on each
-                        row = _run(_measure(server, workers, concurrency, join, hold, args.seconds,
+                    for mode, (join, hold, hold_from) in MODES.items():  # side by side: drift falls on each
+                        row = _run(_measure(server, workers, concurrency, join, hold, hold_from, args.seconds,
                                             args.spread_turns))
                         rows.append({"workers": workers, "concurrency": concurrency, "mode": mode, **row})
                         print(rows[-1], file=sys.stderr, flush=True)
@@ -114,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-async def _measure(server: Server, workers: int, concurrency: int, join: bool, hold: int,
+async def _measure(server: Server, workers: int, concurrency: int, join: bool, hold: int, hold_from: int,
                    seconds: float, spread_turns: int) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     children: list[subprocess.Popen[bytes]] = []
@@ -133,7 +135,7 @@ async def _measure(server: Server, workers: int, concurrency: int, join: bool, h
         passed = [theirs.fileno(), *(fd for fd in fds if fd is not None)]
         command = [sys.executable, __file__, "--worker-child", str(theirs.fileno()),
                    *(str(-1 if fd is None else fd) for fd in fds), str(share), str(seconds), str(int(join)), str(hold),
-                   str(spread_turns)]
+                   str(hold_from), str(spread_turns)]
         children.append(subprocess.Popen(command, pass_fds=passed, stdout=subprocess.PIPE))
         theirs.close()
         for fd in fds:
@@ -166,12 +168,12 @@ def _run(main: Coroutine[Any, Any, T]) -> T:
 
 
 def _worker_child(argv: list[str]) -> int:
-    link_fd, request_fd, response_fd, share, seconds, join, hold, spread_turns = argv
+    link_fd, request_fd, response_fd, share, seconds, join, hold, hold_from, spread_turns = argv
     image = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float16)
 
     async def run() -> int:
         core = CoreClient(inherited_arena(int(request_fd)), inherited_arena(int(response_fd)), join=join == "1",
-                          hold=int(hold))
+                          hold=int(hold), hold_from=int(hold_from))
         await asyncio.get_running_loop().create_unix_connection(lambda: core.protocol,
                                                                 sock=socket.socket(fileno=int(link_fd)))
         answered = 0

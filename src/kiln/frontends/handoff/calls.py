@@ -7,7 +7,11 @@ the descriptor, admission, validation, the batcher's queue, the answer's descrip
 which is what bounds a server fed by several worker processes (docs/serving.md, "HTTP workers").
 
 Under load a turn holds few requests (the worker is not the busy process), so a key with ``hold`` calls already in
-flight keeps its new requests until one of those calls is answered; they then leave as one. Only keys whose joined
+flight keeps its new requests until one of those calls is answered; they then leave as one. That starts only once
+the worker has ``HOLD_FROM`` requests out: with fewer, the requests it would hold are the ones the server's batcher
+puts into its next batch while the calls out run, and holding them back for an answer takes them out of it (behind
+2-4 workers at 16 clients, a 1 ms device stand-in ran batches of 4 rows instead of 8 and answered 0.64x as many
+requests; benchmarks/results/join_hold_from-dev2core-2026-12-05.txt). Only keys whose joined
 requests the server process answered as one batch are held: for a model that runs its members one by one (no
 dynamic batching, A/B weights), a held group would only wait for its slowest member. This is the batch the
 server would have formed anyway while the earlier calls ran, formed where it costs nothing, and a lone client's
@@ -56,6 +60,8 @@ HOLD_VARIABLE = "KILN_JOIN_HOLD"
 """Calls in flight per join key before a worker holds that key's next requests for an answer (default
 ``DEFAULT_HOLD``); 0 sends them at the end of their event-loop turn whatever is in flight."""
 DEFAULT_HOLD = 2  # one call running while the next one forms: the GPU is never left without the next batch
+HOLD_FROM = 8
+"""Requests a worker must have out (sent, not yet answered) before it holds any."""
 MAX_HOLD_S = 0.001
 MAX_KEYS = 1024
 
@@ -130,12 +136,13 @@ class InferCalls:
     request's descriptor in the link's words; ``answer_kind``/``joined_kind`` are the frame kinds of an answer to
     one request and to a run of joined members (any other kind on an infer call's id is its error). ``join``
     False sends every request on its own; ``hold`` is the calls in flight per join key past which new requests wait
-    for an answer (0: never; benchmarks/handoff_ceiling.py measures each), for at most ``max_hold_s``."""
+    for an answer (0: never; benchmarks/handoff_ceiling.py measures each), for at most ``max_hold_s``, once the
+    worker has ``hold_from`` requests out."""
 
     def __init__(self, protocol: FrameProtocol, releases: Releases, ids: Iterator[int], request_arena: Arena | None,
                  response_arena: Arena | None, *, infer_frame: Framer, joined_frame: Framer, answer_kind: int,
                  joined_kind: int, join: bool = True, hold: int = DEFAULT_HOLD,
-                 max_hold_s: float = MAX_HOLD_S) -> None:
+                 max_hold_s: float = MAX_HOLD_S, hold_from: int = HOLD_FROM) -> None:
         self._protocol = protocol
         self._releases = releases
         self._ids = ids
@@ -148,6 +155,7 @@ class InferCalls:
         self._join = join
         self._hold = hold
         self._max_hold_s = max_hold_s
+        self._hold_from = hold_from
         self._sent: dict[int, _Sent] = {}
         self._waiting: list[tuple[Hashable, InferRequest, asyncio.Future[Answer]]] = []
         self._in_flight: dict[Hashable, int] = {}  # calls per join key not yet answered in full
@@ -260,9 +268,9 @@ class InferCalls:
 
     def _flush(self) -> None:
         """The end of the turn: the requests waiting leave, joined by key, but for keys with ``hold`` calls in
-        flight, which keep theirs until an answer."""
+        flight, which keep theirs until an answer (once ``hold_from`` requests are out)."""
         self._scheduled = False
-        hold = 0 if self._hold_over else self._hold
+        hold = 0 if self._hold_over or len(self._sent) < self._hold_from else self._hold
         self._hold_over = False
         waiting, self._waiting = self._waiting, []
         groups: dict[Hashable, list[tuple[InferRequest, asyncio.Future[Answer]]]] = {}

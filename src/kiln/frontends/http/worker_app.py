@@ -22,7 +22,7 @@ from kiln.errors import ErrorCode, InvalidArgumentError, UnavailableError, error
 from kiln.frontends.access import AccessPolicy, policy_from_environment
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena
-from kiln.frontends.handoff.calls import DEFAULT_HOLD, LOST, MAX_HOLD_S, Answer, InferCalls, Refused
+from kiln.frontends.handoff.calls import DEFAULT_HOLD, HOLD_FROM, LOST, MAX_HOLD_S, Answer, InferCalls, Refused
 from kiln.frontends.handoff.frames import FrameProtocol, Releases, frame
 from kiln.frontends.http.app import _infer_params
 from kiln.frontends.http.auth import restricted
@@ -39,10 +39,11 @@ _DROPPED_WHEN_DECODED = (b"content-encoding", b"content-length")
 
 class CoreClient:
     """The worker's end of the link: requests out, answers matched to them by call id (infer calls: calls.py;
-    ``join`` False sends each infer request on its own; ``hold`` and ``max_hold_s`` as InferCalls takes them)."""
+    ``join`` False sends each infer request on its own; ``hold``, ``max_hold_s`` and ``hold_from`` as InferCalls
+    takes them)."""
 
     def __init__(self, request_arena: Arena | None, response_arena: Arena | None, join: bool = True,
-                 hold: int = DEFAULT_HOLD, max_hold_s: float = MAX_HOLD_S) -> None:
+                 hold: int = DEFAULT_HOLD, max_hold_s: float = MAX_HOLD_S, hold_from: int = HOLD_FROM) -> None:
         self._request_arena = request_arena
         self._ids = itertools.count(1)
         self._streams: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
@@ -52,7 +53,7 @@ class CoreClient:
                                  infer_frame=lambda call, payload: frame(call, frames.INFER, payload),
                                  joined_frame=lambda call, payload: frame(call, frames.INFER_JOINED, payload),
                                  answer_kind=frames.ANSWER, joined_kind=frames.JOINED_ANSWER, join=join,
-                                 hold=hold, max_hold_s=max_hold_s)
+                                 hold=hold, max_hold_s=max_hold_s, hold_from=hold_from)
         self.protocol.closed.add_done_callback(self._lost)
 
     def _on_frame(self, call: int, kind: int, payload: bytes) -> None:

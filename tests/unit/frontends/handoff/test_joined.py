@@ -21,6 +21,7 @@ from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena, create_arena_file
 from kiln.frontends.handoff.calls import (
     DEFAULT_HOLD,
+    HOLD_FROM,
     HOLD_VARIABLE,
     JOIN_VARIABLE,
     MAX_HOLD_S,
@@ -106,8 +107,10 @@ async def link(server: Server) -> AsyncIterator[Link]:
         yield made
 
 
-async def _link(server: Server, join: bool, hold: int = DEFAULT_HOLD,
-                max_hold_s: float = MAX_HOLD_S) -> AsyncIterator[Link]:
+async def _link(server: Server, join: bool, hold: int = DEFAULT_HOLD, max_hold_s: float = MAX_HOLD_S,
+                hold_from: int = 1) -> AsyncIterator[Link]:
+    """A worker's client and the server process's link over a socket pair. ``hold_from`` 1: the worker holds from
+    its first request out, so a few requests show what holding does."""
     arenas = []
     for _ in range(2):
         fd = create_arena_file(1 << 20)
@@ -123,7 +126,8 @@ async def _link(server: Server, join: bool, hold: int = DEFAULT_HOLD,
             super()._on_frame(call, kind, payload)
 
     core = CountingLink(server, None, core_requests, core_responses, lambda: None)  # type: ignore[arg-type]
-    client = CoreClient(worker_requests, worker_responses, join=join, hold=hold, max_hold_s=max_hold_s)
+    client = CoreClient(worker_requests, worker_responses, join=join, hold=hold, max_hold_s=max_hold_s,
+                        hold_from=hold_from)
     ours, theirs = socket.socketpair()
     loop = asyncio.get_running_loop()
     await loop.create_connection(lambda: client.protocol, sock=ours)
@@ -332,14 +336,16 @@ async def _burst_first(link: Link, model: str) -> None:
     link.kinds.clear()
 
 
-@pytest.mark.parametrize(("hold", "model", "kinds"), [
-    (1, "batched", [frames.INFER, frames.INFER_JOINED]),
-    (0, "batched", [frames.INFER] * 4),  # holding off: each leaves at the end of its turn
-    (1, "unbatched", [frames.INFER] * 4),  # its members run one by one: a held group would wait for the slowest
+@pytest.mark.parametrize(("hold", "hold_from", "model", "kinds"), [
+    (1, 1, "batched", [frames.INFER, frames.INFER_JOINED]),
+    (0, 1, "batched", [frames.INFER] * 4),  # holding off: each leaves at the end of its turn
+    (1, 1, "unbatched", [frames.INFER] * 4),  # its members run one by one: a held group would wait for the slowest
+    # Fewer than HOLD_FROM requests out (the default): each leaves at the end of its turn, for the batch forming.
+    (1, HOLD_FROM, "batched", [frames.INFER] * 4),
 ])
 async def test_requests_that_come_one_per_turn_are_held_while_their_model_has_calls_in_flight(
-        server: Server, hold: int, model: str, kinds: list[int]) -> None:
-    async for held in _link(server, join=True, hold=hold, max_hold_s=60):  # held until the answer, however slow
+        server: Server, hold: int, hold_from: int, model: str, kinds: list[int]) -> None:
+    async for held in _link(server, join=True, hold=hold, max_hold_s=60, hold_from=hold_from):  # however slow
         await _burst_first(held, model)
         answers = await _one_per_turn(held, [_request(model, _rows(i), f"h{i}") for i in range(4)], pause=True)
         for i, answer in enumerate(answers):
