@@ -41,7 +41,7 @@ class _Pinned:
 
 
 _lock = threading.Lock()
-_pinned: dict[int, _Pinned] = {}  # by id() of a listed SharedHost
+_pinned: dict[host_memory.SharedHost, _Pinned] = {}  # until the buffer is closed
 _pinned_bytes = 0
 
 
@@ -74,6 +74,8 @@ def host_rows(arrays: Sequence[npt.NDArray[Any]], dtype: np.dtype[Any], device: 
     one copy instead of several."""
     runs: list[tuple[torch.Tensor, int, int]] = []  # (a pinned buffer, start, stop) in bytes
     rows = 0
+    last: host_memory.SharedHost | None = None
+    whole: torch.Tensor | None = None
     for array in arrays:
         if array.dtype != dtype or not array.flags.c_contiguous or array.ndim == 0:
             return None
@@ -81,7 +83,8 @@ def host_rows(arrays: Sequence[npt.NDArray[Any]], dtype: np.dtype[Any], device: 
         shared = host_memory.containing(address, array.nbytes)
         if shared is None:
             return None
-        whole = _whole(shared, device)
+        if shared is not last:  # a batch's parts mostly lie in one or a few buffers
+            last, whole = shared, _whole(shared, device)
         if whole is None:
             return None
         start = address - shared.address
@@ -95,11 +98,11 @@ def host_rows(arrays: Sequence[npt.NDArray[Any]], dtype: np.dtype[Any], device: 
 
 def _whole(shared: host_memory.SharedHost, device: torch.device) -> torch.Tensor | None:
     with _lock:
-        pinned = _pinned.get(id(shared))
+        pinned = _pinned.get(shared)
         if pinned is None:
             pinned = _Pinned(_pin(shared))
-            _pinned[id(shared)] = pinned
-            shared.on_close(_unpin)  # also forgets a buffer that could not be pinned, whose id may come again
+            _pinned[shared] = pinned
+            shared.on_close(_unpin)  # also forgets a buffer that could not be pinned
         if pinned.whole is not None:
             pinned.devices.add(device.index if device.index is not None else torch.cuda.current_device())
         return pinned.whole
@@ -125,7 +128,7 @@ def _pin(shared: host_memory.SharedHost) -> torch.Tensor | None:
 def _unpin(shared: host_memory.SharedHost) -> None:
     global _pinned_bytes
     with _lock:
-        pinned = _pinned.pop(id(shared), None)
+        pinned = _pinned.pop(shared, None)
     if pinned is None or pinned.whole is None:
         return
     for index in sorted(pinned.devices):  # no copy from the buffer may still be running once it is unpinned
