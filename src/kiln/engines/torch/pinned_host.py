@@ -99,13 +99,19 @@ def host_rows(arrays: Sequence[npt.NDArray[Any]], dtype: np.dtype[Any], device: 
 def _whole(shared: host_memory.SharedHost, device: torch.device) -> torch.Tensor | None:
     with _lock:
         pinned = _pinned.get(shared)
+        fresh = pinned is None
         if pinned is None:
             pinned = _Pinned(_pin(shared))
             _pinned[shared] = pinned
-            shared.on_close(_unpin)  # also forgets a buffer that could not be pinned
         if pinned.whole is not None:
             pinned.devices.add(device.index if device.index is not None else torch.cuda.current_device())
-        return pinned.whole
+        whole = pinned.whole
+    if fresh:
+        # Outside the lock: a buffer closed meanwhile runs _unpin at once, which takes the lock. (This batch's copy
+        # then reads memory no longer locked but still mapped, as a pageable copy.) It also forgets a buffer that
+        # could not be pinned.
+        shared.on_close(_unpin)
+    return whole
 
 
 def _pin(shared: host_memory.SharedHost) -> torch.Tensor | None:

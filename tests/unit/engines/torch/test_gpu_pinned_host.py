@@ -98,3 +98,12 @@ def test_a_buffer_past_the_pinned_limit_is_staged(tmp_path: Path, files: dict[st
     assert _staged_rows(engine) >= 2 and pinned_count() == pinned_before
     arena.shared.close()
     engine.close()
+
+
+def test_a_buffer_closed_before_its_first_batch_is_unpinned_at_once() -> None:
+    """The close raced the batch's lookup: the unpin that follows must not wait for the lock the pin holds."""
+    arena = _Arena()
+    pinned_before = pinned_count()
+    arena.shared.close()
+    assert pinned_host._whole(arena.shared, torch.device("cuda")) is not None  # this batch still reads it
+    assert pinned_count() == pinned_before
