@@ -105,6 +105,21 @@ def test_before_after_perf_analyzer(tmp_path: Path) -> None:
     assert "median after/before, grpc" in output.with_suffix(".txt").read_text()
 
 
+def test_served_replicas(tmp_path: Path) -> None:
+    binary = os.environ.get("KILN_PERF_ANALYZER") or shutil.which("perf_analyzer")
+    if binary is None:
+        pytest.skip("perf_analyzer not found: set KILN_PERF_ANALYZER or put it on PATH (pip install perf-analyzer; "
+                    "it needs glibc >= 2.38)")
+    output = tmp_path / "replicas.json"
+    assert run_main("served_replicas", "--perf-analyzer", binary, "--servers", "1,2", "--concurrency", "2",
+                    "--workers", "2", "--window-ms", "500", "--stability", "50", "--output", str(output)) == 0
+    rows = read_json(output)["rows"]
+    assert [(r["servers"], len(r["per_server"])) for r in rows] == [(1, 1), (2, 2)]
+    assert all(r["throughput"] > 0 for r in rows), rows
+    assert all(cell["rows_per_execution"] == 1.0 for r in rows for cell in r["per_server"])  # `simple`: no batching
+    assert "| 2 | 2 |" in output.with_suffix(".txt").read_text()
+
+
 def test_connection_burst(tmp_path: Path) -> None:
     output = tmp_path / "burst.json"
     assert run_main("connection_burst", "--models", "2", "--concurrency", "2", "--seconds", "0.5", "--settle", "1",
