@@ -56,10 +56,11 @@ def run_level(binary: str, servers: list[KilnProcess], model: str, protocol: str
         cells = list(pool.map(lambda pair: measure(binary, pair[0], model, protocol, share, args.window_ms,
                                                    args.stability, pair[1], extra), zip(servers, folders, strict=True)))
     rates = [cell["throughput"] for cell in cells]
-    stable = all(rate is not None for rate in rates)
+    latencies = [cell["p50_us"] for cell in cells]
+    stable = None not in rates and None not in latencies
     return {"servers": len(servers), "concurrency": concurrency, "per_server": cells,
             "throughput": sum(rate for rate in rates if rate is not None) if stable else None,
-            "p50_us": max(cell["p50_us"] for cell in cells) if stable else None}
+            "p50_us": max(p50 for p50 in latencies if p50 is not None) if stable else None}
 
 
 def main(argv: list[str] | None = None) -> int:
