@@ -106,7 +106,7 @@ def test_pinned_rows(gpu_repo: Path, tmp_path: Path) -> None:
             "--output", str(output))
     rows = [line.split("|") for line in output.read_text().splitlines() if line.startswith("| 2 |")]
     assert sorted(row[3].strip() for row in rows) == ["in place", "staged"]
-    assert all(float(row[4].replace(",", "")) > 0 for row in rows), rows
+    assert all(float(row[4].replace(",", "")) > 0 and float(row[6].replace(",", "")) > 0 for row in rows), rows
 
 
 @pytest.mark.gpu
