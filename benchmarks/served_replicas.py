@@ -5,9 +5,9 @@ driven at all of it.
 Every server runs every request through its one server process's event loop (benchmarks/README.md, "What limits
 the served rows"). If that loop is the limit, two servers answer close to twice what one does until the device or
 the machine's cores are; if the device is, they answer what one does. The frontend worker processes are split
-between the servers (``--http-workers`` each: --workers // N), so N servers have no more HTTP processes than one,
-and the GPU memory the servers hold together is printed with each row (each server holds its own copy of the
-models).
+between the servers (``--http-workers`` and ``--grpc-workers`` each: --workers // N, where 1 means the frontend runs
+in the server process itself), so N servers have no more frontend processes than one, and the GPU memory the
+servers hold together is printed with each row (each server holds its own copy of the models).
 
     python benchmarks/served_replicas.py --repository /tmp/gpu16 --model resnet50 --servers 1,2 \\
         --concurrency 16,32 --input-data zero --perf-analyzer PATH \\
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.servers.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
-    if any(level < count for level in levels for count in counts):
-        parser.error("every --concurrency needs at least one request in flight per server")
+    if any(level % count for level in levels for count in counts):
+        parser.error("every --concurrency must split evenly over every --servers count")
     extra = ["--input-data", args.input_data] if args.input_data else []
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kiln-replicas-") as tmp:
