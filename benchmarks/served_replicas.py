@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from _common import write_outputs
 from before_after_perf_analyzer import SERVER_READY_S, measure
 
 from kiln.bench.machine import machine_info
@@ -109,12 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                     row["gpu_memory_mib"] = memory
                     rows.append(row)
                     print(f"{count} server(s), c={concurrency}: {row['throughput']}/s", file=sys.stderr)
-    lines = table(rows, args, argv)
-    print("\n".join(lines))
-    if args.output is not None:
-        args.output.write_text(json.dumps({"machine": machine_info(), "command": _command(argv),
-                                           "rows": rows}, indent=1) + "\n")
-        args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    text = "\n".join(table(rows, args, argv)) + "\n"
+    print(text, end="")
+    write_outputs(args.output, {"machine": machine_info(), "command": _command(argv), "rows": rows}, text)
     return 0
 
 

@@ -88,11 +88,16 @@ def test_before_after(tmp_path: Path) -> None:
     assert "simple: median after / before" in output.with_suffix(".txt").read_text()
 
 
-def test_before_after_perf_analyzer(tmp_path: Path) -> None:
+def _perf_analyzer() -> str:
     binary = os.environ.get("KILN_PERF_ANALYZER") or shutil.which("perf_analyzer")
     if binary is None:
         pytest.skip("perf_analyzer not found: set KILN_PERF_ANALYZER or put it on PATH (pip install perf-analyzer; "
                     "it needs glibc >= 2.38)")
+    return binary
+
+
+def test_before_after_perf_analyzer(tmp_path: Path) -> None:
+    binary = _perf_analyzer()
     output = tmp_path / "pa.json"
     assert run_main("before_after_perf_analyzer", "--before", str(SRC), "--perf-analyzer", binary, "--models",
                     "simple", "--protocols", "http,grpc", "--concurrency", "1", "--rounds", "1", "--window-ms", "500",
@@ -106,10 +111,7 @@ def test_before_after_perf_analyzer(tmp_path: Path) -> None:
 
 
 def test_served_replicas(tmp_path: Path) -> None:
-    binary = os.environ.get("KILN_PERF_ANALYZER") or shutil.which("perf_analyzer")
-    if binary is None:
-        pytest.skip("perf_analyzer not found: set KILN_PERF_ANALYZER or put it on PATH (pip install perf-analyzer; "
-                    "it needs glibc >= 2.38)")
+    binary = _perf_analyzer()
     output = tmp_path / "replicas.json"
     assert run_main("served_replicas", "--perf-analyzer", binary, "--servers", "1,2", "--concurrency", "2",
                     "--workers", "2", "--window-ms", "500", "--stability", "50", "--output", str(output)) == 0
