@@ -27,10 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from _common import write_outputs
+from _common import describe, header, write_outputs
 from before_after_perf_analyzer import SERVER_READY_S, measure
 
-from kiln.bench.machine import machine_info
 from kiln.demo import build_demo_repository
 from kiln.serve_process import KilnProcess, kiln_serve
 
@@ -109,18 +108,16 @@ def main(argv: list[str] | None = None) -> int:
                     row["gpu_memory_mib"] = memory
                     rows.append(row)
                     print(f"{count} server(s), c={concurrency}: {row['throughput']}/s", file=sys.stderr)
-    text = "\n".join(table(rows, args, argv)) + "\n"
+    info = describe("Served by one kiln serve against several on one machine", model=args.model,
+                    protocol=args.protocol, frontend_workers=f"{args.workers} over all the servers")
+    text = header(info) + "\n" + "\n".join(table(rows)) + "\n"
     print(text, end="")
-    write_outputs(args.output, {"machine": machine_info(), "command": _command(argv), "rows": rows}, text)
+    write_outputs(args.output, {**info, "rows": rows}, text)
     return 0
 
 
-def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] | None) -> list[str]:
-    info = machine_info()
-    lines = [f"Served by one `kiln serve` against several, {info['date']}, {info['cpu_model']}, {info['cpu_count']} "
-             f"CPUs, GPUs: {', '.join(info['gpus']) or 'none'}",
-             f"model {args.model} over {args.protocol}; command: {_command(argv)}", "",
-             "| servers | c | inferences/s | vs one server | p50 us (slowest server) | rows/exec per server "
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| servers | c | inferences/s | vs one server | p50 us (slowest server) | rows/exec per server "
              "| GPU memory MiB |",
              "|---|---|---|---|---|---|---|"]
     one = {row["concurrency"]: row["throughput"] for row in rows if row["servers"] == 1}
@@ -135,10 +132,6 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] 
         lines.append(f"| {row['servers']} | {row['concurrency']} | {shown} | {ratio} | {p50} | {per_server} "
                      f"| {memory} |")
     return lines
-
-
-def _command(argv: list[str] | None) -> str:
-    return " ".join(["python", "benchmarks/served_replicas.py", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
