@@ -118,6 +118,14 @@ def test_inprocess_bench_reports_the_server_breakdown(repo: Path) -> None:
     assert level.client_ms is None
 
 
+@pytest.mark.parametrize("target", ["inprocess", "direct"])
+def test_a_bench_with_its_inputs_in_shared_memory(repo: Path, target: str) -> None:
+    result = run(BenchOptions(model="simple", target=target, model_repository=repo, concurrency=(2,),
+                              input_memory="shared", **QUICK))
+    check_level(result.results[0])
+    assert result.options["input_memory"] == "shared"
+
+
 def test_http_bench_against_kiln_serve(server: KilnProcess) -> None:
     host, port = split_url(server.http_url, 8000)
     assert listening_pid(host, port) == server.process.pid  # memory is the server's, found from its port

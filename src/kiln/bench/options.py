@@ -17,6 +17,7 @@ TENSOR_FORMATS = ("binary", "json")
 DEFAULT_URLS = {"http": "localhost:8000", "grpc": "localhost:8001"}
 LOAD_GENERATORS = ("kiln", "perf_analyzer")
 SHARED_MEMORY = ("none", "system")
+INPUT_MEMORY = ("heap", "shared")
 DEFAULT_OUTPUT_SHARED_MEMORY_SIZE = 102400  # perf_analyzer's default, bytes per output region
 
 DEFAULT_MEASUREMENT_INTERVAL_MS = 2000
@@ -100,6 +101,10 @@ class BenchOptions:
         "--input-data", metavar="random|zero|FILE", group="input data",
         help="random (default), zero, a .npz (one array per input, samples first) or perf_analyzer's .json format"))
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    input_memory: str = field(default="heap", metadata=flag(
+        "--input-memory", choices=INPUT_MEMORY, group="input data",
+        help="direct/inprocess: the request tensors as ordinary arrays (heap, default) or in one shared host buffer "
+             "that GPU engines copy to the device from in place, as they copy kiln serve's worker requests (shared)"))
     input_tensor_format: str = field(default="binary", metadata=flag(
         "--input-tensor-format", choices=TENSOR_FORMATS, group="input data", help="http only"))
     output_tensor_format: str = field(default="binary", metadata=flag(
@@ -166,6 +171,10 @@ class BenchOptions:
         if self.client_processes > 1 and self.request_rates:
             raise InvalidArgumentError("--client-processes drives concurrency levels; with --request-rate-range "
                                        "use one client process")
+        _check_choice("--input-memory", self.input_memory, INPUT_MEMORY)
+        if self.input_memory != "heap" and self.target not in ("direct", "inprocess"):
+            raise InvalidArgumentError(f"--input-memory {self.input_memory} applies to the direct and inprocess "
+                                       f"targets; target '{self.target}' sends its tensors to another process")
         if self.target == "inprocess" and self.model_repository is None:
             raise InvalidArgumentError("target 'inprocess' needs --model-repository: the repository the in-process "
                                        "kiln.Server serves")
@@ -208,6 +217,7 @@ class BenchOptions:
             "max_trials": self.max_trials,
             "request_distribution": self.request_distribution if self.request_rates else None,
             "input_data": self.input_data,
+            "input_memory": self.input_memory if self.target in ("direct", "inprocess") else None,
             "shapes": {name: list(dims) for name, dims in self.shapes.items()},
             "input_tensor_format": self.input_tensor_format if self.target == "http" else None,
             "output_tensor_format": self.output_tensor_format if self.target == "http" else None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from kiln.bench.progress import Progress
 from kiln.bench.records import Level
 from kiln.bench.resources import CpuFigures, CpuMeter, MemoryFigures, MemorySampler, gpu_reader, rss_reader
 from kiln.bench.result import BenchResult, LevelResult
+from kiln.bench.shared_inputs import shared_inputs
 from kiln.bench.targets import create_target
 
 
@@ -26,10 +28,13 @@ def run(options: BenchOptions, progress: Progress | None = None,
     settings = Settings(interval_ns=options.measurement_interval_ms * 1_000_000,
                         stability_percentage=options.stability_percentage, max_trials=options.max_trials)
     binary = find_binary(options.perf_analyzer) if options.load_generator == "perf_analyzer" else None
-    with create_target(options) as target:
+    with create_target(options) as target, contextlib.ExitStack() as inputs:
         progress.note(f"opening target {options.target} for model '{options.model}'")
         model = target.open()
-        target.prepare(build_requests(model, options.input_data, options.batch_size, options.shapes, options.seed))
+        requests = build_requests(model, options.input_data, options.batch_size, options.shapes, options.seed)
+        if options.input_memory == "shared":
+            requests = inputs.enter_context(shared_inputs(requests))
+        target.prepare(requests)
         pid = target.process_id()
         gpu, gpu_source = gpu_reader(pid, target.in_process)
         sampler = _LevelMeter(MemorySampler(rss_reader(pid), gpu), CpuMeter(pid))

@@ -62,6 +62,8 @@ def test_options_default_to_concurrency_one() -> None:
     ({"stability_percentage": 0.0}, "--stability-percentage"),
     ({"latency_threshold_ms": -1.0}, "--latency-threshold"),
     ({"model": ""}, "-m/--model is required"),
+    ({"input_memory": "stack"}, "--input-memory"),
+    ({"target": "http", "url": "localhost:8000", "input_memory": "shared"}, "direct and inprocess targets"),
 ])
 def test_options_refuse_what_cannot_run(kwargs: dict[str, object], message: str) -> None:
     arguments: dict[str, object] = {"model": "simple", **kwargs}
