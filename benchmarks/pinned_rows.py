@@ -15,7 +15,6 @@ the launch got no dearer.
 from __future__ import annotations
 
 import argparse
-import mmap
 import statistics
 import sys
 import time
@@ -29,21 +28,9 @@ import torch
 from _common import describe, header, int_list
 
 import kiln
-from kiln.engines import host_memory
+from kiln.bench.shared_inputs import shared_inputs
 
 Array = np.ndarray[Any, Any]
-
-
-def _arena_rows(buffer: memoryview, images: Sequence[Array]) -> list[Array]:
-    """The images written back to back (64-byte aligned) into the shared buffer, as read-only views."""
-    views, offset = [], 0
-    for image in images:
-        view = np.frombuffer(buffer, dtype=image.dtype, count=image.size, offset=offset)
-        view[...] = image.reshape(-1)
-        view.flags.writeable = False
-        views.append(view.reshape(image.shape))
-        offset += (image.nbytes + 63) // 64 * 64
-    return views
 
 
 def _run(engine: Any, parts: list[Array], name: str, output: str, seconds: float) -> tuple[float, float, float]:
@@ -85,9 +72,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = engine.spec
     name, output = spec.inputs[0].name, spec.outputs[0].name
     dtype = spec.inputs[0].datatype.numpy_dtype
-    memory = mmap.mmap(-1, 64 * 2**20)
-    buffer = memoryview(memory)
-    shared = host_memory.share(buffer)
     rng = np.random.default_rng(0)
     lines = [header(describe("Launched batches: rows in a pinned shared arena against staged host arrays",
                              gpu=f"{torch.cuda.get_device_name()}, torch {torch.__version__}"))]
@@ -97,16 +81,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(lines), flush=True)
     for batch in int_list(args.batches):
         images = [rng.standard_normal((1, *spec.inputs[0].dims)).astype(dtype) for _ in range(batch)]
-        sources = {"staged": images, "in place": _arena_rows(buffer, images)}
-        for round_ in range(1, args.rounds + 1):
-            order = list(sources) if round_ % 2 else list(sources)[::-1]
-            for label in order:
-                rate, cpu_us, launch_us = _run(engine, sources[label], name, output, args.seconds)
-                line = f"| {batch} | {round_} | {label} | {rate:,.0f} | {cpu_us:,.0f} | {launch_us:,.0f} |"
-                lines.append(line)
-                print(line, flush=True)
-        del sources
-    shared.close()
+        # the images back to back in one listed buffer, as a worker's requests lie in its arena
+        with shared_inputs([{name: image} for image in images]) as placed:
+            sources = {"staged": images, "in place": [request[name] for request in placed]}
+            for round_ in range(1, args.rounds + 1):
+                order = list(sources) if round_ % 2 else list(sources)[::-1]
+                for label in order:
+                    rate, cpu_us, launch_us = _run(engine, sources[label], name, output, args.seconds)
+                    line = f"| {batch} | {round_} | {label} | {rate:,.0f} | {cpu_us:,.0f} | {launch_us:,.0f} |"
+                    lines.append(line)
+                    print(line, flush=True)
+            del sources, placed
     engine.close()
     if args.output is not None:
         args.output.write_text("\n".join(lines) + "\n")
