@@ -20,7 +20,9 @@ METHOD = "/inference.GRPCInferenceService/"
 BIG = 64 * 2**20
 WARM_UP = 4
 CALLS = 8
-GROWTH_BOUND = 150 * 2**20  # the eight requests held would be 512 MiB
+# The eight requests held would be 512 MiB. Below that, growth is the allocator's: each of a process's malloc arenas
+# may keep up to 64 MiB it freed (docs/serving.md), and which arenas grpc's threads touch varies (15-153 MiB seen).
+GROWTH_BOUND = 256 * 2**20
 
 
 @pytest.fixture(scope="module", params=["in-process", "2 workers"])
@@ -74,18 +76,20 @@ def test_refused_large_requests_do_not_stay_in_memory(served: tuple[KilnProcess,
     good = _simple().SerializeToString()
     assert pb.ModelInferResponse.FromString(infer(good)).model_name == "simple"
     big = _simple(BIG).SerializeToString()
-    for _ in range(WARM_UP):  # grpc's and the allocator's buffers grow to their working size
-        _refused(infer, big)
+    contents = _simple()
+    del contents.raw_input_contents[:]
+    contents.inputs[0].contents.int_contents.extend(range(10**7))  # 10M elements for a shape of 16
+    contents.inputs[1].contents.int_contents.extend(range(16))
+    many = contents.SerializeToString()
+    # grpc's and the allocator's buffers grow to their working size for both kinds of request
+    for payload in [big] * WARM_UP + [many]:
+        _refused(infer, payload)
     before = _tree_rss(served[0].process.pid)
     for _ in range(CALLS):
         error = _refused(infer, big)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"unexpected total byte size {BIG}" in str(error.details())
-    contents = _simple()
-    del contents.raw_input_contents[:]
-    contents.inputs[0].contents.int_contents.extend(range(10**7))  # 10M elements for a shape of 16
-    contents.inputs[1].contents.int_contents.extend(range(16))
-    error = _refused(infer, contents.SerializeToString())
+    error = _refused(infer, many)
     assert "has 10000000 element(s) in contents.int_contents" in str(error.details())
     growth = _tree_rss(served[0].process.pid) - before
     assert growth < GROWTH_BOUND, f"RSS grew by {growth / 2**20:.0f} MiB after {CALLS + 1} refused requests"
