@@ -4,13 +4,12 @@ it runs on a GPU, the engine coalesces concurrent callers into batches with the 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -80,9 +79,9 @@ class BatchingEngine(Engine):
     on their own, unbatched. ``batch_log`` counts executions and batch sizes; ``engine`` is the first instance,
     whose own attributes read through; ``engines`` all of them.
 
-    On engines that launch batches onto a GPU (the PyTorch backend), concurrent threads' calls go through a private
-    event loop that launches them as the server does (kiln.batching.launched): a batch is staged and queued on one
-    instance while another's runs, instead of each batch waiting for the device before the next is formed.
+    On engines that launch batches onto a GPU (the PyTorch backend), concurrent threads' calls are launched as the
+    server launches its event loop's requests (kiln.batching.launched): a batch is staged and queued on one instance
+    while another's runs, instead of each batch waiting for the device before the next is formed.
     """
 
     def __init__(self, engines: list[Engine], version: int, policy: BatchingPolicy) -> None:
@@ -97,18 +96,17 @@ class BatchingEngine(Engine):
         self.batch_log = BatchLog()
         self._batcher = DynamicBatcher(BatchModel(engine.spec, version, list(engines), self.batch_log), policy,
                                        caller_runs=True)
-        self._loop = _LoopThread(f"kiln-{engine.spec.name}-direct") if self._batcher.launches else None
         self._alone_lock = threading.Lock()
         self._running_alone = 0
         self._closed = False
         # An engine dropped without close() must not leave its worker threads waiting on the queue for good.
-        self._finalizer = weakref.finalize(self, _stop, self._batcher, self._loop)
+        self._finalizer = weakref.finalize(self, _stop, self._batcher)
 
     def infer(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None = None) -> dict[str, Array]:
         request = self._request(inputs, outputs)
         if request is None:
             return self.engine.infer(inputs, outputs)
-        if self._loop is None:
+        if not self._batcher.launches:
             return _outputs(self._batcher.submit_sync(request, _rows(request)))
         if self._take_alone():
             try:
@@ -116,7 +114,7 @@ class BatchingEngine(Engine):
             finally:
                 with self._alone_lock:
                     self._running_alone -= 1
-        return _outputs(self._loop.run(self._batcher.submit(request, _rows(request))))
+        return _outputs(self._batcher.submit_launched_sync(request, _rows(request)))
 
     async def ainfer(self, inputs: Mapping[str, npt.ArrayLike],
                      outputs: Sequence[str] | None = None) -> dict[str, Array]:
@@ -146,12 +144,12 @@ class BatchingEngine(Engine):
             return
         self._closed = True
         self._finalizer.detach()
-        _stop(self._batcher, self._loop)
+        _stop(self._batcher)
 
     def _take_alone(self) -> bool:
         """True (and counted) when nothing else is in flight and the last batch was a lone one: no company to wait
-        for, so the call skips the loop's two thread hops. After a batch with company, the returning callers
-        gather on the loop instead."""
+        for, so the call runs and waits on its own thread, sparing the hand-back from the device waiter. After a
+        batch with company, the returning callers gather in the launch queue instead."""
         with self._alone_lock:
             if (self._closed or self._running_alone or self._batcher.inflight
                     or self.batch_log.last_batch_size > 1):
@@ -186,28 +184,9 @@ class BatchingEngine(Engine):
         return InferRequest(self.name, tensors, outputs=wanted)
 
 
-class _LoopThread:
-    """An event loop on a daemon thread, on which blocking callers' requests are launched."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, work: Coroutine[Any, Any, InferResponse]) -> InferResponse:
-        return asyncio.run_coroutine_threadsafe(work, self.loop).result()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
-
-
-def _stop(batcher: DynamicBatcher, loop: _LoopThread | None) -> None:
-    with contextlib.suppress(RuntimeError):  # collected on the worker thread itself: it ends on its own
-        batcher.close()  # answers what the loop launched before the loop stops
-    if loop is not None and threading.current_thread() is not loop._thread:
-        loop.stop()
+def _stop(batcher: DynamicBatcher) -> None:
+    with contextlib.suppress(RuntimeError):  # collected on a worker thread itself: it ends on its own
+        batcher.close()
 
 
 def _rows(request: InferRequest) -> int:

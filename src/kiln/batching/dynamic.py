@@ -87,6 +87,15 @@ class DynamicBatcher:
         self._enqueue(request, batch_size, waiter)
         return await waiter
 
+    def submit_launched_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
+        """A blocking caller's request launched as event loops' are (where ``launches``; else ``submit_sync``):
+        the direct engine's threads share batches without a worker or a loop in between."""
+        if not self._launcher.active:
+            return self.submit_sync(request, batch_size)
+        if request.parameters:
+            self.policy.priority_of(self.model.name, request)  # still reject bad parameters
+        return self._launcher.submit_blocking(request, batch_size)
+
     def submit_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
         if self._caller_runs:
             outcome = self._run_here(request, batch_size)

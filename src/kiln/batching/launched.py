@@ -22,6 +22,10 @@ together reach ``launch_overlap_rows``, or when the loop's thread is busy (kiln.
 queue outside the loop, in sockets and frontend workers, where no count of rows sees them). Below that no fuller
 batch can form, and small batches side by side are what the device can do best; a lone caller finds nothing out
 and leaves at once.
+
+Blocking callers (the direct engine's threads, ``submit_blocking``) share one queue without a loop: each caller
+launches from its own thread what the rules above allow, then waits on a lock of its own; the waiter thread collects
+their batches, answers them and launches what waits. No call crosses to an event loop and back.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import time
 import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kiln.batching.admission import Admission
 from kiln.batching.loop_load import LoopLoad
@@ -57,12 +62,51 @@ BATCHES_PER_INSTANCE = 1
 log = logging.getLogger(__name__)
 
 
+class _Answer(Protocol):
+    """Where a request's answer goes: an asyncio future, or a blocking caller's _Slot."""
+
+    def done(self) -> bool: ...
+    def set_result(self, result: InferResponse, /) -> None: ...
+    def set_exception(self, exception: BaseException, /) -> None: ...
+
+
+class _Slot:
+    """A blocking caller's answer: the caller blocks on a lock the answering thread releases, cheaper than a
+    concurrent.futures.Future with its condition. Answered once (the request sits in one queue or one batch)."""
+
+    __slots__ = ("_ready", "_response", "_error")
+
+    def __init__(self) -> None:
+        self._ready = threading.Lock()
+        self._ready.acquire()
+        self._response: InferResponse | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._response is not None or self._error is not None
+
+    def set_result(self, result: InferResponse, /) -> None:
+        self._response = result
+        self._ready.release()
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        self._error = exception
+        self._ready.release()
+
+    def result(self) -> InferResponse:
+        self._ready.acquire()
+        if self._error is not None:
+            raise self._error
+        assert self._response is not None
+        return self._response
+
+
 @dataclass
 class _Item:
     request: InferRequest
     rows: int
     enqueued_ns: int
-    future: asyncio.Future[InferResponse]
+    future: _Answer
     signature: Hashable
 
 
@@ -70,7 +114,7 @@ class _Item:
 class _Flight:
     """A launched batch on its way through the waiter thread and back to its loop."""
 
-    loop: asyncio.AbstractEventLoop
+    loop: asyncio.AbstractEventLoop | None  # None: blocking callers', collected on the waiter thread
     items: list[_Item]
     launched: LaunchedBatch
     instance: int  # the index of the engine it runs on
@@ -84,7 +128,9 @@ class _Flight:
 class _LoopQueue:
     items: list[_Item] = field(default_factory=list)
     scheduled: bool = False
-    load: LoopLoad = field(default_factory=LoopLoad)  # made on the loop's thread, whose CPU time it reads
+    # Made on the loop's thread, whose CPU time it reads; None for the blocking callers, who all wait in the queue
+    # or in a batch out, where the rows are counted.
+    load: LoopLoad | None = field(default_factory=LoopLoad)
 
 
 def launch_mode(model: BatchModel, policy: BatchingPolicy) -> str:
@@ -132,6 +178,8 @@ class LaunchRunner:
         self._stopped = False
         self._engine_turn = itertools.count()
         self._flights: queue.SimpleQueue[_Flight | None] = queue.SimpleQueue()
+        self._blocking = _LoopQueue(load=None)
+        self._blocking_lock = threading.Lock()  # callers and the waiter launch from the blocking queue in turn
         self._waiter: threading.Thread | None = None
         if self.active:
             self._waiter = threading.Thread(target=self._wait_for_device, daemon=True,
@@ -155,6 +203,16 @@ class LaunchRunner:
                 loop.call_soon(self._flush, loop)
             return await future
 
+    def submit_blocking(self, request: InferRequest, rows: int) -> InferResponse:
+        """The blocking counterpart of ``submit``, for a caller on any thread."""
+        with self._admission:
+            slot = _Slot()
+            item = _Item(request, rows, time.monotonic_ns(), slot, self._signature(request))
+            with self._blocking_lock:
+                self._blocking.items.append(item)
+                self._launch_waiting(self._blocking, None)
+            return slot.result()
+
     def close(self, timeout_s: float = 60.0) -> None:
         """Refuse new requests; wait (from another thread) until the admitted ones are answered and every launched
         batch is collected, so the engines can be closed; stop the waiter."""
@@ -163,6 +221,7 @@ class LaunchRunner:
         for loop, _pending in self._waiting_loops():  # after a timeout, requests may still wait: answer them
             with contextlib.suppress(RuntimeError):  # a closed loop's requests are gone with it
                 loop.call_soon_threadsafe(self._flush, loop)
+        self._flush_blocking()
         if self._waiter is not None:
             self._flights.put(None)
             self._waiter.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -173,6 +232,14 @@ class LaunchRunner:
         if pending is None:
             return
         pending.scheduled = False
+        self._launch_waiting(pending, loop)
+
+    def _flush_blocking(self) -> None:
+        with self._blocking_lock:
+            self._launch_waiting(self._blocking, None)
+
+    def _launch_waiting(self, pending: _LoopQueue, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Launch batches from ``pending`` (on ``loop``'s thread; None: the blocking queue, under its lock)."""
         items = self._live(pending.items)
         if self._stopped:
             pending.items = []
@@ -187,12 +254,20 @@ class LaunchRunner:
             if not self._launch(loop, batch):
                 items[:0] = batch  # every lane is busy: these go first once a lane comes free
                 if not self._batches_out():  # none of ours will come back to wake them: someone else holds the lanes
-                    pending.scheduled = True
-                    loop.call_later(RETRY_S, self._flush, loop)
+                    self._retry_later(pending, loop)
                 break
         pending.items = items
 
-    def _company_coming(self, batch: list[_Item], rest: list[_Item], load: LoopLoad) -> bool:
+    def _retry_later(self, pending: _LoopQueue, loop: asyncio.AbstractEventLoop | None) -> None:
+        if loop is None:  # rare (callers beside the launches hold every lane): a timer thread, not a wait per call
+            timer = threading.Timer(RETRY_S, self._flush_blocking)
+            timer.daemon = True
+            timer.start()
+        else:
+            pending.scheduled = True
+            loop.call_later(RETRY_S, self._flush, loop)
+
+    def _company_coming(self, batch: list[_Item], rest: list[_Item], load: LoopLoad | None) -> bool:
         """A batch too small to start beside the batches out (``overlap_rows``) while a fuller one can form: the
         rows out and waiting reach ``overlap_rows``, or the loop's thread is busy (requests then wait outside the
         loop, where no count sees them). Only batches whose loop can still collect them count, so one whose loop
@@ -200,10 +275,11 @@ class LaunchRunner:
         rows = sum(item.rows for item in batch)
         if self.overlap_rows <= 1 or rows >= self.overlap_rows:
             return False
-        out = [flight for flights in self._out_per_instance for flight in flights if not flight.loop.is_closed()]
+        out = [flight for flights in self._out_per_instance for flight in flights
+               if flight.loop is None or not flight.loop.is_closed()]
         if not out:
             return False
-        if load.busy():
+        if load is not None and load.busy():
             return True
         rows += sum(item.rows for item in rest) + sum(item.rows for flight in out for item in flight.items)
         return rows >= self.overlap_rows
@@ -237,7 +313,7 @@ class LaunchRunner:
         del items[:taken]
         return batch
 
-    def _launch(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> bool:
+    def _launch(self, loop: asyncio.AbstractEventLoop | None, batch: list[_Item]) -> bool:
         start = time.monotonic_ns()
         requests = [item.request for item in batch]
         engines = self.model.engines
@@ -267,7 +343,8 @@ class LaunchRunner:
         nobody else will, and it would hold the instance for good."""
         with self._out_lock:
             flights = self._out_per_instance[instance]
-            orphans = [flight for flight in flights if flight.posted and flight.loop.is_closed()]
+            orphans = [flight for flight in flights
+                       if flight.posted and flight.loop is not None and flight.loop.is_closed()]
             for orphan in orphans:
                 flights.remove(orphan)
             claimed = len(flights) + self._launching[instance] < BATCHES_PER_INSTANCE
@@ -310,6 +387,9 @@ class LaunchRunner:
             flight.launched.wait()
         except BaseException as exc:  # collect() still runs on the loop, to give the lane back
             flight.failure = exc
+        if flight.loop is None:  # blocking callers: answered from here
+            self._finish(flight)
+            return
         try:
             flight.loop.call_soon_threadsafe(self._finish, flight)
             flight.posted = True
@@ -358,8 +438,10 @@ class LaunchRunner:
         self._flush_waiting(flight.loop)
 
     def _flush_waiting(self, here: asyncio.AbstractEventLoop | None) -> None:
-        """An instance came free: launch what waits on this loop now (``here``; None from the waiter thread), and
-        wake other loops that have requests waiting."""
+        """An instance came free: launch what waits on this loop now (``here``; None from the waiter thread) and
+        what blocking callers queued, and wake other loops that have requests waiting."""
+        if self._blocking.items:
+            self._flush_blocking()
         for loop, pending in self._waiting_loops():
             if pending.scheduled:
                 continue
