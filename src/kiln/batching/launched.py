@@ -31,6 +31,7 @@ their batches, answers them and launches what waits. No call crosses to an event
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -178,8 +179,13 @@ class LaunchRunner:
         self._stopped = False
         self._engine_turn = itertools.count()
         self._flights: queue.SimpleQueue[_Flight | None] = queue.SimpleQueue()
+        # Blocking callers' requests: appended to the inbox by any thread, moved into the queue and launched by
+        # whichever thread holds the lock (a caller, the waiter, a retry timer); one that finds it held leaves the
+        # mark instead, which the holder honours before it lets go, so nobody waits for the lock.
         self._blocking = _LoopQueue(load=None)
-        self._blocking_lock = threading.Lock()  # callers and the waiter launch from the blocking queue in turn
+        self._blocking_inbox: collections.deque[_Item] = collections.deque()
+        self._blocking_lock = threading.Lock()
+        self._blocking_marked = False
         self._waiter: threading.Thread | None = None
         if self.active:
             self._waiter = threading.Thread(target=self._wait_for_device, daemon=True,
@@ -208,9 +214,8 @@ class LaunchRunner:
         with self._admission:
             slot = _Slot()
             item = _Item(request, rows, time.monotonic_ns(), slot, self._signature(request))
-            with self._blocking_lock:
-                self._blocking.items.append(item)
-                self._launch_waiting(self._blocking, None)
+            self._blocking_inbox.append(item)
+            self._flush_blocking()
             return slot.result()
 
     def close(self, timeout_s: float = 60.0) -> None:
@@ -235,8 +240,15 @@ class LaunchRunner:
         self._launch_waiting(pending, loop)
 
     def _flush_blocking(self) -> None:
-        with self._blocking_lock:
-            self._launch_waiting(self._blocking, None)
+        self._blocking_marked = True
+        while self._blocking_marked and self._blocking_lock.acquire(blocking=False):
+            try:
+                self._blocking_marked = False
+                while self._blocking_inbox:
+                    self._blocking.items.append(self._blocking_inbox.popleft())
+                self._launch_waiting(self._blocking, None)
+            finally:
+                self._blocking_lock.release()
 
     def _launch_waiting(self, pending: _LoopQueue, loop: asyncio.AbstractEventLoop | None) -> None:
         """Launch batches from ``pending`` (on ``loop``'s thread; None: the blocking queue, under its lock)."""
@@ -440,7 +452,7 @@ class LaunchRunner:
     def _flush_waiting(self, here: asyncio.AbstractEventLoop | None) -> None:
         """An instance came free: launch what waits on this loop now (``here``; None from the waiter thread) and
         what blocking callers queued, and wake other loops that have requests waiting."""
-        if self._blocking.items:
+        if self._blocking.items or self._blocking_inbox:
             self._flush_blocking()
         for loop, pending in self._waiting_loops():
             if pending.scheduled:
