@@ -18,8 +18,8 @@ perf_analyzer 2.60; upstream perf_analyzer issue 84), so a long level at thousan
 machine's memory, and the kernel's OOM killer then picks a process: perf_analyzer, or the server under test. Each
 run is watched, and stopped once it holds more than half the memory that was available when it started. The level
 is then measured once more over three windows half as long, without the stability rule (fewer requests sent, and
-perf_analyzer's time between windows grows with what it holds), and reported with ``stable: false``; a second stop
-is an error that says why.
+perf_analyzer's time between windows grows with what it holds), and reported with ``stable: false``; stopped again,
+the windows are halved again, down to SHORTEST_WINDOW_MS, where a stop is an error that says why.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ class PerfAnalyzerLoad:
     def _level_runs(self, level: Level, path: Path, progress: Progress) -> tuple[list[str], Output, int, bool, int]:
         """The level's last run (command, output, exit status), whether it was stable, and its windows (the first
         run's, unless that was stopped for its memory). Runs: as configured; once more without the stability rule
-        if it did not stabilize; once more with windows half as long if perf_analyzer outgrew its memory guard."""
+        if it did not stabilize; with windows half as long, and again, while perf_analyzer outgrows its memory guard."""
         words = command(self.binary, self.options, self.url, level, path)
         try:
             output, code = self._run(words)
@@ -225,13 +225,21 @@ class PerfAnalyzerLoad:
                 return words, output, code, False, windows
             return words, output, code, True, len(output.pass_ns)
         except MemoryStopped as stopped:
-            interval = max(SHORTEST_WINDOW_MS, self.options.measurement_interval_ms // 2)
-            progress.note(f"perf_analyzer: {level.describe()}: {stopped.held}; measuring 3 windows of {interval} ms "
-                          f"without the stability rule")
-            words = command(self.binary, self.options, self.url, level, path, RELAXED_STABILITY, MERGED_WINDOWS,
-                            interval)
-            output, code = self._run(words)  # stopped again: the error reaches the caller
-            return words, output, code, False, len(output.pass_ns)
+            interval = self.options.measurement_interval_ms
+            while True:  # halve the windows until a run fits; stopped at the shortest, the error reaches the caller
+                interval = max(SHORTEST_WINDOW_MS, interval // 2)
+                progress.note(f"perf_analyzer: {level.describe()}: {stopped.held}; measuring 3 windows of {interval} "
+                              f"ms without the stability rule")
+                words = command(self.binary, self.options, self.url, level, path, RELAXED_STABILITY, MERGED_WINDOWS,
+                                interval)
+                try:
+                    output, code = self._run(words)
+                except MemoryStopped as again:
+                    if interval == SHORTEST_WINDOW_MS:
+                        raise
+                    stopped = again
+                    continue
+                return words, output, code, False, len(output.pass_ns)
 
     def _run(self, words: Sequence[str]) -> tuple[Output, int]:
         output = Output(started_ns=time.monotonic_ns())

@@ -257,7 +257,34 @@ def test_a_level_stopped_for_its_memory_is_measured_again_over_shorter_windows(t
     assert "--measurement-interval 1000 --stability-percentage 999 --max-trials 3" in rerun
 
 
-def test_a_level_stopped_twice_for_its_memory_is_an_error(tmp_path: Path) -> None:
+def test_a_level_stopped_again_is_measured_over_windows_halved_again(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    binary = _stand_in(tmp_path, textwrap.dedent(f"""
+        import pathlib, sys, time
+        runs = pathlib.Path({str(runs)!r})
+        tries = len(runs.read_text().splitlines()) if runs.exists() else 0
+        with runs.open("a") as f:
+            f.write(" ".join(sys.argv[1:]) + "\\n")
+        if tries < 2:
+            held = []
+            while True:
+                held.append(bytearray(16 * 2**20))
+                time.sleep(0.02)
+        pathlib.Path(sys.argv[sys.argv.index("-f") + 1]).write_text({VERBOSE_CSV!r})
+        for n in (1, 2, 3):
+            print(f"  Pass [{{n}}] throughput: 2231.52 infer/sec.", flush=True)
+        print("  Request count: 6700")
+    """))
+    load = PerfAnalyzerLoad(binary, options(measurement_interval_ms=2000), "127.0.0.1:8001",
+                            memory_limit_bytes=200 * 2**20)
+    result = load.measure(Level(concurrency=64), _NoMemory(), Progress(enabled=False))
+    assert result.throughput_infer_per_s == pytest.approx(2231.52) and not result.stable
+    first, second, third = runs.read_text().splitlines()
+    assert "--measurement-interval 2000 " in first and "--measurement-interval 1000 " in second
+    assert "--measurement-interval 500 --stability-percentage 999 --max-trials 3" in third
+
+
+def test_a_level_stopped_at_the_shortest_windows_is_an_error(tmp_path: Path) -> None:
     binary = _stand_in(tmp_path, "import time\nheld = []\nwhile True:\n"
                                  "    held.append(bytearray(16 * 2**20))\n    time.sleep(0.02)")
     load = PerfAnalyzerLoad(binary, options(), "127.0.0.1:8001", memory_limit_bytes=200 * 2**20)
