@@ -228,17 +228,16 @@ def test_a_run_killed_with_sigkill_points_at_the_oom_killer(tmp_path: Path) -> N
 
 
 
-def test_a_level_stopped_for_its_memory_is_measured_again_over_shorter_windows(tmp_path: Path) -> None:
-    """The first run outgrows the guard; the rerun (three windows half as long, no stability rule) writes its CSV
-    and the level is reported unstable from it."""
-    runs = tmp_path / "runs"
-    binary = _stand_in(tmp_path, textwrap.dedent(f"""
+def _outgrows_the_guard_first(tmp_path: Path, runs: Path, stopped_runs: int) -> str:
+    """A stand-in whose first ``stopped_runs`` runs keep taking memory; later ones write a result. Each run's
+    arguments are appended to ``runs``."""
+    return _stand_in(tmp_path, textwrap.dedent(f"""
         import pathlib, sys, time
         runs = pathlib.Path({str(runs)!r})
-        first = not runs.exists()
+        tries = len(runs.read_text().splitlines()) if runs.exists() else 0
         with runs.open("a") as f:
             f.write(" ".join(sys.argv[1:]) + "\\n")
-        if first:
+        if tries < {stopped_runs}:
             held = []
             while True:
                 held.append(bytearray(16 * 2**20))
@@ -248,8 +247,14 @@ def test_a_level_stopped_for_its_memory_is_measured_again_over_shorter_windows(t
             print(f"  Pass [{{n}}] throughput: 2231.52 infer/sec.", flush=True)
         print("  Request count: 6700")
     """))
-    load = PerfAnalyzerLoad(binary, options(measurement_interval_ms=2000), "127.0.0.1:8001",
-                            memory_limit_bytes=200 * 2**20)
+
+
+def test_a_level_stopped_for_its_memory_is_measured_again_over_shorter_windows(tmp_path: Path) -> None:
+    """The first run outgrows the guard; the rerun (three windows half as long, no stability rule) writes its CSV
+    and the level is reported unstable from it."""
+    runs = tmp_path / "runs"
+    load = PerfAnalyzerLoad(_outgrows_the_guard_first(tmp_path, runs, 1), options(measurement_interval_ms=2000),
+                            "127.0.0.1:8001", memory_limit_bytes=200 * 2**20)
     result = load.measure(Level(concurrency=64), _NoMemory(), Progress(enabled=False))
     assert result.throughput_infer_per_s == pytest.approx(2231.52) and not result.stable and result.windows == 3
     first, rerun = runs.read_text().splitlines()
@@ -259,24 +264,8 @@ def test_a_level_stopped_for_its_memory_is_measured_again_over_shorter_windows(t
 
 def test_a_level_stopped_again_is_measured_over_windows_halved_again(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
-    binary = _stand_in(tmp_path, textwrap.dedent(f"""
-        import pathlib, sys, time
-        runs = pathlib.Path({str(runs)!r})
-        tries = len(runs.read_text().splitlines()) if runs.exists() else 0
-        with runs.open("a") as f:
-            f.write(" ".join(sys.argv[1:]) + "\\n")
-        if tries < 2:
-            held = []
-            while True:
-                held.append(bytearray(16 * 2**20))
-                time.sleep(0.02)
-        pathlib.Path(sys.argv[sys.argv.index("-f") + 1]).write_text({VERBOSE_CSV!r})
-        for n in (1, 2, 3):
-            print(f"  Pass [{{n}}] throughput: 2231.52 infer/sec.", flush=True)
-        print("  Request count: 6700")
-    """))
-    load = PerfAnalyzerLoad(binary, options(measurement_interval_ms=2000), "127.0.0.1:8001",
-                            memory_limit_bytes=200 * 2**20)
+    load = PerfAnalyzerLoad(_outgrows_the_guard_first(tmp_path, runs, 2), options(measurement_interval_ms=2000),
+                            "127.0.0.1:8001", memory_limit_bytes=200 * 2**20)
     result = load.measure(Level(concurrency=64), _NoMemory(), Progress(enabled=False))
     assert result.throughput_infer_per_s == pytest.approx(2231.52) and not result.stable
     first, second, third = runs.read_text().splitlines()
