@@ -400,7 +400,10 @@ class LaunchRunner:
         except BaseException as exc:  # collect() still runs on the loop, to give the lane back
             flight.failure = exc
         if flight.loop is None:  # blocking callers: answered from here
-            self._finish(flight)
+            try:
+                self._finish(flight)
+            except Exception:  # the waiter must live on: later batches need it
+                log.exception("model '%s': answering a batch of blocking callers failed", self.model.name)
             return
         try:
             flight.loop.call_soon_threadsafe(self._finish, flight)

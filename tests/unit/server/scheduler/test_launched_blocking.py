@@ -196,3 +196,25 @@ def test_bad_parameters_are_refused_and_a_runner_that_cannot_launch_takes_the_wo
     finally:
         batcher.close()
     assert engine.executed == 1 and not engine.batches
+
+
+def test_the_device_waiter_lives_on_when_answering_a_batch_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    batcher, (engine,) = batcher_over(model(), 0.001)
+    launcher = batcher._launcher
+    flush_waiting = launcher._flush_waiting
+    broken = [True]
+
+    def once_broken(here: object) -> None:
+        if broken.pop() if broken else False:
+            raise RuntimeError("a bug after the answers went out")
+        flush_waiting(here)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(launcher, "_flush_waiting", once_broken)
+    callers = Callers(batcher)
+    try:
+        first = value_of(batcher.submit_launched_sync(request(1.0), 1))
+        callers.send(2.0)  # on a thread: without a waiter it would never be answered
+        answers = callers.join()
+    finally:
+        batcher.close()
+    assert first == 2.0 and answers == {2.0: 3.0} and not broken and engine.batches == [1, 1]
