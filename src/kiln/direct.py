@@ -26,7 +26,7 @@ from kiln.config.validate import validate_config
 from kiln.engines.base import Engine, EngineOptions, LaunchedBatch, create_engine, instance_group_options
 from kiln.engines.checks import check_inputs, check_outputs
 from kiln.engines.dlpack import prepare_inputs
-from kiln.errors import ConfigError, InvalidArgumentError, ModelNotFoundError
+from kiln.errors import ConfigError, InvalidArgumentError, ModelNotFoundError, VersionUnloadingError
 from kiln.v2._generated import model_config_pb2 as pb
 from kiln.v2.types import InferRequest, InferResponse, InputTensor, RequestedOutput
 
@@ -43,10 +43,11 @@ def load(path: str | Path, version: int | None = None, *, batching: bool | None 
     A bare model file runs on the CPU unless told otherwise.
 
     ``batching``: coalesce concurrent ``infer`` / ``ainfer`` calls (threads, asyncio) into batches, as the
-    server's dynamic batcher does (see :class:`BatchingEngine`). None (the default) is on for a GPU engine whose
-    config has ``dynamic_batching`` (with its preferred sizes and max queue delay), off on the CPU, where threads
-    already run calls side by side and batching's bookkeeping costs more than it saves (docs/scheduling.md). True
-    needs a model that batches (``max_batch_size`` > 0); False runs each call on its own.
+    server's dynamic batcher does (see :class:`BatchingEngine`). None (the default) follows the config's
+    ``dynamic_batching`` (with its preferred sizes and max queue delay): on a GPU for every call; on the CPU for
+    ``ainfer`` only, since there threads already run ``infer`` calls side by side and batching's bookkeeping costs
+    them more than it saves, while coroutines gain (docs/scheduling.md). True batches every call of a model that
+    batches (``max_batch_size`` > 0); False runs each call on its own.
     """
     _check_option_names(options)
     path = Path(path)
@@ -72,19 +73,21 @@ def load(path: str | Path, version: int | None = None, *, batching: bool | None 
 class BatchingEngine(Engine):
     """An engine whose concurrent callers are served in batches by the server's dynamic batcher.
 
-    Each ``infer`` (from any thread) or ``ainfer`` (from any event loop) call is checked on its own, then queued;
-    what is queued runs as one batch (same input shapes, up to max_batch_size, cut at a preferred batch size) and
-    each caller gets its rows. A caller that finds the engine idle runs at once, on its own thread: the config's max
-    queue delay is waited only while fewer callers are queued than the last batch held. Device (DLPack) inputs run
-    on their own, unbatched. ``batch_log`` counts executions and batch sizes; ``engine`` is the first instance,
-    whose own attributes read through; ``engines`` all of them.
+    Each ``infer`` (from any thread; unless ``batch_threads`` is False, the CPU default, where they run on their own)
+    or ``ainfer`` (from any event loop) call is checked on its own, then queued; what is queued runs as one batch
+    (same input shapes, up to max_batch_size, cut at a preferred batch size) and each caller gets its rows. A caller
+    that finds the engine idle runs at once, on its own thread: the config's max queue delay is waited only while
+    fewer callers are queued than the last batch held. Device (DLPack) inputs run on their own, unbatched.
+    ``batch_log`` counts executions and batch sizes; ``engine`` is the first instance, whose own attributes read
+    through; ``engines`` all of them.
 
     On engines that launch batches onto a GPU (the PyTorch backend), concurrent threads' calls are launched as the
     server launches its event loop's requests (kiln.batching.launched): a batch is staged and queued on one instance
     while another's runs, instead of each batch waiting for the device before the next is formed.
     """
 
-    def __init__(self, engines: list[Engine], version: int, policy: BatchingPolicy) -> None:
+    def __init__(self, engines: list[Engine], version: int, policy: BatchingPolicy, *,
+                 batch_threads: bool = True) -> None:
         engine = engines[0]
         super().__init__(engine.spec)
         self.engine = engine
@@ -93,6 +96,7 @@ class BatchingEngine(Engine):
         self.launches = engine.launches
         self.accepts_torch_tensors = engine.accepts_torch_tensors
         self.policy = policy
+        self.batch_threads = batch_threads  # False: infer() calls run on their own (the CPU default)
         self.batch_log = BatchLog()
         self._batcher = DynamicBatcher(BatchModel(engine.spec, version, list(engines), self.batch_log), policy,
                                        caller_runs=True)
@@ -103,6 +107,10 @@ class BatchingEngine(Engine):
         self._finalizer = weakref.finalize(self, _stop, self._batcher)
 
     def infer(self, inputs: Mapping[str, npt.ArrayLike], outputs: Sequence[str] | None = None) -> dict[str, Array]:
+        if not self.batch_threads:
+            if self._closed:
+                raise VersionUnloadingError(f"model '{self.name}' is closed")
+            return self.engine.infer(inputs, outputs)
         request = self._request(inputs, outputs)
         if request is None:
             return self.engine.infer(inputs, outputs)
@@ -201,8 +209,9 @@ def _with_batching(engine: Engine, version: int, batching: bool | None, kind: st
                    more_instances: Callable[[], list[Engine]]) -> Engine:
     spec = engine.spec
     scheduling = spec.config.WhichOneof("scheduling_choice")
+    batch_threads = batching is True or kind == "gpu"
     if batching is None:
-        batching = scheduling == "dynamic_batching" and kind == "gpu"
+        batching = scheduling == "dynamic_batching"
     if not batching:
         return engine
     if not spec.batching or scheduling == "sequence_batching":
@@ -219,7 +228,8 @@ def _with_batching(engine: Engine, version: int, batching: bool | None, kind: st
         except BaseException:
             engine.close()
             raise
-    return BatchingEngine(engines, version, dataclasses.replace(policy, delay_needs_company=True))
+    return BatchingEngine(engines, version, dataclasses.replace(policy, delay_needs_company=True),
+                          batch_threads=batch_threads)
 
 
 def _more_instances(model_dir: ModelDir, version: int, options: dict[str, Any]) -> list[Engine]:

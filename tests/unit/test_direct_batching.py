@@ -202,7 +202,8 @@ def test_batching_follows_the_config_on_a_gpu_unless_told(tmp_path: Path) -> Non
     assert isinstance(on_gpu, BatchingEngine)
     on_gpu.close()
     on_cpu = kiln.load(tmp_path / "batched")
-    assert not isinstance(on_cpu, BatchingEngine)  # threads already run side by side there
+    assert isinstance(on_cpu, BatchingEngine) and not on_cpu.batch_threads  # only ainfer batches (next test)
+    on_cpu.close()
     plain = kiln.load(write_model(tmp_path, "plain", config=_config("")), kind="gpu")
     assert not isinstance(plain, BatchingEngine)
     forced = kiln.load(tmp_path / "plain", batching=True)
@@ -211,6 +212,39 @@ def test_batching_follows_the_config_on_a_gpu_unless_told(tmp_path: Path) -> Non
     write_model(tmp_path, "unbatched", config=_config("", max_batch_size=0))
     with pytest.raises(InvalidArgumentError, match=r"model 'unbatched'.*max_batch_size 0"):
         kiln.load(tmp_path / "unbatched", batching=True)
+
+
+async def test_on_the_cpu_threads_run_on_their_own_and_coroutines_share_batches(tmp_path: Path) -> None:
+    """Threads already run calls side by side there, and batching's bookkeeping would cost them more than it saves;
+    coroutines would otherwise hop to a thread each, so they are batched as the server batches them."""
+    engine = kiln.load(write_model(tmp_path, "cpu", config=_config()))
+    assert isinstance(engine, BatchingEngine)
+    gated = inner(engine)
+    try:
+        gated.gate.clear()
+        threads, results = call_in_threads(engine, [1.0, 2.0, 3.0])
+        wait_until(lambda: len(gated.batches) == 3, "the three threads ran at once, side by side")
+        gated.gate.set()
+        for thread in threads:
+            thread.join(10)
+        assert gated.rows == [1, 1, 1] and engine.batch_log.executions == 0  # none went through the batcher
+
+        gated.gate.clear()
+        gated.entered.clear()
+        first = asyncio.ensure_future(engine.ainfer(x(4.0)))
+        await asyncio.to_thread(gated.entered.wait, 10)  # the first runs: the rest queue behind it
+        rest = [asyncio.ensure_future(engine.ainfer(x(float(v)))) for v in (5, 6, 7)]
+        await asyncio.to_thread(wait_until, lambda: queued(engine) == 4, "three coroutines queued")
+        gated.gate.set()
+        answers = await asyncio.gather(first, *rest)
+    finally:
+        gated.gate.set()
+        engine.close()
+    assert [float(a["y"][0, 0]) for a in answers] == [4.0, 5.0, 6.0, 7.0]
+    assert gated.rows[3:] == [1, 3]  # the three queued coroutines left as one batch
+    assert all(np.array_equal(results[v], np.full((1, 2), v, np.float32)) for v in (1.0, 2.0, 3.0))
+    with pytest.raises(KilnError, match="closed"):
+        engine.infer(x(1.0))
 
 
 def test_close_answers_the_queued_callers_then_refuses(engine: BatchingEngine) -> None:
