@@ -66,7 +66,7 @@ def batcher_over(engines_and_model: tuple[Any, list[SlotEngine]], device_s: floa
 
 
 def test_callers_arriving_while_the_batch_is_out_leave_together_launched_by_the_device_waiter() -> None:
-    batcher, (engine,) = batcher_over(model(slots=4), 0.1)
+    batcher, (engine,) = batcher_over(model(slots=4), 0.5)  # long enough for all six to arrive while it runs
     callers = Callers(batcher)
     try:
         callers.send(0.0)
