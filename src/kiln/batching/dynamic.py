@@ -79,8 +79,7 @@ class DynamicBatcher:
     async def submit(self, request: InferRequest, batch_size: int) -> InferResponse:
         launched = self._launcher.active
         if launched or (self._inline.wanted() and not self._busy and not len(self._queue)):
-            if request.parameters:
-                self.policy.priority_of(self.model.name, request)  # still reject bad parameters
+            self._check_parameters(request)
             runner = self._launcher if launched else self._inline
             return await runner.submit(request, batch_size)
         waiter: asyncio.Future[InferResponse] = asyncio.get_running_loop().create_future()
@@ -92,9 +91,13 @@ class DynamicBatcher:
         the direct engine's threads share batches without a worker or a loop in between."""
         if not self._launcher.active:
             return self.submit_sync(request, batch_size)
-        if request.parameters:
-            self.policy.priority_of(self.model.name, request)  # still reject bad parameters
+        self._check_parameters(request)
         return self._launcher.submit_blocking(request, batch_size)
+
+    def _check_parameters(self, request: InferRequest) -> None:
+        """Runners without the queue still reject the bad parameters the queue would."""
+        if request.parameters:
+            self.policy.priority_of(self.model.name, request)
 
     def submit_sync(self, request: InferRequest, batch_size: int) -> InferResponse:
         if self._caller_runs:
