@@ -13,18 +13,31 @@ response, driven by the same load generators and concurrency as the other benchm
 * ``grpc-sync-pb``:    the synchronous ``grpc.server`` (thread pool) doing the same;
 * ``grpc-aio-pb-ort-asyncio``: the same on asyncio's default event loop instead of uvloop;
 * ``*-ort``:           the minimal correct server: the above plus decoding the input, one onnxruntime
-                       ``session.run`` (1 intra-op thread) on the event loop and encoding the real answer.
+                       ``session.run`` (1 intra-op thread) on the event loop and encoding the real answer;
+* ``granian-rsgi``:    granian (a Rust HTTP server, hyper and tokio; one worker process, uvloop) with an RSGI
+                       callable that reads the body and answers: the same work as ``asgi-raw`` with the HTTP
+                       protocol and the body's buffering in Rust (needs ``pip install granian``; not in the default
+                       list).
+
+``--body image`` sends the request of an image model instead of mlp's 256 bytes: one 3x224x224 FP16 tensor with the
+binary-data extension (301 KB), as the GPU benchmarks' ResNet-50 requests are (HTTP variants that do not decode the
+body: ``asgi-raw``, ``starlette``, ``granian-rsgi``). What a server pays to receive such a body differs more between
+HTTP stacks than what it pays per request.
 
 The gap between a ceiling and kiln's figure is kiln's own per-request cost; the ceiling itself is the price of
 the framework.
 
     python benchmarks/ceilings.py [--duration 5] [--concurrency 16] [--variants a,b,...] [--output results.json]
+    python benchmarks/ceilings.py --body image --variants asgi-raw,granian-rsgi --concurrency 1
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -34,6 +47,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 from _common import describe, header, log_tail, mlp_case, spawned, str_list, table, write_outputs
 from _loadgen import LoadResult, require_tools, run_h2load, run_wrk, tool_versions, wait_quiet
 
@@ -145,7 +159,20 @@ _SERVER = textwrap.dedent('''
                     access_log=False)
 ''')
 
+# granian's worker process imports the RSGI callable from this module (beside the server script).
+_RSGI_MODULE = textwrap.dedent('''
+    import os
+    RESPONSE = open(os.environ["CEILINGS_RESPONSE"], "rb").read()
+    HEADERS = [("content-type", "application/json")]
+
+    async def app(scope, protocol):
+        await protocol()
+        protocol.response_bytes(200, HEADERS, RESPONSE)
+''')
+
 HTTP_VARIANTS = ("asgi-raw", "starlette", "starlette-json", "starlette-json-ort")
+GRANIAN_VARIANTS = ("granian-rsgi",)
+RAW_BODY_VARIANTS = ("asgi-raw", "starlette", "granian-rsgi")  # read the body without decoding it
 GRPC_VARIANTS = ("grpc-aio-bytes", "grpc-aio-bytes-x2", "grpc-aio-pb", "grpc-aio-pb-ort", "grpc-aio-pb-ort-asyncio",
                  "grpc-sync-pb")
 
@@ -155,16 +182,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--variants", default=",".join(HTTP_VARIANTS + GRPC_VARIANTS))
+    parser.add_argument("--variants", default=",".join(HTTP_VARIANTS + GRPC_VARIANTS),
+                        help=f"comma-separated; also {', '.join(GRANIAN_VARIANTS)}")
+    parser.add_argument("--body", choices=("mlp", "image"), default="mlp",
+                        help="image: a 301 KB FP16 image tensor (only with " + ", ".join(RAW_BODY_VARIANTS) + ")")
     parser.add_argument("--max-wait-quiet", type=float, default=120.0, help="0: don't wait for a quiet machine")
     parser.add_argument("--output", type=Path, default=None, help="JSON results (a .txt beside it gets the text)")
     args = parser.parse_args(argv)
     variants = str_list(args.variants)
-    if unknown := set(variants) - set(HTTP_VARIANTS + GRPC_VARIANTS):
+    if unknown := set(variants) - set(HTTP_VARIANTS + GRPC_VARIANTS + GRANIAN_VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}")
-    require_tools(*(["wrk"] if set(variants) & set(HTTP_VARIANTS) else []),
+    if args.body == "image" and (decoding := set(variants) - set(RAW_BODY_VARIANTS)):
+        parser.error(f"--body image: variants {sorted(decoding)} decode mlp's request; use {RAW_BODY_VARIANTS}")
+    if set(variants) & set(GRANIAN_VARIANTS) and importlib.util.find_spec("granian") is None:
+        parser.error("granian variants need granian in this Python: pip install granian")
+    require_tools(*(["wrk"] if set(variants) & set(HTTP_VARIANTS + GRANIAN_VARIANTS) else []),
                   *(["h2load"] if set(variants) & set(GRPC_VARIANTS) else []))
-    info = describe("framework ceilings, mlp-sized request and response", tools=tool_versions())
+    what = "mlp-sized request" if args.body == "mlp" else "301 KB image request (FP16 3x224x224, binary data)"
+    info = describe(f"framework ceilings, {what}, mlp-sized response", tools=tool_versions())
     print(header(info), flush=True)
     results: dict[str, LoadResult] = {}
     with tempfile.TemporaryDirectory(prefix="kiln-ceilings-") as tmp_name:
@@ -174,12 +209,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         case = mlp_case(model)
         script = tmp / "server.py"
         script.write_text(_SERVER)
+        (tmp / "rsgi_app.py").write_text(_RSGI_MODULE)
+        http_request = case.json_body() if args.body == "mlp" else image_body()
         output = case.expected["OUTPUT0"]
         responses = {"http": (b'{"model_name":"mlp","model_version":"1","outputs":[{"name":"OUTPUT0","datatype":"FP32",'
                               b'"shape":[1,10],"data":' + str(output.reshape(-1).tolist()).encode() + b"}]}"),
                      "grpc": _grpc_response(output.tobytes())}
         for variant in variants:
-            results[variant] = _measure(variant, tmp, script, model, case.json_body(), case.grpc_message(),
+            results[variant] = _measure(variant, tmp, script, model, http_request, case.grpc_message(),
                                         responses, args)
     rows = [[variant, r.tool, r.rps, r.p50_ms, r.p99_ms, r.errors, f"{r.cpu_server or 0:.2f}",
              f"{r.cpu_loadgen or 0:.2f}", f"{r.cpu_other or 0:.2f}"] for variant, r in results.items()]
@@ -198,12 +235,18 @@ def _measure(variant: str, tmp: Path, script: Path, model: Path, http_request: t
     response_file = tmp / f"{variant}.bin"
     response_file.write_bytes(responses["grpc" if is_grpc else "http"])
     cmd = [sys.executable, str(script), variant, str(port), str(response_file), str(model)]
+    env = None
+    if variant in GRANIAN_VARIANTS:
+        cmd = [sys.executable, "-m", "granian", "--interface", "rsgi", "--host", "127.0.0.1", "--port", str(port),
+               "--workers", "1", "--loop", "uvloop", "--no-ws", "--log-level", "warning", "--working-dir", str(tmp),
+               "rsgi_app:app"]
+        env = {**os.environ, "CEILINGS_RESPONSE": str(response_file)}
     copies = 2 if variant.endswith("-x2") else 1
     with contextlib.ExitStack() as stack:
         pids = []
         for i in range(copies):
             log = tmp / f"{variant}-{i}.log"
-            process = stack.enter_context(spawned(cmd, log))
+            process = stack.enter_context(spawned(cmd, log, env=env))
             _wait_ready(process, log, port, announced=copies > 1)
             pids.append(process.pid)
         wait_quiet(pids, args.max_wait_quiet)
@@ -216,6 +259,14 @@ def _measure(variant: str, tmp: Path, script: Path, model: Path, http_request: t
             result = run_wrk(url, body, headers, args.concurrency, args.duration, args.warmup, server_pids=pids)
     print(f"{variant:24s} {result.line()}", flush=True)
     return result
+
+
+def image_body() -> tuple[bytes, dict[str, str]]:
+    """An infer request of one FP16 3x224x224 image with the binary-data extension, and its headers."""
+    image = np.zeros((1, 3, 224, 224), np.float16).tobytes()
+    head = json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP16",
+                                   "parameters": {"binary_data_size": len(image)}}]}).encode()
+    return head + image, {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))}
 
 
 def _grpc_response(raw: bytes) -> bytes:

@@ -4,6 +4,7 @@ Debian tools are missing."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -67,6 +68,25 @@ def test_ceilings(tmp_path: Path) -> None:
     results = read_json(output)["results"]
     assert set(results) == {"starlette-json-ort", "grpc-aio-pb-ort"}
     assert all(r["rps"] > 0 and r["errors"] == 0 for r in results.values()), results
+
+
+@needs_tools("wrk")
+def test_ceilings_image_body(tmp_path: Path) -> None:
+    output = tmp_path / "ceilings.json"
+    granian = importlib.util.find_spec("granian") is not None  # an optional variant: only where it is installed
+    variants = "asgi-raw,granian-rsgi" if granian else "asgi-raw"
+    assert run_main("ceilings", *QUICK, "--concurrency", "1", "--body", "image", "--variants", variants,
+                    "--output", str(output)) == 0
+    results = read_json(output)["results"]
+    assert set(results) == set(variants.split(","))
+    assert all(r["rps"] > 0 and r["errors"] == 0 for r in results.values()), results
+    assert "301 KB image request" in output.with_suffix(".txt").read_text()
+
+
+def test_ceilings_refuses_an_image_body_for_decoding_variants() -> None:
+    with pytest.raises(SystemExit) as refused:
+        run_main("ceilings", "--body", "image", "--variants", "starlette-json")
+    assert refused.value.code == 2
 
 
 def test_cold_start(tmp_path: Path) -> None:
