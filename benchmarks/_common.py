@@ -45,7 +45,7 @@ from kiln.v2.client.calls import decode_infer
 HOST = "127.0.0.1"
 BENCH_DIR = Path(__file__).resolve().parent
 SRC = BENCH_DIR.parent / "src"
-_MORE_PACKAGES = ("starlette", "httptools", "protobuf", "orjson", "prometheus-client", "tritonclient")
+_MORE_PACKAGES = ("starlette", "httptools", "protobuf", "orjson", "prometheus-client", "tritonclient", "granian")
 
 
 # --------------------------------------------------------------------------------------------------------------
