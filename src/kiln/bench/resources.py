@@ -112,15 +112,21 @@ class CpuMeter:
         import psutil
 
         try:
+            # The moment the process's times were read: the middle of their reads. In a process whose other
+            # threads keep the GIL busy, each file read here can wait a switch interval for it, and the scan of
+            # /proc for children below far longer: timed after it, a window stretched by up to a second and every
+            # figure came out too low.
+            reading = time.monotonic()
             with self._process.oneshot():
                 times = self._process.cpu_times()
                 threads = {t.id: t.user_time + t.system_time for t in self._process.threads()}
+            at = (reading + time.monotonic()) / 2
             children = {}
             for child in self._process.children(recursive=True):
                 with contextlib.suppress(psutil.Error):  # a child that ended meanwhile
                     child_times = child.cpu_times()
                     children[child.pid] = child_times.user + child_times.system
-            return _CpuReading(time.monotonic(), times.user + times.system, threads, children, psutil.cpu_times())
+            return _CpuReading(at, times.user + times.system, threads, children, psutil.cpu_times())
         except psutil.Error:
             return None
 
