@@ -21,8 +21,8 @@ response, driven by the same load generators and concurrency as the other benchm
 
 ``--body image`` sends the request of an image model instead of mlp's 256 bytes: one 3x224x224 FP16 tensor with the
 binary-data extension (301 KB), as the GPU benchmarks' ResNet-50 requests are (HTTP variants that do not decode the
-body: ``asgi-raw``, ``starlette``, ``granian-rsgi``). What a server pays to receive such a body differs more between
-HTTP stacks than what it pays per request.
+body: ``asgi-raw``, ``starlette``, ``granian-rsgi``). Receiving a body that size costs some HTTP stacks far more
+than others, most of all at low concurrency.
 
 The gap between a ceiling and kiln's figure is kiln's own per-request cost; the ceiling itself is the price of
 the framework.
