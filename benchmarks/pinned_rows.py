@@ -3,11 +3,13 @@ to the device from where they lie: kiln/engines/torch/pinned_host.py) against or
 lane's pinned staging buffer first), on the built ResNet-50 of a repository.
 
 Each batch is k separate 3x224x224 requests, launched back to back from one thread with two batches in flight, as
-`kiln serve`'s event loop launches them. Rounds alternate the two sources. Printed per source and batch size:
-images/s, the thread's CPU time per batch (``time.thread_time``), and the median wall time of ``launch_parts``
-alone: what each launch holds the event loop (the server reports it per request as compute input). The CPU time
-includes collecting each batch, whose wait for the device spins, so compare images/s; the CPU column only shows
-the launch got no dearer.
+`kiln serve`'s event loop launches them. Rounds alternate the sources. In place, the requests lie either back to
+back (one copy per batch, as one worker's consecutive requests) or each with another request between it and the
+next (one copy per request, as requests from several workers). Printed per source and batch size: images/s, the
+thread's CPU time per batch (``time.thread_time``), and the median wall time of ``launch_parts`` alone: what each
+launch holds the event loop (the server reports it per request as compute input). The CPU time includes
+collecting each batch, whose wait for the device spins, so compare images/s and the launch time; the CPU column
+only shows the launch got no dearer.
 
     python benchmarks/pinned_rows.py --repo /tmp/gpu16 --output benchmarks/results/pinned_rows-<machine>-<date>.txt
 """
@@ -81,9 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(lines), flush=True)
     for batch in int_list(args.batches):
         images = [rng.standard_normal((1, *spec.inputs[0].dims)).astype(dtype) for _ in range(batch)]
-        # the images back to back in one listed buffer, as a worker's requests lie in its arena
-        with shared_inputs([{name: image} for image in images]) as placed:
-            sources = {"staged": images, "in place": [request[name] for request in placed]}
+        # the images in one listed buffer, as a worker's requests lie in its arena: back to back, or every other one
+        with shared_inputs([{name: image} for image in images for _ in range(2)]) as placed:
+            views = [request[name] for request in placed]
+            sources = {"staged": images, "in place, back to back": views[:batch],
+                       "in place, one copy per request": views[::2]}
             for round_ in range(1, args.rounds + 1):
                 order = list(sources) if round_ % 2 else list(sources)[::-1]
                 for label in order:
@@ -91,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     line = f"| {batch} | {round_} | {label} | {rate:,.0f} | {cpu_us:,.0f} | {launch_us:,.0f} |"
                     lines.append(line)
                     print(line, flush=True)
-            del sources, placed
+            del sources, placed, views
     engine.close()
     if args.output is not None:
         args.output.write_text("\n".join(lines) + "\n")

@@ -105,7 +105,8 @@ def test_pinned_rows(gpu_repo: Path, tmp_path: Path) -> None:
     _script("pinned_rows", "--repo", str(gpu_repo), "--batches", "2", "--rounds", "1", "--seconds", "0.2",
             "--output", str(output))
     rows = [line.split("|") for line in output.read_text().splitlines() if line.startswith("| 2 |")]
-    assert sorted(row[3].strip() for row in rows) == ["in place", "staged"]
+    assert sorted(row[3].strip() for row in rows) == ["in place, back to back", "in place, one copy per request",
+                                                      "staged"]
     assert all(float(row[4].replace(",", "")) > 0 and float(row[6].replace(",", "")) > 0 for row in rows), rows
 
 

@@ -107,3 +107,28 @@ def test_a_buffer_closed_before_its_first_batch_is_unpinned_at_once() -> None:
     arena.shared.close()
     assert pinned_host._whole(arena.shared, torch.device("cuda")) is not None  # this batch still reads it
     assert pinned_count() == pinned_before
+
+
+def _scattered(arena: _Arena, parts: list[np.ndarray]) -> list[np.ndarray]:
+    """``parts`` in the arena with another request's rows between each two: one run of rows each."""
+    placed = []
+    for part in parts:
+        placed.append(arena.put(part))
+        arena.put(images(1))
+    return placed
+
+
+def test_rows_from_scattered_slots_are_copied_one_by_one(tmp_path: Path, files: dict[str, Path]) -> None:
+    engine = load_gpu(tmp_path, files["conv_export"], GPU_PARAMETERS)
+    arena = _Arena()
+    parts = [images(1), images(2), images(1)]
+    placed = _scattered(arena, parts)
+    rows = host_rows(placed, np.dtype(np.float32), torch.device("cuda"))
+    assert rows is not None and len(rows.pieces) == 3
+    launched = engine.launch_parts([{"image": p} for p in placed], ["logits"])
+    assert launched is not None
+    np.testing.assert_allclose(launched.collect()["logits"], fp32_reference(np.concatenate(parts)),
+                               rtol=2e-2, atol=2e-2)
+    assert _staged_rows(engine) == 0
+    arena.shared.close()
+    engine.close()
