@@ -169,13 +169,18 @@ def main(argv: list[str] | None = None) -> int:
                                              "concurrency": concurrency, **cell})
                                 print(f"round {round_} {label} {model} {protocol} c={concurrency}: {cell}",
                                       file=sys.stderr)
-    lines = table(rows, args, argv)
-    print("\n".join(lines))
-    if args.output is not None:
-        args.output.write_text(json.dumps({"machine": machine_info(), "command": command_line(argv),
-                                           "rows": rows}, indent=1) + "\n")
-        args.output.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+                                write(args, argv, rows)  # after every cell: a run cut short keeps what it measured
+    print("\n".join(table(rows, args, argv)))
     return 0
+
+
+def write(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[str, Any]]) -> None:
+    """The JSON results and the table beside them, as far as the run has got (nothing without --output)."""
+    if args.output is None:
+        return
+    args.output.write_text(json.dumps({"machine": machine_info(), "command": command_line(argv), "rows": rows},
+                                      indent=1) + "\n")
+    args.output.with_suffix(".txt").write_text("\n".join(table(rows, args, argv)) + "\n")
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] | None) -> list[str]:
@@ -191,7 +196,12 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] 
     key = ("model", "protocol", "concurrency", "round")
     cells = {(tuple(r[k] for k in key), r["tree"]): r for r in rows}
     for cell_key in sorted({tuple(r[k] for k in key) for r in rows}):
-        before, after = cells[(cell_key, "before")], cells[(cell_key, "after")]
+        before, after = cells.get((cell_key, "before")), cells.get((cell_key, "after"))
+        if before is None or after is None:  # the run has not measured the other tree yet
+            lines.append(f"| {cell_key[0]} | {cell_key[1]} | {cell_key[2]} | {cell_key[3]} | "
+                         f"{_rate(before['throughput']) if before else 'not yet'} | "
+                         f"{_rate(after['throughput']) if after else 'not yet'} | | | |")
+            continue
         if before["throughput"] is None or after["throughput"] is None:
             lines.append(f"| {cell_key[0]} | {cell_key[1]} | {cell_key[2]} | {cell_key[3]} | "
                          f"{_rate(before['throughput'])} | {_rate(after['throughput'])} | unstable | | |")

@@ -130,6 +130,25 @@ def test_before_after_perf_analyzer(tmp_path: Path) -> None:
     assert "median after/before, grpc" in output.with_suffix(".txt").read_text()
 
 
+def test_before_after_writes_what_it_has_measured_so_far(tmp_path: Path) -> None:
+    import argparse
+    import importlib
+
+    script = importlib.import_module("before_after_perf_analyzer")
+    output = tmp_path / "pa.json"
+    args = argparse.Namespace(before=Path("/before/src"), after=Path("/after/src"), output=output)
+    cell = {"model": "resnet50", "protocol": "http", "concurrency": 16, "round": 1}
+    rows = [{**cell, "tree": "before", "throughput": 4095.2, "p50_us": 3510.0, "rows_per_execution": 5.0}]
+    script.write(args, ["--before", "/before/src"], rows)
+    assert read_json(output)["rows"] == rows
+    assert "| resnet50 | http | 16 | 1 | 4,095 | not yet |" in output.with_suffix(".txt").read_text()
+    rows.append({**cell, "tree": "after", "throughput": 4316.5, "p50_us": 3396.0, "rows_per_execution": 5.2})
+    script.write(args, ["--before", "/before/src"], rows)
+    table = output.with_suffix(".txt").read_text()
+    assert "| resnet50 | http | 16 | 1 | 4,095 | 4,316 | 1.05 |" in table
+    assert "median after/before, http: 1.05 over 1 cells" in table
+
+
 def test_served_replicas(tmp_path: Path) -> None:
     binary = _perf_analyzer()
     output = tmp_path / "replicas.json"
