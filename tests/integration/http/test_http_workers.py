@@ -297,6 +297,23 @@ def test_the_metrics_give_each_process_and_its_event_loop_their_cpu_time(served:
                for w in ("http_worker_0", "http_worker_1")) > 0
 
 
+def test_keep_alive_connections_are_spread_evenly_over_the_workers(served: KilnProcess) -> None:
+    """A client opening its connections at once (as perf_analyzer does) gets them spread by count, not by the
+    kernel's hash: each of 2 workers holds half of 12, give or take one."""
+    port = int(served.http_url.rsplit(":", 1)[1])
+    clients = [httpx.Client(base_url=f"http://{served.http_url}", timeout=10) for _ in range(12)]
+    try:
+        for client in clients:
+            assert client.get("/v2/health/live").status_code == 200  # accepted, and kept alive
+        held = [sum(1 for c in worker.net_connections("tcp")
+                    if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port)
+                for worker in _workers(served)]
+    finally:
+        for client in clients:
+            client.close()
+    assert sum(held) == 12 and max(held) - min(held) <= 2, held
+
+
 def test_a_worker_killed_is_replaced_and_requests_keep_succeeding(served: KilnProcess) -> None:
     assert len(_workers(served)) == 2
     victim = _workers(served)[0]
@@ -310,7 +327,7 @@ def test_a_worker_killed_is_replaced_and_requests_keep_succeeding(served: KilnPr
             break
         time.sleep(0.1)
     assert len(alive) == 2, "no replacement worker was started"
-    for value in range(12):  # new connections land on either worker's socket, the replacement's included
+    for value in range(12):  # new connections go to either worker, the replacement included
         client = th.InferenceServerClient(served.http_url)
         inputs, expected = _simple_inputs(value, value % 2 == 0)
         np.testing.assert_array_equal(client.infer("simple", inputs).as_numpy("OUTPUT0"), expected)

@@ -6,6 +6,11 @@ after a restart) waits in the kernel's accept queue for seconds while the connec
 with four models and 256 new connections each, two models' clients got 16 requests/s while the other two got 800
 and 2,600. kiln's frontends therefore accept every waiting connection (up to the backlog) each time the listening
 socket is readable, as asyncio's own loop does, and hand each one to uvicorn's protocol.
+
+HTTP workers share one listening socket, and each accepts only while no other live worker holds fewer connections
+(shares.py): a burst is dealt out, not taken whole by the first worker to wake. A worker holding more lets a waiting
+connection be for ``RECHECK_S`` at a time; once one has waited ``MAX_DEFER_S`` (the workers holding fewer are busy or
+stuck), it takes it anyway.
 """
 
 from __future__ import annotations
@@ -16,11 +21,16 @@ import logging
 import socket
 import ssl
 from collections.abc import Callable
+from typing import Any
+
+from kiln.frontends.http.shares import ConnectionShares
 
 log = logging.getLogger("kiln.http")
 
 RETRY_AFTER_S = 1.0  # out of file descriptors: stop accepting this long, as asyncio does
 FULL_LOG_INTERVAL_S = 10.0  # at the connection limit: one warning this often
+RECHECK_S = 0.001  # a worker holding more than another looks at a waiting connection again after this long
+MAX_DEFER_S = 0.005  # and takes it once it has waited this long
 _RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 ProtocolFactory = Callable[[], asyncio.Protocol]
@@ -56,10 +66,12 @@ class Listener:
 
     def __init__(self, sockets: list[socket.socket], factory: ProtocolFactory, tls: ssl.SSLContext | None,
                  burst: int, *, max_connections: int | None = None,
-                 open_connections: Callable[[], int] = lambda: 0) -> None:
+                 open_connections: Callable[[], int] = lambda: 0, shares: ConnectionShares | None = None) -> None:
         self.sockets = sockets
         self._max_connections = max_connections
         self._open_connections = open_connections
+        self._shares = shares
+        self._deferred_since: float | None = None  # when this worker first left a waiting connection to others
         self._refused_logged_at = -FULL_LOG_INTERVAL_S
         self._factory = factory
         self._tls = tls
@@ -67,15 +79,25 @@ class Listener:
         self._loop = asyncio.get_running_loop()
         self._starting: set[asyncio.Task[object]] = set()
         self._closed = False
+        self.publish()  # this worker listens: its slot counts from now on
         for sock in sockets:
             self._loop.add_reader(sock.fileno(), self.accept_waiting, sock)
 
+    def publish(self) -> None:
+        """Write this worker's count of connections (those starting included) into its slot of the shares."""
+        if self._shares is not None and not self._closed:
+            self._shares.publish(self._open_connections() + len(self._starting))
+
     def accept_waiting(self, sock: socket.socket) -> int:
-        """Accept the connections waiting on ``sock`` (at most ``burst``); returns how many were taken."""
+        """Accept the connections waiting on ``sock`` (at most ``burst``, and while this worker holds no more
+        than any other); returns how many were taken."""
         for taken in range(self._burst):
+            if not self._turn(sock):
+                return taken
             try:
                 connection, _address = sock.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                self._deferred_since = None  # nothing waits (any more)
                 return taken
             except OSError as exc:
                 if exc.errno not in _RESOURCE_ERRORS:
@@ -84,11 +106,32 @@ class Listener:
                 self._loop.remove_reader(sock.fileno())
                 self._loop.call_later(RETRY_AFTER_S, self._resume, sock)
                 return taken
+            self._deferred_since = None
             if self._full():
                 connection.close()  # at once, rather than left waiting in the kernel's queue
             else:
                 self._start(connection)
+                self.publish()
         return self._burst
+
+    def _turn(self, sock: socket.socket) -> bool:
+        """Whether this worker takes the next waiting connection: it holds no more than the live worker holding
+        the fewest, or a connection has waited ``MAX_DEFER_S`` for another. Otherwise it stops watching ``sock``
+        for ``RECHECK_S``."""
+        if self._shares is None:
+            return True
+        self.publish()
+        held = self._open_connections() + len(self._starting)
+        if held <= self._shares.fewest():
+            return True
+        now = self._loop.time()
+        if self._deferred_since is None:
+            self._deferred_since = now
+        elif now - self._deferred_since >= MAX_DEFER_S:
+            return True
+        self._loop.remove_reader(sock.fileno())
+        self._loop.call_later(RECHECK_S, self._resume, sock)
+        return False
 
     def _full(self) -> bool:
         """Whether the process has its maximum of open connections (those starting count too)."""
@@ -108,6 +151,8 @@ class Listener:
         if self._closed:
             return
         self._closed = True
+        if self._shares is not None:  # draining: the others must not wait for this worker to take connections
+            self._shares.withdraw()
         for sock in self.sockets:
             self._loop.remove_reader(sock.fileno())
             sock.close()
@@ -131,6 +176,7 @@ class Listener:
 
     def _started(self, task: asyncio.Task[object]) -> None:
         self._starting.discard(task)
+        self.publish()  # counted among the open connections now, or gone
         if not task.cancelled() and task.exception() is not None:
             # A client that failed its TLS handshake or hung up at once: nothing to serve.
             log.debug("connection not started: %s", task.exception())
@@ -138,3 +184,20 @@ class Listener:
     def _resume(self, sock: socket.socket) -> None:
         if not self._closed:
             self._loop.add_reader(sock.fileno(), self.accept_waiting, sock)
+
+
+class CountedConnections(set[Any]):
+    """uvicorn's set of a server's open connections (``ServerState.connections``) that calls ``changed`` after
+    each connection is added or discarded: how a worker keeps its count in the shares current."""
+
+    def __init__(self, changed: Callable[[], None]) -> None:
+        super().__init__()
+        self._changed = changed
+
+    def add(self, item: Any) -> None:
+        super().add(item)
+        self._changed()
+
+    def discard(self, item: Any) -> None:
+        super().discard(item)
+        self._changed()

@@ -15,6 +15,7 @@ import uvicorn
 
 from kiln.frontends.http import listener
 from kiln.frontends.http.limits import HttpLimits, protocol_class
+from kiln.frontends.http.shares import ConnectionShares
 
 log = logging.getLogger("kiln.service")
 
@@ -24,9 +25,11 @@ class HttpServer(uvicorn.Server):
     listener, which accepts connections in bursts (listener.py). ``sockets``: listening sockets bound already
     (an HTTP worker's); None binds the config's host and port."""
 
-    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket] | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket] | None = None,
+                 shares: ConnectionShares | None = None) -> None:
         super().__init__(config)
         self._sockets = sockets
+        self._shares = shares
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -43,10 +46,13 @@ class HttpServer(uvicorn.Server):
                 raise SystemExit(1) from None
         await super().startup(sockets=[])  # uvicorn's state, without a server of its own
         limits: HttpLimits | None = getattr(config.http_protocol_class, "limits", None)
-        self.servers.append(listener.Listener(  # type: ignore[arg-type]
+        if self._shares is not None:  # before the first connection: protocols keep the set they find here
+            self.server_state.connections = listener.CountedConnections(lambda: accepting.publish())
+        accepting = listener.Listener(
             bound, self._protocol, config.ssl, burst=config.backlog,
             max_connections=limits.max_connections if limits is not None else None,
-            open_connections=lambda: len(self.server_state.connections)))
+            open_connections=lambda: len(self.server_state.connections), shares=self._shares)
+        self.servers.append(accepting)  # type: ignore[arg-type]
 
     def _protocol(self) -> asyncio.Protocol:
         return self.config.http_protocol_class(config=self.config, server_state=self.server_state,  # type: ignore[call-arg]

@@ -1,7 +1,8 @@
 """One HTTP worker process: uvicorn on listening sockets the server process bound, serving worker_app.py.
 
 Started by :mod:`kiln.frontends.http.workers` as ``python -m kiln.frontends.http.worker`` with the descriptors
-it inherits: the link to the server process (one end of a socket pair), its listening sockets and the two arenas.
+it inherits: the link to the server process (one end of a socket pair), the listening sockets every worker shares,
+the connection shares (shares.py) and the two arenas.
 SIGTERM stops accepting and lets requests in flight finish for ``--grace`` seconds; losing the link ends the
 process, since no request could be answered any more.
 """
@@ -21,6 +22,7 @@ from kiln.frontends.handoff.arena import inherited_arena
 from kiln.frontends.handoff.calls import join_hold, joining_enabled
 from kiln.frontends.http.limits import HttpLimits
 from kiln.frontends.http.server import HttpServer, http_config
+from kiln.frontends.http.shares import ConnectionShares
 from kiln.frontends.http.worker_app import CoreClient, WorkerApp
 from kiln.heap import keep_freed_heap
 
@@ -35,7 +37,8 @@ async def run(args: argparse.Namespace) -> int:
         sock.setblocking(False)
     config = http_config(WorkerApp(core, args.max_input_size), "", 0, args.grace, certfile=args.certfile,
                          keyfile=args.keyfile, client_ca=args.client_ca, limits=HttpLimits.from_json(args.limits))
-    server = HttpServer(config, sockets)
+    shares = None if args.shares_fd < 0 else ConnectionShares.inherited(args.shares_fd, args.shares_index)
+    server = HttpServer(config, sockets, shares)
     loop.add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
 
     def lost(_: object) -> None:
@@ -55,6 +58,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="kiln HTTP worker (started by kiln serve --http-workers)")
     parser.add_argument("--link-fd", type=int, required=True, help="the socket to the server process")
     parser.add_argument("--listen-fds", required=True, help="listening sockets, comma-separated")
+    parser.add_argument("--shares-fd", type=int, default=-1, help="the workers' connection counts (shares.py)")
+    parser.add_argument("--shares-index", type=int, default=0, help="this worker's slot in them")
     parser.add_argument("--request-arena-fd", type=int, default=-1)
     parser.add_argument("--response-arena-fd", type=int, default=-1)
     parser.add_argument("--max-input-size", type=int, required=True)
