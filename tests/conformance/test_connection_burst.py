@@ -45,7 +45,8 @@ def test_every_connection_of_a_burst_is_served(kiln_server: KilnProcess) -> None
     assert statuses == [b"HTTP/1.1 200 OK"] * BURST
 
 
-def test_a_taken_http_port_stops_the_server_with_a_clear_log(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_taken_http_port_stops_the_server_with_a_clear_log(tmp_path: Path, workers: str) -> None:
     repo = tmp_path / "repo"
     build_demo_repository(repo)
     taken = socket.create_server(("127.0.0.1", 0))
@@ -53,12 +54,14 @@ def test_a_taken_http_port_stops_the_server_with_a_clear_log(tmp_path: Path) -> 
     try:
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match="exited with status 1"):
-            with kiln_serve([repo], "--http-port", str(port), log_path=log, ready_timeout_s=20.0):
+            with kiln_serve([repo], "--http-port", str(port), "--http-workers", workers, log_path=log,
+                            ready_timeout_s=20.0):
                 pass
     finally:
         taken.close()
     text = log.read_text()
-    assert "cannot listen on" in text and f":{port}" in text and "in use" in text, text
+    assert f":{port}" in text and "in use" in text, text
+    assert ("cannot listen on" if workers == "1" else "cannot serve HTTP on") in text, text
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command line makes the test certificate")

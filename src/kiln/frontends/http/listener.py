@@ -8,9 +8,9 @@ and 2,600. kiln's frontends therefore accept every waiting connection (up to the
 socket is readable, as asyncio's own loop does, and hand each one to uvicorn's protocol.
 
 HTTP workers share one listening socket, and each accepts only while no other live worker holds fewer connections
-(shares.py): a burst is dealt out, not taken whole by the first worker to wake. A worker holding more lets a waiting
-connection be for ``RECHECK_S`` at a time; once one has waited ``MAX_DEFER_S`` (the workers holding fewer are busy or
-stuck), it takes it anyway.
+(shares.py): a burst is dealt out, not taken whole by the first worker to wake. A worker holding more leaves a
+waiting connection to the others and looks again every ``RECHECK_S``; once it has waited ``MAX_DEFER_S`` (the workers
+holding fewer are busy or stuck), it takes it.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ _RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 ProtocolFactory = Callable[[], asyncio.Protocol]
 
 
-def bind(host: str | None, port: int, backlog: int, *, reuse_port: bool = False) -> list[socket.socket]:
-    """Listening sockets for ``host`` (every address it resolves to; None or '' for all interfaces) and ``port``;
-    ``reuse_port``: with SO_REUSEPORT, so that several sockets share the port (HTTP workers)."""
+def bind(host: str | None, port: int, backlog: int) -> list[socket.socket]:
+    """Listening sockets for ``host`` (every address it resolves to; None or '' for all interfaces) and ``port``."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     sockets: list[socket.socket] = []
     try:
@@ -46,8 +45,6 @@ def bind(host: str | None, port: int, backlog: int, *, reuse_port: bool = False)
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # its IPv4 twin binds separately
             sock.bind(address)

@@ -4,8 +4,8 @@ The server process binds the port once and every worker accepts from that socket
 connections (the counts are in shared memory: shares.py), so connections spread by load rather than by the kernel's
 hash; the server process keeps the socket, so the connections waiting when a worker dies go to the others. For each
 worker it makes a socket pair (the link) and two arenas, and passes all of them down as inherited descriptors:
-nothing is named in the file system. Workers decode infer requests
-themselves (worker_app.py) and the server process answers them (core.py); see docs/serving.md, "HTTP workers".
+nothing is named in the file system. Workers decode infer requests themselves (worker_app.py) and the server
+process answers them (core.py); see docs/serving.md, "HTTP workers".
 """
 
 from __future__ import annotations
