@@ -62,54 +62,60 @@ async def _until(condition: object, seconds: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def _connect(port: int, count: int) -> list[socket.socket]:
-    return [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+class _Port:
+    """A listening socket shared by ``listening`` workers out of ``slots`` (the others never accept), with the
+    clients connected to it; everything is closed on exit."""
+
+    def __init__(self, slots: int, listening: int) -> None:
+        self.sockets = listener.bind("127.0.0.1", 0, backlog=128)
+        self.shares = _shares(slots)
+        self.workers = [_Worker(self.sockets, share) for share in self.shares[:listening]]
+        self.clients: list[socket.socket] = []
+
+    def connect(self, count: int) -> None:
+        """Connections the kernel completes at once, waiting for a worker to accept them."""
+        port = self.sockets[0].getsockname()[1]
+        self.clients += [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+
+    def held(self) -> list[int]:
+        return [len(worker.connections) for worker in self.workers]
+
+    async def __aenter__(self) -> _Port:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        for worker in self.workers:
+            await worker.close()
+        for sock in [*self.clients, *self.sockets]:
+            sock.close()
 
 
 def test_a_burst_is_dealt_out_to_the_workers_holding_the_fewest() -> None:
-    async def scenario() -> list[int]:
-        sockets = listener.bind("127.0.0.1", 0, backlog=128)
-        shares = _shares(3)
-        workers = [_Worker(sockets, share) for share in shares]
-        clients = _connect(sockets[0].getsockname()[1], 7)  # all waiting before any worker looks
-        try:
-            await _until(lambda: sum(len(w.connections) for w in workers) == 7)
-            counts = [len(w.connections) for w in workers]
-            assert shares[0].counts() == counts  # every worker's slot says what it holds
-            more = _connect(sockets[0].getsockname()[1], 2)  # the two holding 2 take one each
-            clients += more
-            await _until(lambda: sum(len(w.connections) for w in workers) == 9)
-            return counts + [len(w.connections) for w in workers]
-        finally:
-            for worker in workers:
-                await worker.close()
-            for sock in [*clients, *sockets]:
-                sock.close()
+    async def scenario() -> tuple[list[int], list[int], list[int]]:
+        async with _Port(3, 3) as port:
+            port.connect(7)  # all waiting before any worker looks
+            await _until(lambda: sum(port.held()) == 7)
+            first, published = port.held(), port.shares[0].counts()
+            port.connect(2)  # the two holding 2 take one each
+            await _until(lambda: sum(port.held()) == 9)
+            return first, published, port.held()
 
-    counts = asyncio.run(scenario())
-    assert sorted(counts[:3]) == [2, 2, 3] and counts[3:] == [3, 3, 3], counts
+    first, published, then = asyncio.run(scenario())
+    assert sorted(first) == [2, 2, 3] and published == first and then == [3, 3, 3], (first, published, then)
 
 
 def test_closed_connections_are_counted_off() -> None:
     async def scenario() -> tuple[list[int], list[int]]:
-        sockets = listener.bind("127.0.0.1", 0, backlog=128)
-        shares = _shares(2)
-        workers = [_Worker(sockets, share) for share in shares]
-        clients = _connect(sockets[0].getsockname()[1], 4)
-        try:
-            await _until(lambda: sum(len(w.connections) for w in workers) == 4)
-            for transport in workers[0].transports:
+        async with _Port(2, 2) as port:
+            port.connect(4)
+            await _until(lambda: sum(port.held()) == 4)
+            for transport in port.workers[0].transports:
                 transport.close()
-            await _until(lambda: not workers[0].connections)
-            after_close = shares[0].counts()
-            clients += _connect(sockets[0].getsockname()[1], 2)  # both go to the worker that holds none
-            await _until(lambda: sum(len(w.connections) for w in workers) == 4)
-            return after_close, [len(w.connections) for w in workers]
-        finally:
-            for worker in workers:
-                await worker.close()
-            for sock in [*clients, *sockets]:
-                sock.close()
+            await _until(lambda: port.held()[0] == 0)
+            after_close = port.shares[0].counts()
+            port.connect(2)  # both go to the worker that holds none
+            await _until(lambda: sum(port.held()) == 4)
+            return after_close, port.held()
 
     after_close, counts = asyncio.run(scenario())
     assert after_close == [0, 2] and counts == [2, 2], (after_close, counts)
@@ -120,20 +126,13 @@ def test_a_dead_or_stuck_worker_holds_nobody_up(other: str) -> None:
     """Worker 1 never accepts: marked absent (its process is gone), or still claiming no connections (stuck)."""
 
     async def scenario() -> tuple[int, float]:
-        sockets = listener.bind("127.0.0.1", 0, backlog=128)
-        shares = _shares(2)
-        if other == "stuck":
-            shares[1].publish(0)
-        worker = _Worker(sockets, shares[0])
-        started = time.monotonic()
-        clients = _connect(sockets[0].getsockname()[1], 3)
-        try:
-            await _until(lambda: len(worker.connections) == 3)
-            return len(worker.connections), time.monotonic() - started
-        finally:
-            await worker.close()
-            for sock in [*clients, *sockets]:
-                sock.close()
+        async with _Port(2, 1) as port:
+            if other == "stuck":
+                port.shares[1].publish(0)
+            started = time.monotonic()
+            port.connect(3)
+            await _until(lambda: port.held() == [3])
+            return port.held()[0], time.monotonic() - started
 
     taken, seconds = asyncio.run(scenario())
     assert taken == 3
@@ -144,25 +143,17 @@ def test_a_dead_or_stuck_worker_holds_nobody_up(other: str) -> None:
 
 def test_a_worker_that_stops_accepting_leaves_its_slot_absent() -> None:
     async def scenario() -> tuple[list[int], list[int]]:
-        sockets = listener.bind("127.0.0.1", 0, backlog=128)
-        shares = _shares(2)
-        workers = [_Worker(sockets, share) for share in shares]
-        clients = _connect(sockets[0].getsockname()[1], 2)
-        try:
-            await _until(lambda: sum(len(w.connections) for w in workers) == 2)
-            workers[0].listener.close()  # draining: its connections may still close
-            for transport in workers[0].transports:
+        async with _Port(2, 2) as port:
+            port.connect(2)
+            await _until(lambda: sum(port.held()) == 2)
+            port.workers[0].listener.close()  # draining: its connections may still close
+            for transport in port.workers[0].transports:
                 transport.close()
-            await _until(lambda: not workers[0].connections)
-            drained = shares[1].counts()
-            clients += _connect(sockets[0].getsockname()[1], 2)  # for the worker still listening
-            await _until(lambda: len(workers[1].connections) == 3)
-            return drained, [len(w.connections) for w in workers]
-        finally:
-            for worker in workers:
-                await worker.close()
-            for sock in [*clients, *sockets]:
-                sock.close()
+            await _until(lambda: port.held()[0] == 0)
+            drained = port.shares[1].counts()
+            port.connect(2)  # for the worker still listening
+            await _until(lambda: port.held()[1] == 3)
+            return drained, port.held()
 
     drained, counts = asyncio.run(scenario())
     assert drained == [ABSENT, 1] and counts == [0, 3], (drained, counts)
