@@ -51,6 +51,7 @@ class Service:
         self.grpc_tls: GrpcTls | None = None
         self._loop_thread = 0  # the native id of the thread running the event loop, once run() runs
         self._pools: list[tuple[str, WorkerPool]] = []  # ("http_worker", its pool), ...: their processes' metrics
+        self._http_workers: HttpWorkers | None = None  # for their connection counts
 
     async def run(self) -> int:
         started = time.monotonic()
@@ -107,9 +108,11 @@ class Service:
         on its main thread."""
         yield WatchedProcess("server", os.getpid(), self._loop_thread)
         for prefix, pool in self._pools:
+            held = self._http_workers.connections() if prefix == "http_worker" and self._http_workers else None
             for index, process in enumerate(pool.processes):
                 if process.returncode is None:
-                    yield WatchedProcess(f"{prefix}_{index}", process.pid, process.pid)
+                    yield WatchedProcess(f"{prefix}_{index}", process.pid, process.pid,
+                                         held[index] if held is not None and index < len(held) else None)
 
     def request_stop(self) -> None:
         """What SIGTERM does: stop accepting, drain, exit."""
@@ -157,6 +160,7 @@ class Service:
         workers = HttpWorkers(self.server, self._http_app(), settings)
         # Known before they start: a client may see the server ready (from a worker) before start() returns here.
         self._pools.append(("http_worker", workers.pool))
+        self._http_workers = workers
         try:
             self.bound["http"] = await workers.start()
         except OSError as exc:

@@ -1,5 +1,7 @@
 """CPU time of `kiln serve`'s processes and of their event loops: ``kiln_process_cpu_seconds`` and
-``kiln_event_loop_cpu_seconds``, one sample per process (``server``, ``http_worker_0``, ``grpc_worker_1``, ...).
+``kiln_event_loop_cpu_seconds``, one sample per process (``server``, ``http_worker_0``, ``grpc_worker_1``, ...);
+and ``kiln_http_worker_connections``, the HTTP connections each HTTP worker holds (they are dealt to the worker
+holding the fewest: frontends/http/shares.py).
 
 Every request passes through the server process's event loop, and through a frontend worker's when there are
 workers. A loop that uses about one second of CPU per second cannot go faster, however idle the machine's other
@@ -19,6 +21,7 @@ from prometheus_client.registry import Collector
 
 PROCESS_METRIC = "kiln_process_cpu_seconds"
 LOOP_METRIC = "kiln_event_loop_cpu_seconds"
+CONNECTIONS_METRIC = "kiln_http_worker_connections"
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class WatchedProcess:
     label: str  # the ``process`` label: "server", "http_worker_0", ...
     pid: int
     loop_thread: int  # the native id of the thread that runs its event loop
+    connections: int | None = None  # an HTTP worker's open connections, as it last published them
 
 
 Processes = Callable[[], Iterable[WatchedProcess]]
@@ -43,7 +47,10 @@ class ProcessCpuCollector(Collector):
         process = Metric(PROCESS_METRIC, "CPU time of the process, all its threads, in seconds", "counter")
         loop = Metric(LOOP_METRIC, "CPU time of the process's event-loop thread, in seconds (near 1 per second: "
                                    "that loop is the limit)", "counter")
+        connections = Metric(CONNECTIONS_METRIC, "HTTP connections the worker holds open", "gauge")
         for watched in self._processes():
+            if watched.connections is not None:
+                connections.add_sample(CONNECTIONS_METRIC, {"process": watched.label}, watched.connections)
             try:
                 found = psutil.Process(watched.pid)
                 with found.oneshot():
@@ -58,3 +65,5 @@ class ProcessCpuCollector(Collector):
                     loop.add_sample(LOOP_METRIC, labels, thread.user_time + thread.system_time)
         yield process
         yield loop
+        if connections.samples:
+            yield connections

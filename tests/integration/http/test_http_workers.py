@@ -308,10 +308,14 @@ def test_keep_alive_connections_are_spread_evenly_over_the_workers(served: KilnP
         held = [sum(1 for c in worker.net_connections("tcp")
                     if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port)
                 for worker in _workers(served)]
+        text = urllib.request.urlopen(f"http://{served.metrics_url}/metrics", timeout=10).read().decode()
+        gauge = {sample.labels["process"]: sample.value for family in text_string_to_metric_families(text)
+                 if family.name == "kiln_http_worker_connections" for sample in family.samples}
     finally:
         for client in clients:
             client.close()
     assert sum(held) == 12 and max(held) - min(held) <= 2, held
+    assert sorted(gauge) == ["http_worker_0", "http_worker_1"] and sum(gauge.values()) == 12, gauge
 
 
 def test_a_worker_killed_is_replaced_and_requests_keep_succeeding(served: KilnProcess) -> None:

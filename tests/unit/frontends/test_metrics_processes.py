@@ -49,3 +49,14 @@ def test_a_process_that_is_gone_has_no_samples_and_the_others_still_do() -> None
     assert ("kiln_process_cpu_seconds_total", "server") in found
     assert ("kiln_event_loop_cpu_seconds_total", "server") in found
     assert not any(label == "http_worker_0" for _, label in found)
+
+
+def test_http_workers_connections_are_a_gauge_of_their_own() -> None:
+    me = os.getpid(), threading.get_native_id()
+    found = _scrape([WatchedProcess("server", *me), WatchedProcess("http_worker_0", *me, connections=5),
+                     WatchedProcess("http_worker_1", *me, connections=0), WatchedProcess("grpc_worker_0", *me)])
+    assert {label: value for (name, label), value in found.items() if name == "kiln_http_worker_connections"} == \
+        {"http_worker_0": 5, "http_worker_1": 0}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ProcessCpuCollector(lambda: [WatchedProcess("server", *me)]))
+    assert "kiln_http_worker_connections" not in render_metrics(registry).decode()  # no HTTP workers, no family

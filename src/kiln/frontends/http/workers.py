@@ -110,6 +110,12 @@ class HttpWorkers:
                 if fd is not None:
                     os.close(fd)
 
+    def connections(self) -> list[int | None]:
+        """Each worker's open connections as it last published them (None: not listening, or no shares here)."""
+        if self._shares is None:
+            return [None] * self.settings.count
+        return [None if count < 0 else count for count in self._shares[0].counts()]
+
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting here, SIGTERM the workers, and wait for them to drain (then kill what is left)."""
         self._close_sockets()
