@@ -112,7 +112,7 @@ class Service:
             for index, process in enumerate(pool.processes):
                 if process.returncode is None:
                     yield WatchedProcess(f"{prefix}_{index}", process.pid, process.pid,
-                                         held[index] if held is not None and index < len(held) else None)
+                                         None if held is None else held[index])
 
     def request_stop(self) -> None:
         """What SIGTERM does: stop accepting, drain, exit."""

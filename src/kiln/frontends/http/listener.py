@@ -81,9 +81,13 @@ class Listener:
             self._loop.add_reader(sock.fileno(), self.accept_waiting, sock)
 
     def publish(self) -> None:
-        """Write this worker's count of connections (those starting included) into its slot of the shares."""
+        """Write this worker's count of connections into its slot of the shares; called on every change of it."""
         if self._shares is not None and not self._closed:
-            self._shares.publish(self._open_connections() + len(self._starting))
+            self._shares.publish(self._held())
+
+    def _held(self) -> int:
+        """This worker's connections, those starting included."""
+        return self._open_connections() + len(self._starting)
 
     def accept_waiting(self, sock: socket.socket) -> int:
         """Accept the connections waiting on ``sock`` (at most ``burst``, and while this worker holds no more
@@ -115,11 +119,7 @@ class Listener:
         """Whether this worker takes the next waiting connection: it holds no more than the live worker holding
         the fewest, or a connection has waited ``MAX_DEFER_S`` for another. Otherwise it stops watching ``sock``
         for ``RECHECK_S``."""
-        if self._shares is None:
-            return True
-        self.publish()
-        held = self._open_connections() + len(self._starting)
-        if held <= self._shares.fewest():
+        if self._shares is None or self._held() <= self._shares.fewest():  # its own slot is current (publish)
             return True
         now = self._loop.time()
         if self._deferred_since is None:
@@ -134,7 +134,7 @@ class Listener:
         """Whether the process has its maximum of open connections (those starting count too)."""
         if self._max_connections is None:
             return False
-        if self._open_connections() + len(self._starting) < self._max_connections:
+        if self._held() < self._max_connections:
             return False
         now = self._loop.time()
         if now - self._refused_logged_at >= FULL_LOG_INTERVAL_S:
