@@ -158,8 +158,16 @@ class BatchModel:
 
 
 def _parts(requests: list[InferRequest]) -> list[dict[str, Any]]:
-    """Each request's input arrays by name: one part of a batch."""
-    return [{tensor.name: tensor.data for tensor in request.inputs} for request in requests]
+    """Each request's input arrays by name: one part of a batch; a joined request whose members' inputs lie in
+    their own shared-memory regions gives one part per member, read where it lies (kiln.v2.joined)."""
+    parts: list[dict[str, Any]] = []
+    for request in requests:
+        if request.member_rows:
+            parts.extend({tensor.name: tensor.parts[index] for tensor in request.inputs}
+                         for index in range(len(request.member_rows)))
+        else:
+            parts.append({tensor.name: tensor.data for tensor in request.inputs})
+    return parts
 
 
 def _output_names(spec: ModelSpec, requests: list[InferRequest]) -> list[str]:

@@ -105,6 +105,10 @@ class ClientRegions:
             return None
         self.check_system()
         cuda_names = names & self.cuda.names()
+        if cuda_names and request.member_rows:
+            raise UnsupportedError(f"model '{request.model_name}': a joined request's tensors must lie in system "
+                                   f"shared memory, not CUDA region(s) {', '.join(sorted(cuda_names))}; its "
+                                   f"members run one by one")
         leases = RequestLeases([])
         try:
             if cuda_names:

@@ -104,7 +104,8 @@ def mirror_request(request: InferRequest, version: int) -> InferRequest:
 
 def uses_shared_memory(request: InferRequest) -> bool:
     """Such a request is not mirrored: its regions are released as soon as the primary answer is sent."""
-    return any(t.shared_memory for t in request.inputs) or any(o.shared_memory for o in request.outputs)
+    return bool(request.member_rows) or any(t.shared_memory for t in request.inputs) \
+        or any(o.shared_memory for o in request.outputs)
 
 
 class Shadow:

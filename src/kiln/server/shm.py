@@ -38,7 +38,7 @@ from kiln.engines.host_memory import SharedHost
 from kiln.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from kiln.server.region_table import RegionTable
 from kiln.tensor import DataType, decode_bytes, element_count, encode_bytes
-from kiln.v2.types import InferRequest, InferResponse, OutputTensor, SharedMemoryRef
+from kiln.v2.types import InferRequest, InferResponse, InputTensor, OutputTensor, SharedMemoryRef
 
 SHM_DIR = Path("/dev/shm")
 """Where Linux keeps POSIX shared-memory objects (``shm_open(key)`` opens ``/dev/shm/<key without '/'>``)."""
@@ -154,12 +154,17 @@ class SharedMemoryRegistry:
         lease = RegionLease(self, held)
         try:
             for tensor in request.inputs:
-                if tensor.shared_memory is not None and tensor.shared_memory.region in names:
+                if tensor.member_regions:
+                    lease.read_members(request, tensor)
+                elif tensor.shared_memory is not None and tensor.shared_memory.region in names:
                     where = f"model '{request.model_name}': input '{tensor.name}'"
                     tensor.data = lease.read(tensor.shared_memory, tensor.datatype, tensor.shape, where)
             for output in request.outputs:
+                where = f"model '{request.model_name}': output '{output.name}'"
+                for ref in output.member_regions:
+                    lease.window(ref, where)
                 if output.shared_memory is not None and output.shared_memory.region in names:
-                    lease.window(output.shared_memory, f"model '{request.model_name}': output '{output.name}'")
+                    lease.window(output.shared_memory, where)
         except BaseException:
             lease.release()
             raise
@@ -201,6 +206,15 @@ class RegionLease:
         view.flags.writeable = False
         return view.reshape(shape)
 
+    def read_members(self, request: InferRequest, tensor: InputTensor) -> None:
+        """A joined request's input (kiln.v2.joined): each member's rows read where they lie, into ``parts``;
+        ``data`` stands for the joined shape only (zero strides, no bytes), which is what validation reads."""
+        where = f"model '{request.model_name}': input '{tensor.name}'"
+        row = tensor.shape[1:]
+        tensor.parts = tuple(self.read(ref, tensor.datatype, (rows, *row), where)
+                             for ref, rows in zip(tensor.member_regions, request.member_rows, strict=True))
+        tensor.data = np.broadcast_to(np.zeros((), tensor.parts[0].dtype), tensor.shape)
+
     def finish(self, request: InferRequest, response: InferResponse) -> None:
         """Before :meth:`release`: write every output the request asked for in shared memory into its region (the
         response keeps only the parameters that say where the data went), and give every other output that
@@ -208,9 +222,28 @@ class RegionLease:
         the regions may be unregistered, truncated or reused by the client."""
         wanted = {o.name: o.shared_memory for o in request.outputs
                   if o.shared_memory is not None and o.shared_memory.region in self.regions}
+        members = {o.name: o.member_regions for o in request.outputs if o.member_regions}
         response.outputs = [self._write(output, wanted[output.name], response.model_name)
-                            if output.name in wanted else self._own(output)
+                            if output.name in wanted else
+                            self._write_members(output, members[output.name], request.member_rows,
+                                                response.model_name)
+                            if output.name in members else self._own(output)
                             for output in response.outputs]
+
+    def _write_members(self, output: OutputTensor, refs: tuple[SharedMemoryRef, ...], rows: tuple[int, ...],
+                       model: str) -> OutputTensor:
+        """A joined request's output: each member's rows into its own region. The answer says where the first
+        member's went; the frontend worker answers each member from what it asked."""
+        if not output.shape or output.shape[0] != sum(rows):
+            raise InvalidArgumentError(f"model '{model}': output '{output.name}' has shape {list(output.shape)}, "
+                                       f"whose first dimension is not the {sum(rows)} rows of the members' requests")
+        start = 0
+        checked: set[str] = set()  # members often share a region: its object is looked at once
+        for ref, count in zip(refs, rows, strict=True):
+            self._write(replace(output, shape=(count, *output.shape[1:]), data=output.data[start:start + count]),
+                        ref, model, checked)
+            start += count
+        return replace(output, data=output.data[:0], shared_memory=refs[0])
 
     def _own(self, output: OutputTensor) -> OutputTensor:
         for region in self.regions.values():
@@ -222,7 +255,8 @@ class RegionLease:
                     return replace(output, data=output.data.copy())
         return output
 
-    def _write(self, output: OutputTensor, ref: SharedMemoryRef, model: str) -> OutputTensor:
+    def _write(self, output: OutputTensor, ref: SharedMemoryRef, model: str,
+               checked: set[str] | None = None) -> OutputTensor:
         where = f"model '{model}': output '{output.name}'"
         region, start = self.window(ref, where)
         if output.datatype is DataType.BYTES:
@@ -234,7 +268,12 @@ class RegionLease:
             raise InvalidArgumentError(f"{where} has {blob.nbytes} bytes (shape {list(output.shape)}) but "
                                        f"shared_memory_byte_size in region '{ref.region}' is {ref.byte_size}")
         with region.guard:
-            _check_alive(region, f"{where} (shared memory region '{ref.region}')")
+            if checked is None or ref.region not in checked:
+                _check_alive(region, f"{where} (shared memory region '{ref.region}')")
+                if checked is not None:
+                    checked.add(ref.region)
+            else:
+                _check_open(region, where)
             region.memory[start:start + blob.nbytes] = blob
         parameters = {**output.parameters, "shared_memory_region": ref.region,
                       "shared_memory_byte_size": blob.nbytes}
@@ -253,6 +292,11 @@ def region_names(request: InferRequest) -> set[str]:
     names = {t.shared_memory.region for t in request.inputs if t.shared_memory is not None}
     if request.outputs:
         names.update(o.shared_memory.region for o in request.outputs if o.shared_memory is not None)
+    if request.member_rows:
+        for tensor in request.inputs:
+            names.update(ref.region for ref in tensor.member_regions)
+        for output in request.outputs:
+            names.update(ref.region for ref in output.member_regions)
     return names
 
 

@@ -61,6 +61,11 @@ class InputTensor:
     data: npt.NDArray[Any]
     parameters: Parameters = field(default_factory=dict)
     shared_memory: SharedMemoryRef | None = None
+    member_regions: tuple[SharedMemoryRef, ...] = ()
+    """A joined request's input left where its members' clients put it (kiln.v2.joined): each member's region, in
+    order. The Server reads each member's rows from its region into ``parts``, and ``data`` then only stands for
+    the shape (a zero-stride array): the batch copies the parts where they lie."""
+    parts: tuple[npt.NDArray[Any], ...] = ()
 
 
 @dataclass
@@ -73,6 +78,8 @@ class RequestedOutput:
     classification: int = 0
     parameters: Parameters = field(default_factory=dict)
     shared_memory: SharedMemoryRef | None = None
+    member_regions: tuple[SharedMemoryRef, ...] = ()
+    """A joined request's output to be written into its members' regions: each member's rows into its own."""
 
 
 @dataclass
@@ -88,6 +95,9 @@ class InferRequest:
     outputs: list[RequestedOutput] = field(default_factory=list)
     parameters: Parameters = field(default_factory=dict)
     members: int = 1
+    member_rows: tuple[int, ...] = ()
+    """Each member's rows, for a joined request whose tensors lie in its members' own shared-memory regions
+    (``member_regions`` on its inputs and outputs); empty otherwise."""
 
 
 @dataclass

@@ -7,7 +7,8 @@ link around it (HTTP's or gRPC's frames) only frames the answer descriptor or re
 A joined request (several clients' requests, kiln.v2.joined) runs as one where the Server allows it, in chunks of
 at most the model's max_batch_size rows; otherwise, or where a chunk is refused as invalid or finds the queue too
 full for all of it (max_queue_size), each member runs on its own, so each client gets the answer or the error of
-its own request.
+its own request. A joined request whose tensors lie in its members' shared-memory regions runs each member on its
+own also when a region fails it (unknown, busy, gone, too small, of CUDA kind): that may be one member's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ from collections.abc import Callable
 
 import orjson
 
-from kiln.errors import ErrorCode, InvalidArgumentError, KilnError, QueueFullError, error_for_code
+from kiln.errors import (
+    ErrorCode,
+    InvalidArgumentError,
+    KilnError,
+    NotFoundError,
+    QueueFullError,
+    UnavailableError,
+    UnsupportedError,
+    error_for_code,
+)
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import unpack_offsets
 from kiln.frontends.handoff.tensors import decode_joined, decode_request, encode_response, member_count
@@ -81,14 +91,21 @@ class InferHandoff:
         """Members ``first:stop`` (rows ``start:end``): as one request when there are several, else on its own."""
         if stop - first > 1:
             try:
-                response = await self._server.infer(slice_request(request, start, end, stop - first))
+                response = await self._server.infer(slice_request(request, start, end, stop - first, "", first))
             except InvalidArgumentError as exc:
-                if not exc.before_running:  # the model ran and refused the batch: the same for each, as in any batch
+                if not exc.before_running and not request.member_rows:
+                    # the model ran and refused the batch: the same for each, as in any batch
                     error = self._error(exc)
                     return [(index, error, 1) for index in range(first, stop)]
-                # refused before running: what is wrong may be one member's; each runs on its own, gets its own answer
+                # refused before running, or a member's region refused its rows: what is wrong may be one member's;
+                # each runs on its own, gets its own answer
             except QueueFullError:
                 pass  # the queue has room for fewer: each member queues on its own, as it would have unjoined
+            except (NotFoundError, UnavailableError, UnsupportedError) as exc:
+                if not request.member_rows:  # the same failure for each
+                    error = self._error(exc)
+                    return [(index, error, 1) for index in range(first, stop)]
+                # one member's region may be gone, busy or of another kind: each runs on its own
             except Exception as exc:  # the same failure for each (the model, its engine, the server)
                 error = self._error(exc)
                 return [(index, error, 1) for index in range(first, stop)]
@@ -98,8 +115,8 @@ class InferHandoff:
                 # an output whose first dimension is not the rows cannot be cut by member: each runs on its own
         parts = []
         row = start
-        for request_id, rows in members[first:stop]:
-            parts.append(slice_request(request, row, row + rows, 1, request_id))
+        for index, (request_id, rows) in enumerate(members[first:stop], first):
+            parts.append(slice_request(request, row, row + rows, 1, request_id, index))
             row += rows
         answers = await asyncio.gather(*(self._answer(part) for part in parts))
         return [(index, answer, 1) for index, answer in enumerate(answers, first)]

@@ -11,7 +11,8 @@ once the last view is gone, which may be after the answer (a shadow version's mi
 
 A joined request (kiln.v2.joined) is one descriptor whose tensors hold its members' rows back to back, and whose
 header lists the members (``members``: each one's request id and rows); the answer to one holds the rows of
-``members`` requests.
+``members`` requests. Where a joined request's tensors lie in shared memory, each input and each output asked for
+there lists its members' regions in order (``regions``: [region, byte_size, offset] each).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from kiln.tensor import DataType, decode_bytes, element_count
 from kiln.v2.joined import rows_of
 from kiln.v2.layout import raw_view
 from kiln.v2.types import (
+    SHM_BYTE_SIZE,
+    SHM_OFFSET,
+    SHM_REGION,
     InferRequest,
     InferResponse,
     InputTensor,
@@ -40,6 +44,7 @@ from kiln.v2.types import (
 )
 
 _LENGTH = struct.Struct("<I")
+_REGION_PARAMETERS = frozenset({SHM_REGION, SHM_BYTE_SIZE, SHM_OFFSET})
 INLINE = -1
 
 Blob = bytes | memoryview
@@ -61,19 +66,39 @@ def encode_request(request: InferRequest, arena: Arena | None, routing_key: str 
 
 def encode_joined(requests: Sequence[InferRequest], arena: Arena | None) -> bytes:
     """The descriptor of requests that share a join key (kiln.v2.joined) as one request: every input holds the
-    members' rows in order, written straight into ``arena`` (no joined copy is made first)."""
+    members' rows in order, written straight into ``arena`` (no joined copy is made first), or, where the inputs
+    lie in shared memory, names each member's region (``regions``), as does every output asked for there."""
     first = requests[0]
-    blobs = [[raw_view(r.inputs[i].data, t.datatype) for r in requests] for i, t in enumerate(first.inputs)]
+    in_regions = first.inputs[0].shared_memory is not None
+    blobs = [None if in_regions else [raw_view(r.inputs[i].data, t.datatype) for r in requests]
+             for i, t in enumerate(first.inputs)]
     slot, places, inline = _place(blobs, arena)
     rows = [rows_of(r) for r in requests]
     total = sum(rows)
     inputs: list[dict[str, Any]] = [
         {"name": t.name, "datatype": t.datatype.wire_name, "shape": [total, *t.shape[1:]], "parameters": {}, "at": at}
         for t, at in zip(first.inputs, places, strict=True)]
+    if in_regions:
+        for i, item in enumerate(inputs):
+            item["regions"] = [_region(r.inputs[i].shared_memory) for r in requests]
+    outputs = _requested(first)
+    for i, item in enumerate(outputs):
+        if first.outputs[i].shared_memory is not None:
+            item["parameters"] = {k: v for k, v in item["parameters"].items() if k not in _REGION_PARAMETERS}
+            item["regions"] = [_region(r.outputs[i].shared_memory) for r in requests]
     header: dict[str, Any] = {"model": first.model_name, "version": first.model_version, "id": "", "parameters": {},
-              "inputs": inputs, "outputs": _requested(first), "slot": slot,
+              "inputs": inputs, "outputs": outputs, "slot": slot,
               "members": [[r.id, n] for r, n in zip(requests, rows, strict=True)]}
     return _message(header, inline)
+
+
+def _region(ref: SharedMemoryRef | None) -> list[Any]:
+    assert ref is not None  # join_key: every member's tensor is in shared memory where the first's is
+    return [ref.region, ref.byte_size, ref.offset]
+
+
+def _regions(items: Sequence[Sequence[Any]]) -> tuple[SharedMemoryRef, ...]:
+    return tuple(SharedMemoryRef(str(region), int(size), int(offset)) for region, size, offset in items)
 
 
 def _requested(request: InferRequest) -> list[dict[str, Any]]:
@@ -96,6 +121,8 @@ def decode_joined(payload: bytes, arena: Arena | None,
     members = [(str(request_id), int(rows)) for request_id, rows in header["members"]]
     request = _request(header, inline, arena, release)
     request.members = len(members)
+    if any("regions" in item for item in header["inputs"]) or any("regions" in o for o in header["outputs"]):
+        request.member_rows = tuple(rows for _, rows in members)
     return request, members
 
 
@@ -115,14 +142,18 @@ def _request(header: dict[str, Any], inline: memoryview, arena: Arena | None,
         datatype = DataType.from_wire(item["datatype"])
         shape = tuple(item["shape"])
         parameters = item["parameters"]
-        if at is None:
+        if "regions" in item:
+            inputs.append(InputTensor(item["name"], datatype, shape, np.empty(0, datatype.numpy_dtype), {},
+                                      member_regions=_regions(item["regions"])))
+        elif at is None:
             shm = shared_memory_ref(parameters, f"model '{model}': input '{item['name']}'")
             inputs.append(InputTensor(item["name"], datatype, shape, np.empty(0, datatype.numpy_dtype), parameters,
                                       shm))
         else:
             inputs.append(InputTensor(item["name"], datatype, shape, data.array(datatype, shape, at), parameters))
     outputs = [RequestedOutput(o["name"], o["classification"], o["parameters"],
-                               shared_memory_ref(o["parameters"], f"model '{model}': output '{o['name']}'"))
+                               shared_memory_ref(o["parameters"], f"model '{model}': output '{o['name']}'"),
+                               _regions(o.get("regions", ())))
                for o in header["outputs"]]
     return InferRequest(model_name=model, model_version=header["version"], inputs=inputs, id=header["id"],
                         outputs=outputs, parameters=header["parameters"])

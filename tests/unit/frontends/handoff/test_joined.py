@@ -7,16 +7,18 @@ refused, each member runs and is answered on its own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import socket
 from collections.abc import AsyncIterator, Iterator
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kiln.errors import ConfigError, InvalidArgumentError, UnavailableError
+from kiln.errors import ConfigError, InvalidArgumentError, NotFoundError, UnavailableError
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena, create_arena_file
 from kiln.frontends.handoff.calls import (
@@ -35,7 +37,7 @@ from kiln.frontends.http.worker_app import CoreClient
 from kiln.server.server import Server, ServerOptions
 from kiln.tensor import DataType
 from kiln.v2.joined import join_key, slice_request, split_response
-from kiln.v2.types import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput
+from kiln.v2.types import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, SharedMemoryRef
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="arenas need memfd_create (Linux)")
 
@@ -73,7 +75,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         'input [ { name: "INPUT0" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
         'output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
         'dynamic_batching { max_queue_delay_microseconds: 0 }\n')
-    kiln_server = Server(ServerOptions(repositories=[Path(root)]))
+    kiln_server = Server(ServerOptions(repositories=[Path(root)], allow_client_shm=True))
     kiln_server.start()
     yield kiln_server
     kiln_server.close()
@@ -152,7 +154,8 @@ async def _send(link: Link, requests: list[InferRequest]) -> list[InferResponse 
     async def one(request: InferRequest) -> InferResponse:
         response, release = await link.client.infer(request, None)
         try:
-            outputs = [OutputTensor(o.name, o.datatype, o.shape, o.data.copy()) for o in response.outputs]
+            outputs = [OutputTensor(o.name, o.datatype, o.shape, o.data.copy(), shared_memory=o.shared_memory)
+                       for o in response.outputs]
             return InferResponse(response.model_name, response.model_version, outputs, response.id)
         finally:
             release()
@@ -487,3 +490,169 @@ def test_a_joined_answer_is_cut_by_member_only_where_every_output_has_the_rows()
     assert _rows_split(answer((4, 3), (4,)), 4)
     assert not _rows_split(answer((4, 3), (1, 3)), 4)  # a per-batch output: no member's rows to cut
     assert not _rows_split(answer((4, 3), ()), 4)  # a scalar
+
+
+# -- tensors in the clients' system shared memory -----------------------------------------------------------------
+
+ROW_BYTES = 3 * 4  # one INT32 row of 3
+
+
+class Regions:
+    """Real POSIX shared-memory objects registered with the server as regions, unregistered and destroyed after."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.blocks: dict[str, shared_memory.SharedMemory] = {}
+
+    def add(self, name: str, size: int) -> shared_memory.SharedMemory:
+        block = shared_memory.SharedMemory(create=True, size=size)
+        self.blocks[name] = block
+        self.server.register_system_shared_memory(name, "/" + block.name, 0, size)
+        return block
+
+    def rows(self, name: str, rows: int, offset: int = 0) -> np.ndarray:
+        return np.frombuffer(self.blocks[name].buf, np.int32, rows * 3, offset).reshape(rows, 3).copy()
+
+    def close(self) -> None:
+        for name, block in self.blocks.items():
+            self.server.unregister_system_shared_memory(name)
+            with contextlib.suppress(BufferError):
+                block.close()
+            block.unlink()
+
+
+@pytest.fixture
+def regions(server: Server) -> Iterator[Regions]:
+    made = Regions(server)
+    yield made
+    made.close()
+
+
+def _in_regions(model: str, rows: int, into: str, out: str, request_id: str = "", in_offset: int = 0,
+                out_offset: int = 0, out_size: int | None = None) -> InferRequest:
+    """A request whose input is in region ``into`` and whose output goes to region ``out``, as a codec decodes it."""
+    size = rows * ROW_BYTES
+    ref = SharedMemoryRef(into, size, in_offset)
+    out_ref = SharedMemoryRef(out, size if out_size is None else out_size, out_offset)
+    parameters = {"shared_memory_region": into, "shared_memory_byte_size": size, "shared_memory_offset": in_offset}
+    out_parameters = {"shared_memory_region": out, "shared_memory_byte_size": out_ref.byte_size,
+                      "shared_memory_offset": out_offset}
+    return InferRequest(model, [InputTensor("INPUT0", DataType.INT32, (rows, 3), np.empty(0, np.int32), parameters,
+                                            ref)], id=request_id,
+                        outputs=[RequestedOutput("OUTPUT0", 0, out_parameters, out_ref)])
+
+
+def _fill(regions: Regions, sizes: list[int], model: str = "batched") -> list[InferRequest]:
+    """A region in and a region out for each member, the input holding the member's rows."""
+    requests = []
+    for i, rows in enumerate(sizes):
+        block = regions.add(f"in{i}", rows * ROW_BYTES)
+        regions.add(f"out{i}", rows * ROW_BYTES)
+        block.buf[:rows * ROW_BYTES] = _rows(i, rows).tobytes()
+        requests.append(_in_regions(model, rows, f"in{i}", f"out{i}", f"s{i}"))
+    return requests
+
+
+async def test_requests_in_shared_memory_join_and_each_output_goes_to_its_own_region(
+        link: Link, server: Server, regions: Regions) -> None:
+    before, joined_before = _success(server, "batched"), _joined(server, "batched")
+    sizes = [1, 2, 1, 3, 1]
+    answers = await _send(link, _fill(regions, sizes))
+    assert _infer_kinds(link) == [frames.INFER, frames.INFER_JOINED]
+    for i, (answer, rows) in enumerate(zip(answers, sizes, strict=True)):
+        assert isinstance(answer, InferResponse), answer
+        assert answer.id == f"s{i}" and answer.outputs[0].shape == (rows, 3)
+        assert answer.outputs[0].shared_memory is not None and answer.outputs[0].data.size == 0
+        np.testing.assert_array_equal(regions.rows(f"out{i}", rows), _rows(i, rows))
+    after = _success(server, "batched")
+    assert (after[0] - before[0], after[1] - before[1]) == (5, 8) and after[2] - before[2] <= 2
+    assert _joined(server, "batched") == (joined_before[0] + 1, joined_before[1] + 4)
+    assert await link.all_slots_back()
+
+
+async def test_members_sharing_one_region_each_read_and_write_their_own_window(link: Link, server: Server,
+                                                                              regions: Regions) -> None:
+    """As perf_analyzer passes tensors: every request names the same input region, and outputs share one too."""
+    block = regions.add("shared_in", 4 * ROW_BYTES)
+    regions.add("shared_out", 4 * ROW_BYTES)
+    block.buf[:4 * ROW_BYTES] = np.concatenate([_rows(i) for i in range(4)]).tobytes()
+    requests = [_in_regions("batched", 1, "shared_in", "shared_out", f"w{i}", i * ROW_BYTES, i * ROW_BYTES)
+                for i in range(4)]
+    answers = await _send(link, requests)
+    assert _infer_kinds(link) == [frames.INFER, frames.INFER_JOINED]
+    assert all(isinstance(a, InferResponse) for a in answers), answers
+    np.testing.assert_array_equal(regions.rows("shared_out", 4), np.concatenate([_rows(i) for i in range(4)]))
+
+
+@pytest.mark.parametrize("failing", ["unknown input region", "output region too small"])
+async def test_a_member_whose_region_fails_gets_its_own_error_and_the_others_their_answers(
+        link: Link, server: Server, regions: Regions, failing: str) -> None:
+    before = _success(server, "batched")
+    requests = _fill(regions, [1, 1, 1, 1])
+    if failing == "unknown input region":  # found as the joined request takes its regions, before it runs
+        requests[2] = _in_regions("batched", 1, "nowhere", "out2", "s2")
+        expected: tuple[type[Exception], str] = (NotFoundError, "'nowhere'")
+    else:  # found only once the batch has run, as the member's rows are written
+        requests[2] = _in_regions("batched", 1, "in2", "out2", "s2", out_size=ROW_BYTES - 4)
+        expected = (InvalidArgumentError, "shared_memory_byte_size in region 'out2' is 8")
+    answers = await _send(link, requests)
+    assert _infer_kinds(link) == [frames.INFER, frames.INFER_JOINED]
+    assert isinstance(answers[2], expected[0]) and expected[1] in answers[2].message, answers[2]
+    for i in (0, 1, 3):
+        assert isinstance(answers[i], InferResponse), answers[i]
+        np.testing.assert_array_equal(regions.rows(f"out{i}", 1), _rows(i))
+    # Refused before it ran, the joined request is not counted; found after, the batch ran and then each member.
+    assert _success(server, "batched")[0] - before[0] == (3 if failing == "unknown input region" else 7)
+    assert await link.all_slots_back()
+
+
+async def test_members_in_shared_memory_over_max_batch_size_run_in_chunks(link: Link, server: Server,
+                                                                          regions: Regions) -> None:
+    before = _success(server, "small")
+    answers = await _send(link, _fill(regions, [1] * 10, "small"))
+    assert all(isinstance(a, InferResponse) for a in answers), answers
+    for i in range(10):
+        np.testing.assert_array_equal(regions.rows(f"out{i}", 1), _rows(i))
+    after = _success(server, "small")
+    assert (after[0] - before[0], after[1] - before[1]) == (10, 10) and 3 <= after[2] - before[2] <= 4
+
+
+async def test_shared_memory_members_of_a_model_without_dynamic_batching_run_one_by_one(
+        link: Link, server: Server, regions: Regions) -> None:
+    before = _success(server, "unbatched")
+    answers = await _send(link, _fill(regions, [1, 2, 1], "unbatched"))
+    assert _infer_kinds(link) == [frames.INFER, frames.INFER_JOINED]
+    assert all(isinstance(a, InferResponse) for a in answers), answers
+    for i, rows in enumerate([1, 2, 1]):
+        np.testing.assert_array_equal(regions.rows(f"out{i}", rows), _rows(i, rows))
+    after = _success(server, "unbatched")
+    assert (after[0] - before[0], after[2] - before[2]) == (3, 3)
+
+
+def test_join_keys_of_requests_in_shared_memory() -> None:
+    one, other = _in_regions("m", 1, "a", "b"), _in_regions("m", 2, "c", "d", in_offset=64)
+    assert join_key(one, None) is not None and join_key(one, None) == join_key(other, None)  # regions may differ
+    assert join_key(one, None) != join_key(_request("m", _rows(0)), None)  # not with a request body
+    body_out = _in_regions("m", 1, "a", "b")
+    body_out.outputs = [RequestedOutput("OUTPUT0")]
+    assert join_key(body_out, None) not in (None, join_key(one, None))  # an output in the body is another batch
+    mixed = _in_regions("m", 1, "a", "b")
+    mixed.inputs.append(InputTensor("INPUT1", DataType.INT32, (1, 3), _rows(0)))
+    assert join_key(mixed, None) is None  # some inputs in shared memory and others not
+
+
+def test_a_joined_descriptor_names_each_members_regions() -> None:
+    requests = [_in_regions("m", rows, f"in{i}", f"out{i}", str(i), in_offset=8 * i) for i, rows in
+                enumerate([1, 3])]
+    requests[0].outputs[0].parameters["binary_data"] = False  # kept: it says how the member's answer is encoded
+    joined, members = decode_joined(encode_joined(requests, None), None, lambda _: None)
+    assert members == [("0", 1), ("1", 3)] and joined.member_rows == (1, 3)
+    assert joined.inputs[0].shape == (4, 3) and joined.inputs[0].shared_memory is None
+    assert joined.inputs[0].member_regions == (SharedMemoryRef("in0", 12, 0), SharedMemoryRef("in1", 36, 8))
+    assert joined.outputs[0].member_regions == (SharedMemoryRef("out0", 12), SharedMemoryRef("out1", 36))
+    assert joined.outputs[0].parameters == {"binary_data": False} and joined.outputs[0].shared_memory is None
+    second = slice_request(joined, 1, 4, 1, "1", 1)  # one member's slice is the request its client sent
+    assert second.member_rows == () and second.inputs[0].shared_memory == SharedMemoryRef("in1", 36, 8)
+    assert second.inputs[0].parameters == {"shared_memory_region": "in1", "shared_memory_byte_size": 36,
+                                           "shared_memory_offset": 8}
+    assert second.outputs[0].shared_memory == SharedMemoryRef("out1", 36)
