@@ -216,19 +216,24 @@ class RegionLease:
         tensor.data = np.broadcast_to(np.zeros((), tensor.parts[0].dtype), tensor.shape)
 
     def finish(self, request: InferRequest, response: InferResponse) -> None:
-        """Before :meth:`release`: write every output the request asked for in shared memory into its region (the
-        response keeps only the parameters that say where the data went), and give every other output that
+        """Before :meth:`release`: write every output the request asked for in shared memory into its region (a
+        joined request's: each member's rows into that member's; the response keeps only the parameters that say
+        where the data went), and give every other output that
         views region memory (a model returning its input) its own copy, since the frontend serialises it after
         the regions may be unregistered, truncated or reused by the client."""
         wanted = {o.name: o.shared_memory for o in request.outputs
                   if o.shared_memory is not None and o.shared_memory.region in self.regions}
         members = {o.name: o.member_regions for o in request.outputs if o.member_regions}
-        response.outputs = [self._write(output, wanted[output.name], response.model_name)
-                            if output.name in wanted else
-                            self._write_members(output, members[output.name], request.member_rows,
-                                                response.model_name)
-                            if output.name in members else self._own(output)
-                            for output in response.outputs]
+        model = response.model_name
+        outputs = []
+        for output in response.outputs:
+            if output.name in wanted:
+                outputs.append(self._write(output, wanted[output.name], model))
+            elif output.name in members:
+                outputs.append(self._write_members(output, members[output.name], request.member_rows, model))
+            else:
+                outputs.append(self._own(output))
+        response.outputs = outputs
 
     def _write_members(self, output: OutputTensor, refs: tuple[SharedMemoryRef, ...], rows: tuple[int, ...],
                        model: str) -> OutputTensor:

@@ -98,9 +98,7 @@ def _members_of(request: InferRequest, first: int, stop: int, request_id: str) -
     rows = request.member_rows[first:stop]
     total = sum(rows)
     if len(rows) == 1:
-        inputs = [InputTensor(t.name, t.datatype, (total, *t.shape[1:]), _no_data(t), region_parameters(ref),
-                          ref)
-                  for t in request.inputs for ref in (t.member_regions[first],)]
+        inputs = [_member_input(t, total, t.member_regions[first]) for t in request.inputs]
         outputs = [o if not o.member_regions else _member_output(o, o.member_regions[first])
                    for o in request.outputs]
         return InferRequest(request.model_name, inputs, request.model_version, request_id, outputs,
@@ -112,6 +110,11 @@ def _members_of(request: InferRequest, first: int, stop: int, request_id: str) -
                for o in request.outputs]
     return InferRequest(request.model_name, inputs, request.model_version, request_id, outputs,
                         request.parameters, len(rows), rows)
+
+
+def _member_input(tensor: InputTensor, rows: int, ref: SharedMemoryRef) -> InputTensor:
+    return InputTensor(tensor.name, tensor.datatype, (rows, *tensor.shape[1:]), _no_data(tensor),
+                       region_parameters(ref), ref)
 
 
 def _member_output(output: RequestedOutput, ref: SharedMemoryRef) -> RequestedOutput:
