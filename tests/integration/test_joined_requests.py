@@ -10,16 +10,19 @@ import os
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpc_aio
 import tritonclient.http.aio as http_aio
+import tritonclient.utils.shared_memory as shm
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
 
 from kiln.testing.serve import KilnProcess, kiln_serve
 
@@ -41,7 +44,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnProcess]:
     (root / "echo" / "1").mkdir(parents=True)
     (root / "echo" / "config.pbtxt").write_text(ECHO)
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    with kiln_serve([Path(root)], "--http-workers", "2", "--grpc-workers", "2", log_path=log) as process:
+    with kiln_serve([Path(root)], "--http-workers", "2", "--grpc-workers", "2", "--allow-client-shm",
+                    log_path=log) as process:
         yield process
 
 
@@ -106,6 +110,77 @@ def test_http_bursts_through_the_workers_get_their_own_rows_and_ids(served: Kiln
 
 def test_grpc_bursts_through_the_workers_get_their_own_rows_and_ids(served: KilnProcess) -> None:
     assert asyncio.run(_grpc_bursts(served.grpc_url)) == []
+
+
+ROW_BYTES = 4 * 4
+WINDOW = 3 * ROW_BYTES  # room for the most rows _rows gives
+
+
+async def _bursts_in_shared_memory(client: Any, aio: Any, tag: str, joined: Callable[[], float]) -> list[str]:
+    """Bursts whose inputs and outputs are windows of two regions (one of each, as perf_analyzer's
+    `--shared-memory system` uses them): each request must find its own rows in its own output window. Bursts go
+    on past ``ROUNDS`` until ``joined()`` counts a joined request (a burst reaching a worker over turns is not
+    always joined), at most ``MAX_ROUNDS``."""
+    wrong: list[str] = []
+    key = f"/kiln-joined-{tag}-{os.getpid()}"
+    size = BURST * WINDOW
+    handles = [shm.create_shared_memory_region(f"{tag}-{side}", f"{key}-{side}", size) for side in ("in", "out")]
+    try:
+        for side in ("in", "out"):
+            await client.register_system_shared_memory(f"{tag}-{side}", f"{key}-{side}", size)
+
+        async def one(slot: int, index: int) -> None:
+            data = _rows(index)
+            tensor = aio.InferInput("INPUT0", list(data.shape), "FP32")
+            tensor.set_shared_memory(f"{tag}-in", data.nbytes, offset=slot * WINDOW)
+            output = aio.InferRequestedOutput("OUTPUT0")
+            output.set_shared_memory(f"{tag}-out", WINDOW, offset=slot * WINDOW)
+            try:
+                await client.infer("echo", [tensor], outputs=[output], request_id=f"{tag}{index}")
+            except InferenceServerException as exc:
+                wrong.append(f"request {index}: {exc}")
+                return
+            got = shm.get_contents_as_numpy(handles[1], np.float32, list(data.shape), offset=slot * WINDOW)
+            if not np.array_equal(got, data):
+                wrong.append(f"request {index}: {got.tolist()}")
+
+        for round_ in range(MAX_ROUNDS):
+            if round_ >= ROUNDS and joined():
+                break
+            indexes = [round_ * BURST + slot for slot in range(BURST)]
+            for slot, index in enumerate(indexes):
+                data = _rows(index)
+                shm.set_shared_memory_region(handles[0], [data], offset=slot * WINDOW)
+            await asyncio.gather(*(one(slot, index) for slot, index in enumerate(indexes)))
+        await client.unregister_system_shared_memory()
+    finally:
+        for handle in handles:
+            shm.destroy_shared_memory_region(handle)
+    return wrong
+
+
+async def _shared_memory_over(protocol: str, served: KilnProcess, joined: Callable[[], float]) -> list[str]:
+    if protocol == "http":
+        async with http_aio.InferenceServerClient(served.http_url, conn_limit=BURST) as client:
+            return await _bursts_in_shared_memory(client, http_aio, "h", joined)
+    async with grpc_aio.InferenceServerClient(served.grpc_url) as client:
+        return await _bursts_in_shared_memory(client, grpc_aio, "g", joined)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bursts_in_shared_memory_are_joined_and_each_finds_its_rows_in_its_own_window(served: KilnProcess,
+                                                                                       protocol: str) -> None:
+    before = _joined_metrics(served.metrics_url)
+
+    def since(name: str) -> float:
+        return _joined_metrics(served.metrics_url)[name] - before[name]
+
+    assert asyncio.run(_shared_memory_over(protocol, served,
+                                           lambda: since("kiln_inference_joined_request_success"))) == []
+    joined, members, success = (since(n) for n in (
+        "kiln_inference_joined_request_success", "kiln_inference_joined_member_success",
+        "nv_inference_request_success"))
+    assert joined > 0 and 2 * joined <= members <= success, f"no burst of {BURST} was joined in {MAX_ROUNDS} rounds"
 
 
 def _joined_metrics(metrics_url: str) -> dict[str, float]:

@@ -22,6 +22,7 @@ import orjson
 from kiln.v2.types import (
     SHM_BYTE_SIZE,
     SHM_OFFSET,
+    SHM_PARAMETERS,
     SHM_REGION,
     InferRequest,
     InferResponse,
@@ -34,8 +35,6 @@ from kiln.v2.types import (
 # Parameters that only say how the HTTP body carries tensors, which the worker reads and writes itself: requests
 # may differ in them and still share a batch.
 _INPUT_PARAMETERS = frozenset({"binary_data_size"})
-# Where a tensor lies in shared memory: each member keeps its own.
-_SHM_PARAMETERS = frozenset({SHM_REGION, SHM_BYTE_SIZE, SHM_OFFSET})
 # Request parameters the server process never reads for a single-response infer: how the worker encodes the answer
 # (binary_data_output), and what a gRPC stream of a decoupled model sends last (triton_enable_empty_final_response,
 # which perf_analyzer sets on every gRPC request). Joined requests must still agree on them.
@@ -58,7 +57,7 @@ def join_key(request: InferRequest, routing_key: str | None) -> Hashable | None:
     if rows < 1:
         return None
     in_regions = request.inputs[0].shared_memory is not None
-    allowed = _SHM_PARAMETERS if in_regions else _INPUT_PARAMETERS
+    allowed = SHM_PARAMETERS if in_regions else _INPUT_PARAMETERS  # where in shared memory: each member its own
     inputs = []
     for tensor in request.inputs:
         if (tensor.shared_memory is not None) != in_regions or not tensor.shape or tensor.shape[0] != rows \
@@ -69,7 +68,7 @@ def join_key(request: InferRequest, routing_key: str | None) -> Hashable | None:
     for output in request.outputs:
         parameters = output.parameters
         if output.shared_memory is not None:
-            parameters = {k: v for k, v in parameters.items() if k not in _SHM_PARAMETERS}
+            parameters = {k: v for k, v in parameters.items() if k not in SHM_PARAMETERS}
         outputs.append((output.name, output.classification, output.shared_memory is not None,
                         orjson.dumps(parameters, option=orjson.OPT_SORT_KEYS) if parameters else b""))
     encoding = tuple(sorted(request.parameters.items()))

@@ -19,6 +19,7 @@ SHM_REGION = "shared_memory_region"
 SHM_BYTE_SIZE = "shared_memory_byte_size"
 SHM_OFFSET = "shared_memory_offset"
 """The tensor parameters of the shared-memory extension (the same names over HTTP and gRPC)."""
+SHM_PARAMETERS = frozenset({SHM_REGION, SHM_BYTE_SIZE, SHM_OFFSET})
 
 
 @dataclass(frozen=True)

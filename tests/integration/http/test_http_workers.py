@@ -49,13 +49,6 @@ max_batch_size: 4
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] label_filename: "labels.txt" } ]
 """
-ECHO = """name: "echo"
-backend: "identity"
-max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
-dynamic_batching { }
-"""
 BLOB = """name: "blob"
 backend: "identity"
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
@@ -67,7 +60,7 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("repo")
     build_demo_repository(root)
-    for name, config in (("mixed", MIXED), ("labeled", LABELED), ("blob", BLOB), ("echo", ECHO)):
+    for name, config in (("mixed", MIXED), ("labeled", LABELED), ("blob", BLOB)):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(config)
     (root / "labeled" / "labels.txt").write_text("cat\ndog\nbird\nfish\n")
@@ -238,51 +231,6 @@ def test_system_shared_memory_inputs_and_outputs(served: KilnProcess) -> None:
         client.unregister_system_shared_memory("io")
     finally:
         shm.destroy_shared_memory_region(handle)
-
-
-def test_concurrent_requests_in_shared_memory_each_find_their_rows_in_their_own_region(
-        served: KilnProcess) -> None:
-    """Requests of many clients that a worker joins into one must still read and write each client's region."""
-    failures: list[str] = []
-    handles = []
-
-    def run(thread: int) -> None:
-        client = th.InferenceServerClient(served.http_url)
-        key = f"/kiln-workers-join-{thread}-{time.monotonic_ns()}"
-        handle = shm.create_shared_memory_region(f"join{thread}", key, 128)
-        handles.append(handle)
-        client.register_system_shared_memory(f"join{thread}", key, 128)
-        for round_ in range(20):
-            rows = 1 + (thread + round_) % 3
-            x = np.full((rows, 4), thread * 1000 + round_, np.float32)
-            shm.set_shared_memory_region(handle, [x])
-            inputs = [th.InferInput("INPUT0", [rows, 4], "FP32")]
-            inputs[0].set_shared_memory(f"join{thread}", x.nbytes)
-            outputs = [th.InferRequestedOutput("OUTPUT0")]
-            outputs[0].set_shared_memory(f"join{thread}", 48, offset=64)
-            result = client.infer("echo", inputs, outputs=outputs)
-            got = shm.get_contents_as_numpy(handle, np.float32, [rows, 4], offset=64)
-            if result.get_output("OUTPUT0")["shape"] != [rows, 4] or not np.array_equal(got, x):
-                failures.append(f"thread {thread} round {round_}: {got.tolist()}")
-        client.unregister_system_shared_memory(f"join{thread}")
-        client.close()
-
-    threads = [threading.Thread(target=run, args=(t,)) for t in range(12)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-    finally:
-        for handle in handles:
-            shm.destroy_shared_memory_region(handle)
-    assert failures == [] and len(handles) == 12
-    # Twelve clients keep several requests in a worker's hands at once: it joined some (most, where measured).
-    text = urllib.request.urlopen(f"http://{served.metrics_url}/metrics", timeout=10).read().decode()
-    joined = [sample.value for family in text_string_to_metric_families(text)
-              if family.name == "kiln_inference_joined_member_success" for sample in family.samples
-              if sample.labels["model"] == "echo"]
-    assert joined and joined[0] > 0
 
 
 def test_many_concurrent_requests_get_their_own_answers(served: KilnProcess) -> None:

@@ -31,9 +31,7 @@ from kiln.tensor import DataType, decode_bytes, element_count
 from kiln.v2.joined import rows_of
 from kiln.v2.layout import raw_view
 from kiln.v2.types import (
-    SHM_BYTE_SIZE,
-    SHM_OFFSET,
-    SHM_REGION,
+    SHM_PARAMETERS,
     InferRequest,
     InferResponse,
     InputTensor,
@@ -44,7 +42,6 @@ from kiln.v2.types import (
 )
 
 _LENGTH = struct.Struct("<I")
-_REGION_PARAMETERS = frozenset({SHM_REGION, SHM_BYTE_SIZE, SHM_OFFSET})
 INLINE = -1
 
 Blob = bytes | memoryview
@@ -84,7 +81,7 @@ def encode_joined(requests: Sequence[InferRequest], arena: Arena | None) -> byte
     outputs = _requested(first)
     for i, item in enumerate(outputs):
         if first.outputs[i].shared_memory is not None:
-            item["parameters"] = {k: v for k, v in item["parameters"].items() if k not in _REGION_PARAMETERS}
+            item["parameters"] = {k: v for k, v in item["parameters"].items() if k not in SHM_PARAMETERS}
             item["regions"] = [_region(r.outputs[i].shared_memory) for r in requests]
     header: dict[str, Any] = {"model": first.model_name, "version": first.model_version, "id": "", "parameters": {},
               "inputs": inputs, "outputs": outputs, "slot": slot,
