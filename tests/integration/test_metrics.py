@@ -215,7 +215,8 @@ def test_exposition_has_triton_names_types_and_labels(server: Server) -> None:
     for name in ensemble_steps:  # the demo pipeline's three steps
         assert scrape.types[name] == "counter"
         assert scrape.label_sets(name) == [{"model", "version", "step", "step_model"}] * 3
-    joined = {"kiln_inference_joined_request_success", "kiln_inference_joined_member_success"}
+    joined = {"kiln_inference_joined_request_success", "kiln_inference_joined_member_success",
+              "kiln_inference_held_member_success"}
     for name in joined:  # per model version; nothing joined without worker processes
         assert scrape.types[name] == "counter"
         assert all(labels == MODEL_LABELS for labels in scrape.label_sets(name)), name

@@ -37,7 +37,7 @@ class Recorder(Protocol):
     """Where the batching core reports executions and failed requests (the server's StatsRecorder, BatchLog)."""
 
     def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int,
-                       joined: tuple[int, int] = (0, 0)) -> None: ...
+                       joined: tuple[int, int, int] = (0, 0, 0)) -> None: ...
 
     def record_failure(self, request_ns: int, reason: str = "BACKEND", requests: int = 1) -> None: ...
 
@@ -54,7 +54,7 @@ class BatchLog:
         self.last_batch_size = 0
 
     def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int,
-                       joined: tuple[int, int] = (0, 0)) -> None:
+                       joined: tuple[int, int, int] = (0, 0, 0)) -> None:
         with self._lock:
             self.executions += 1
             self.inferences += times.batch_size
@@ -72,15 +72,17 @@ def arrivals(enqueued: Iterable[tuple[int, InferRequest]]) -> list[int]:
     return [ns for ns, request in enqueued for _ in range(request.members)]
 
 
-def joined_counts(requests: Iterable[InferRequest]) -> tuple[int, int]:
+def joined_counts(requests: Iterable[InferRequest]) -> tuple[int, int, int]:
     """For ``record_success``: how many of a batch's requests were joined from several clients' requests
-    (kiln.v2.joined), and how many clients' requests those carried."""
-    joined = members = 0
+    (kiln.v2.joined), how many clients' requests those carried, and how many clients' requests a worker held
+    for an answer before sending them."""
+    joined = members = held = 0
     for request in requests:
+        held += request.held
         if request.members > 1:
             joined += 1
             members += request.members
-    return joined, members
+    return joined, members, held
 
 
 class BatchModel:

@@ -129,6 +129,10 @@ class ModelCollector(Collector):
         yield _counter("kiln_inference_joined_member_success",
                        "Clients' requests those joined requests carried (also counted in "
                        "nv_inference_request_success)", stats, lambda s: s.joined_members)
+        yield _counter("kiln_inference_held_member_success",
+                       "Clients' requests that frontend worker processes held back until an earlier call was "
+                       "answered, to send them together (also counted in nv_inference_request_success)",
+                       stats, lambda s: s.held_members)
         if self._counter_latencies:
             yield from _duration_counters(stats)
         yield self._gauge("nv_inference_pending_request_count",

@@ -70,6 +70,9 @@ class ModelStats:
     # successfully, and the clients' requests they carried (counted in ``success`` as well).
     joined_requests: int = 0
     joined_members: int = 0
+    # Clients' requests a worker held back until an earlier call of theirs was answered, so they would leave
+    # together (docs/serving.md, "Joined requests"; counted in ``success`` as well).
+    held_members: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,10 @@ class StatsRecorder:
         self.observers: list[RequestObserver] = observers if observers is not None else []
 
     def record_success(self, times: ExecutionTimes, enqueued_ns: list[int], end_ns: int,
-                       joined: tuple[int, int] = (0, 0)) -> None:
+                       joined: tuple[int, int, int] = (0, 0, 0)) -> None:
         """One execution that answered ``len(enqueued_ns)`` requests successfully; ``joined``: how many of its
-        requests were joined from several clients' requests, and how many clients' requests those carried."""
+        requests were joined from several clients' requests, how many clients' requests those carried, and how many
+        clients' requests a worker held for an answer first."""
         requests = len(enqueued_ns)
         arrived_ns = sum(enqueued_ns)
         with self._lock:
@@ -114,6 +118,7 @@ class StatsRecorder:
             stats.success.add_many(requests, requests * end_ns - arrived_ns)
             stats.joined_requests += joined[0]
             stats.joined_members += joined[1]
+            stats.held_members += joined[2]
             batch = stats.batch_stats.setdefault(times.batch_size, BatchStats(times.batch_size))
             batch.compute_input.add(times.compute_input_ns)
             batch.compute_infer.add(times.compute_infer_ns)

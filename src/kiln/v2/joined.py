@@ -81,16 +81,20 @@ def rows_of(request: InferRequest) -> int:
 
 
 def slice_request(request: InferRequest, start: int, stop: int, members: int, request_id: str = "",
-                  first: int = 0) -> InferRequest:
+                  first: int = 0, held: int = 0) -> InferRequest:
     """Rows ``start:stop`` of a joined request (views, no copy), standing for ``members`` clients' requests from
-    member ``first`` on. Where the tensors lie in the members' regions (``member_rows``), the slice names those
-    members' regions: a single member's slice is the request its client sent."""
+    member ``first`` on, ``held`` of which a worker held for an answer. Where the tensors lie in the members'
+    regions (``member_rows``), the slice names those members' regions: a single member's slice is the request its
+    client sent."""
     if request.member_rows:
-        return _members_of(request, first, first + members, request_id)
-    inputs = [InputTensor(t.name, t.datatype, (stop - start, *t.shape[1:]), t.data[start:stop], t.parameters)
-              for t in request.inputs]
-    return InferRequest(request.model_name, inputs, request.model_version, request_id, request.outputs,
-                        request.parameters, members)
+        sliced = _members_of(request, first, first + members, request_id)
+    else:
+        inputs = [InputTensor(t.name, t.datatype, (stop - start, *t.shape[1:]), t.data[start:stop], t.parameters)
+                  for t in request.inputs]
+        sliced = InferRequest(request.model_name, inputs, request.model_version, request_id, request.outputs,
+                              request.parameters, members)
+    sliced.held = held
+    return sliced
 
 
 def _members_of(request: InferRequest, first: int, stop: int, request_id: str) -> InferRequest:

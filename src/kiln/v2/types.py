@@ -99,6 +99,9 @@ class InferRequest:
     member_rows: tuple[int, ...] = ()
     """Each member's rows, for a joined request whose tensors lie in its members' own shared-memory regions
     (``member_regions`` on its inputs and outputs); empty otherwise."""
+    held: int = 0
+    """How many of the clients' requests it carries a frontend worker held back for an answer before sending them
+    (docs/serving.md, "Joined requests"); counted by the statistics."""
 
 
 @dataclass

@@ -158,6 +158,7 @@ class InferCalls:
         self._hold_from = hold_from
         self._sent: dict[int, _Sent] = {}
         self._waiting: list[tuple[Hashable, InferRequest, asyncio.Future[Answer]]] = []
+        self._held: set[asyncio.Future[Answer]] = set()  # waiting requests held back at a flush, by their future
         self._in_flight: dict[Hashable, int] = {}  # calls per join key not yet answered in full
         self._batches: dict[Hashable, bool] = {}  # per join key: its last joined request was answered as one
         self._scheduled = False
@@ -277,7 +278,10 @@ class InferCalls:
         for key, request, future in waiting:
             if not future.done():  # its client went away meanwhile
                 groups.setdefault(key, []).append((request, future))
+            else:
+                self._held.discard(future)
         if self._protocol.closed.done():
+            self._held.clear()
             for members in groups.values():
                 for _, future in members:
                     future.set_exception(Refused(LOST))
@@ -286,6 +290,7 @@ class InferCalls:
         for key, members in groups.items():
             if hold and self._in_flight.get(key, 0) >= hold and self._batches.get(key, False):
                 self._waiting.extend((key, request, future) for request, future in members)
+                self._held.update(future for _, future in members)
                 continue
             for start in range(0, len(members), MAX_MEMBERS):
                 out.append(self._send(key, members[start:start + MAX_MEMBERS]))
@@ -306,11 +311,15 @@ class InferCalls:
 
     def _send(self, key: Hashable, members: list[tuple[InferRequest, asyncio.Future[Answer]]]) -> bytes:
         calls = [next(self._ids) for _ in members]  # consecutive: nothing else takes an id meanwhile
+        held = [future in self._held for _, future in members]  # counted by the server's statistics
+        if any(held):
+            self._held.difference_update(future for _, future in members)
         try:
             if len(members) == 1:
-                data = self._infer_frame(calls[0], encode_request(members[0][0], self._request_arena))
+                data = self._infer_frame(calls[0], encode_request(members[0][0], self._request_arena, held=held[0]))
             else:
-                data = self._joined_frame(calls[0], encode_joined([r for r, _ in members], self._request_arena))
+                data = self._joined_frame(calls[0], encode_joined([r for r, _ in members], self._request_arena,
+                                                                  held))
         except Exception as exc:  # the caller's answer, as when a request failed to encode on its own
             for _, future in members:
                 future.set_exception(exc)

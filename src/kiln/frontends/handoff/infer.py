@@ -30,7 +30,7 @@ from kiln.errors import (
 )
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import unpack_offsets
-from kiln.frontends.handoff.tensors import decode_joined, decode_request, encode_response, member_count
+from kiln.frontends.handoff.tensors import Member, decode_joined, decode_request, encode_response, member_count
 from kiln.server.server import Server
 from kiln.v2.joined import slice_request
 from kiln.v2.status import as_kiln_error
@@ -79,19 +79,20 @@ class InferHandoff:
             request, members = decode_joined(payload, self._request_arena, self._release)
         except Exception as exc:  # a descriptor this side cannot read: every member gets the error
             return [(index, self._error(exc), 1) for index in range(member_count(payload))]
-        chunks = _chunks([rows for _, rows in members], self._server.joined_rows(request))
+        chunks = _chunks([member.rows for member in members], self._server.joined_rows(request))
         if len(chunks) == 1:  # the usual case: no gather (it costs a task per chunk)
             return await self._chunk(request, members, *chunks[0])
         answered = await asyncio.gather(*(self._chunk(request, members, first, stop, start, end)
                                           for first, stop, start, end in chunks))
         return [answer for part in answered for answer in part]
 
-    async def _chunk(self, request: InferRequest, members: list[tuple[str, int]], first: int, stop: int,
+    async def _chunk(self, request: InferRequest, members: list[Member], first: int, stop: int,
                      start: int, end: int) -> list[JoinedAnswer]:
         """Members ``first:stop`` (rows ``start:end``): as one request when there are several, else on its own."""
         if stop - first > 1:
             try:
-                response = await self._server.infer(slice_request(request, start, end, stop - first, "", first))
+                held = sum(member.held for member in members[first:stop])
+                response = await self._server.infer(slice_request(request, start, end, stop - first, "", first, held))
             except InvalidArgumentError as exc:
                 if not exc.before_running and not request.member_rows:
                     # the model ran and refused the batch: the same for each, as in any batch
@@ -115,9 +116,9 @@ class InferHandoff:
                 # an output whose first dimension is not the rows cannot be cut by member: each runs on its own
         parts = []
         row = start
-        for index, (request_id, rows) in enumerate(members[first:stop], first):
-            parts.append(slice_request(request, row, row + rows, 1, request_id, index))
-            row += rows
+        for index, member in enumerate(members[first:stop], first):
+            parts.append(slice_request(request, row, row + member.rows, 1, member.id, index, int(member.held)))
+            row += member.rows
         answers = await asyncio.gather(*(self._answer(part) for part in parts))
         return [(index, answer, 1) for index, answer in enumerate(answers, first)]
 

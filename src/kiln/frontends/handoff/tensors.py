@@ -10,7 +10,8 @@ The receiver of a request builds numpy views on the arena (no copy) and hands th
 once the last view is gone, which may be after the answer (a shadow version's mirrored request keeps the inputs).
 
 A joined request (kiln.v2.joined) is one descriptor whose tensors hold its members' rows back to back, and whose
-header lists the members (``members``: each one's request id and rows); the answer to one holds the rows of
+header lists the members (``members``: each one's request id and rows, and a 1 after them where the worker held
+it back for an answer); the answer to one holds the rows of
 ``members`` requests. Where a joined request's tensors lie in shared memory, each input and each output asked for
 there lists its members' regions in order (``regions``: [region, byte_size, offset] each).
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import struct
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -47,24 +48,29 @@ INLINE = -1
 Blob = bytes | memoryview
 
 
-def encode_request(request: InferRequest, arena: Arena | None, routing_key: str | None = None) -> bytes:
-    """The descriptor of a decoded request, its input bytes written into ``arena`` where they fit."""
+def encode_request(request: InferRequest, arena: Arena | None, routing_key: str | None = None,
+                   held: bool = False) -> bytes:
+    """The descriptor of a decoded request, its input bytes written into ``arena`` where they fit; ``held``: the
+    worker held it back for an answer first."""
     blobs = [None if t.shared_memory is not None else [raw_view(t.data, t.datatype)] for t in request.inputs]
     slot, places, inline = _place(blobs, arena)
     inputs = [{"name": t.name, "datatype": t.datatype.wire_name, "shape": list(t.shape),
                "parameters": dict(t.parameters), "at": at} for t, at in zip(request.inputs, places, strict=True)]
-    header = {"model": request.model_name, "version": request.model_version, "id": request.id,
-              "parameters": dict(request.parameters), "inputs": inputs, "outputs": _requested(request),
-              "slot": slot}
+    header: dict[str, Any] = {"model": request.model_name, "version": request.model_version, "id": request.id,
+                              "parameters": dict(request.parameters), "inputs": inputs,
+                              "outputs": _requested(request), "slot": slot}
     if routing_key is not None:
         header["routing_key"] = routing_key
+    if held:
+        header["held"] = 1
     return _message(header, inline)
 
 
-def encode_joined(requests: Sequence[InferRequest], arena: Arena | None) -> bytes:
+def encode_joined(requests: Sequence[InferRequest], arena: Arena | None, held: Sequence[bool] = ()) -> bytes:
     """The descriptor of requests that share a join key (kiln.v2.joined) as one request: every input holds the
     members' rows in order, written straight into ``arena`` (no joined copy is made first), or, where the inputs
-    lie in shared memory, names each member's region (``regions``), as does every output asked for there."""
+    lie in shared memory, names each member's region (``regions``), as does every output asked for there.
+    ``held``: which members the worker held back for an answer first."""
     first = requests[0]
     in_regions = first.inputs[0].shared_memory is not None
     blobs = [None if in_regions else [raw_view(r.inputs[i].data, t.datatype) for r in requests]
@@ -85,7 +91,8 @@ def encode_joined(requests: Sequence[InferRequest], arena: Arena | None) -> byte
             item["regions"] = [_region(r.outputs[i].shared_memory) for r in requests]
     header: dict[str, Any] = {"model": first.model_name, "version": first.model_version, "id": "", "parameters": {},
               "inputs": inputs, "outputs": outputs, "slot": slot,
-              "members": [[r.id, n] for r, n in zip(requests, rows, strict=True)]}
+              "members": [[r.id, n, 1] if was_held else [r.id, n]
+                          for r, n, was_held in zip(requests, rows, held or [False] * len(requests), strict=True)]}
     return _message(header, inline)
 
 
@@ -108,18 +115,29 @@ def decode_request(payload: bytes, arena: Arena | None,
     """The request a descriptor stands for, its inputs numpy views on ``arena`` (read-only, as the in-process
     codec's views on a request body are), and the routing key header it carried."""
     header, inline = _split(payload)
-    return _request(header, inline, arena, release), header.get("routing_key")
+    request = _request(header, inline, arena, release)
+    request.held = int(header.get("held", 0))
+    return request, header.get("routing_key")
+
+
+class Member(NamedTuple):
+    """One client's request in a joined request: its id, its rows, whether its worker held it for an answer."""
+
+    id: str
+    rows: int
+    held: bool = False
 
 
 def decode_joined(payload: bytes, arena: Arena | None,
-                  release: Callable[[int], None]) -> tuple[InferRequest, list[tuple[str, int]]]:
-    """A joined request (``members`` set) and its members' request ids and rows, in order."""
+                  release: Callable[[int], None]) -> tuple[InferRequest, list[Member]]:
+    """A joined request (``members`` set) and its members, in order."""
     header, inline = _split(payload)
-    members = [(str(request_id), int(rows)) for request_id, rows in header["members"]]
+    members = [Member(str(item[0]), int(item[1]), len(item) > 2 and bool(item[2])) for item in header["members"]]
     request = _request(header, inline, arena, release)
     request.members = len(members)
+    request.held = sum(member.held for member in members)
     if any("regions" in item for item in header["inputs"]) or any("regions" in o for o in header["outputs"]):
-        request.member_rows = tuple(rows for _, rows in members)
+        request.member_rows = tuple(member.rows for member in members)
     return request, members
 
 

@@ -168,6 +168,10 @@ def _success(server: Server, model: str) -> tuple[int, int, int]:
             sum(s.execution_count for s in stats))
 
 
+def _held(server: Server, model: str) -> int:
+    return sum(s.held_members for s in server.model_statistics(model))
+
+
 def _joined(server: Server, model: str) -> tuple[int, int]:
     stats = server.model_statistics(model)
     return sum(s.joined_requests for s in stats), sum(s.joined_members for s in stats)
@@ -350,12 +354,15 @@ async def test_requests_that_come_one_per_turn_are_held_while_their_model_has_ca
         server: Server, hold: int, hold_from: int, model: str, kinds: list[int]) -> None:
     async for held in _link(server, join=True, hold=hold, max_hold_s=60, hold_from=hold_from):  # however slow
         await _burst_first(held, model)
+        held_before = _held(server, model)
         answers = await _one_per_turn(held, [_request(model, _rows(i), f"h{i}") for i in range(4)], pause=True)
         for i, answer in enumerate(answers):
             assert isinstance(answer, InferResponse) and answer.id == f"h{i}", answer
             np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
         # Held: the three that came while the first ran leave together once it is answered.
         assert _infer_kinds(held) == kinds
+        # The statistics count the clients' requests a worker held (kiln_inference_held_member_success).
+        assert _held(server, model) - held_before == (3 if frames.INFER_JOINED in kinds else 0)
         assert await held.all_slots_back()
 
 
@@ -450,7 +457,7 @@ def test_a_joined_descriptor_round_trips_inline_and_in_the_arena_with_bytes_tens
     os.close(fd)
     for where in (arena, None):
         joined, members = decode_joined(encode_joined([request(i) for i in range(3)], where), where, lambda _: None)
-        assert members == [("0", 1), ("1", 1), ("2", 1)] and joined.members == 3
+        assert members == [("0", 1, False), ("1", 1, False), ("2", 1, False)] and joined.members == 3
         assert joined.inputs[0].shape == (3, 2) and joined.inputs[1].shape == (3, 3)
         for i in range(3):
             part = slice_request(joined, i, i + 1, 1)
@@ -645,8 +652,8 @@ def test_a_joined_descriptor_names_each_members_regions() -> None:
     requests = [_in_regions("m", rows, f"in{i}", f"out{i}", str(i), in_offset=8 * i) for i, rows in
                 enumerate([1, 3])]
     requests[0].outputs[0].parameters["binary_data"] = False  # kept: it says how the member's answer is encoded
-    joined, members = decode_joined(encode_joined(requests, None), None, lambda _: None)
-    assert members == [("0", 1), ("1", 3)] and joined.member_rows == (1, 3)
+    joined, members = decode_joined(encode_joined(requests, None, [False, True]), None, lambda _: None)
+    assert members == [("0", 1, False), ("1", 3, True)] and joined.member_rows == (1, 3) and joined.held == 1
     assert joined.inputs[0].shape == (4, 3) and joined.inputs[0].shared_memory is None
     assert joined.inputs[0].member_regions == (SharedMemoryRef("in0", 12, 0), SharedMemoryRef("in1", 36, 8))
     assert joined.outputs[0].member_regions == (SharedMemoryRef("out0", 12), SharedMemoryRef("out1", 36))
