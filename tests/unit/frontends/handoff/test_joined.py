@@ -391,6 +391,9 @@ async def test_held_requests_fail_as_unavailable_when_the_link_closes(server: Se
         for task in (first, second):
             (answer,) = await asyncio.wait_for(task, 2)
             assert isinstance(answer, UnavailableError), answer
+    # The first request still waits in the batcher for company: three more rows run it now, not in 5 s at the
+    # server's close.
+    await asyncio.gather(*(asyncio.to_thread(server.infer_sync, _request("patient", _rows(i))) for i in range(3)))
 
 
 @pytest.mark.parametrize(("value", "hold"), [(None, DEFAULT_HOLD), ("", DEFAULT_HOLD), ("0", 0), (" 4 ", 4)])
