@@ -49,7 +49,8 @@ def join_key(request: InferRequest, routing_key: str | None) -> Hashable | None:
     dimension, whether they lie in shared memory, the outputs asked for and whether each goes to shared memory, how
     the answer is encoded), or None for a request that goes on its own: one with parameters the server reads (a
     priority, a timeout, a sequence, any a model may look at), a routing key, some inputs in shared memory and
-    others not, or inputs that disagree on the batch dimension. Members may name different regions: each keeps
+    others not, an output in shared memory for inputs in the request, or inputs that disagree on the batch
+    dimension. Members may name different regions: each keeps
     its own (``member_regions``)."""
     if routing_key is not None or not request.inputs or not _REQUEST_PARAMETERS.issuperset(request.parameters):
         return None
@@ -68,6 +69,8 @@ def join_key(request: InferRequest, routing_key: str | None) -> Hashable | None:
     for output in request.outputs:
         parameters = output.parameters
         if output.shared_memory is not None:
+            if not in_regions:  # members' regions travel with inputs in regions only (member_rows)
+                return None
             parameters = {k: v for k, v in parameters.items() if k not in SHM_PARAMETERS}
         outputs.append((output.name, output.classification, output.shared_memory is not None,
                         orjson.dumps(parameters, option=orjson.OPT_SORT_KEYS) if parameters else b""))

@@ -79,11 +79,15 @@ class InferHandoff:
             request, members = decode_joined(payload, self._request_arena, self._release)
         except Exception as exc:  # a descriptor this side cannot read: every member gets the error
             return [(index, self._error(exc), 1) for index in range(member_count(payload))]
-        chunks = _chunks([member.rows for member in members], self._server.joined_rows(request))
-        if len(chunks) == 1:  # the usual case: no gather (it costs a task per chunk)
-            return await self._chunk(request, members, *chunks[0])
-        answered = await asyncio.gather(*(self._chunk(request, members, first, stop, start, end)
-                                          for first, stop, start, end in chunks))
+        try:
+            chunks = _chunks([member.rows for member in members], self._server.joined_rows(request))
+            if len(chunks) == 1:  # the usual case: no gather (it costs a task per chunk)
+                return await self._chunk(request, members, *chunks[0])
+            answered = await asyncio.gather(*(self._chunk(request, members, first, stop, start, end)
+                                              for first, stop, start, end in chunks))
+        except Exception as exc:  # a fault of this side's: every member still gets an answer, not a wait forever
+            error = self._error(exc)
+            return [(index, error, 1) for index in range(len(members))]
         return [answer for part in answered for answer in part]
 
     async def _chunk(self, request: InferRequest, members: list[Member], first: int, stop: int,

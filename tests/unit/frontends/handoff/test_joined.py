@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.errors import ConfigError, InvalidArgumentError, NotFoundError, UnavailableError
+from kiln.errors import ConfigError, InternalError, InvalidArgumentError, NotFoundError, UnavailableError
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena, create_arena_file
 from kiln.frontends.handoff.calls import (
@@ -639,6 +639,34 @@ async def test_shared_memory_members_of_a_model_without_dynamic_batching_run_one
     assert (after[0] - before[0], after[2] - before[2]) == (3, 3)
 
 
+async def test_requests_with_inputs_in_the_body_and_outputs_in_shared_memory_leave_one_by_one(
+        link: Link, regions: Regions) -> None:
+    requests = []
+    for i in range(3):
+        regions.add(f"out{i}", ROW_BYTES)
+        request = _request("batched", _rows(i), f"b{i}")
+        request.outputs = _in_regions("batched", 1, "unused", f"out{i}").outputs
+        requests.append(request)
+    answers = await _send(link, requests)
+    assert _infer_kinds(link) == [frames.INFER] * 3
+    for i, answer in enumerate(answers):
+        assert isinstance(answer, InferResponse) and answer.outputs[0].shared_memory is not None, answer
+        np.testing.assert_array_equal(regions.rows(f"out{i}", 1), _rows(i))
+
+
+async def test_a_fault_while_answering_a_joined_request_fails_each_member_instead_of_leaving_it_waiting(
+        link: Link, server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(_: InferRequest) -> int:
+        raise RuntimeError("a fault in the server process")
+
+    monkeypatch.setattr(server, "joined_rows", broken)
+    answers = await asyncio.wait_for(_send(link, [_request("batched", _rows(i)) for i in range(4)]), 10)
+    assert _infer_kinds(link) == [frames.INFER, frames.INFER_JOINED]
+    assert isinstance(answers[0], InferResponse)  # alone: not joined
+    for answer in answers[1:]:
+        assert isinstance(answer, InternalError) and "a fault in the server process" in answer.message, answer
+
+
 def test_join_keys_of_requests_in_shared_memory() -> None:
     one, other = _in_regions("m", 1, "a", "b"), _in_regions("m", 2, "c", "d", in_offset=64)
     assert join_key(one, None) is not None and join_key(one, None) == join_key(other, None)  # regions may differ
@@ -649,6 +677,9 @@ def test_join_keys_of_requests_in_shared_memory() -> None:
     mixed = _in_regions("m", 1, "a", "b")
     mixed.inputs.append(InputTensor("INPUT1", DataType.INT32, (1, 3), _rows(0)))
     assert join_key(mixed, None) is None  # some inputs in shared memory and others not
+    body_in = _request("m", _rows(0))
+    body_in.outputs = one.outputs
+    assert join_key(body_in, None) is None  # an output in shared memory for inputs in the request
 
 
 def test_a_joined_descriptor_names_each_members_regions() -> None:
