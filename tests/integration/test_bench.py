@@ -95,8 +95,16 @@ def test_direct_bench_at_a_request_rate_keeps_its_schedule(repo: Path) -> None:
     check_level(level, batch_size=4)
     assert level.request_rate == 200.0 and level.concurrency is None
     assert level.sends is not None and level.sends.dropped == 0
-    assert level.sends.scheduled == pytest.approx(200 * 0.2 * level.windows, rel=0.25)  # the clock's, not the CPU's
+    assert _on_schedule(level, 200.0)  # the clock's, not the CPU's
     assert 0 < level.throughput_infer_per_s <= 200.0 * 1.25, "never faster than the schedule"
+
+
+def _on_schedule(level: LevelResult, rate: float) -> bool:
+    """The sends due at ``rate`` over the level: at least over its merged windows (less 25%), and at most over
+    them plus a second, since the schedule runs from the load's start to its stop, around the windows (on a busy
+    machine starting and stopping the load takes a while)."""
+    assert level.sends is not None
+    return 0.75 * rate * level.duration_s <= level.sends.scheduled <= rate * (level.duration_s + 1.0)
 
 
 def test_sends_due_while_every_slot_is_busy_are_dropped(repo: Path) -> None:
@@ -105,7 +113,7 @@ def test_sends_due_while_every_slot_is_busy_are_dropped(repo: Path) -> None:
                               max_outstanding=1, **QUICK))
     level = result.results[0]
     assert level.sends is not None
-    assert level.sends.scheduled == pytest.approx(200000 * 0.2 * level.windows, rel=0.25)
+    assert _on_schedule(level, 200000.0)
     assert level.sends.dropped > level.sends.scheduled // 2
     assert level.requests <= level.sends.scheduled - level.sends.dropped
 
