@@ -160,11 +160,10 @@ class SharedMemoryRegistry:
                     where = f"model '{request.model_name}': input '{tensor.name}'"
                     tensor.data = lease.read(tensor.shared_memory, tensor.datatype, tensor.shape, where)
             for output in request.outputs:
-                where = f"model '{request.model_name}': output '{output.name}'"
-                for ref in output.member_regions:
-                    lease.window(ref, where)
-                if output.shared_memory is not None and output.shared_memory.region in names:
-                    lease.window(output.shared_memory, where)
+                refs = output.member_regions if output.shared_memory is None or \
+                    output.shared_memory.region not in names else (output.shared_memory,)
+                for ref in refs:
+                    lease.window(ref, f"model '{request.model_name}': output '{output.name}'")
         except BaseException:
             lease.release()
             raise
