@@ -36,15 +36,21 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 SERVER_READY_S = 300.0  # a compiled GPU build loads in 20-40 s, more with a cold compile cache
 RUN_TIMEOUT_S = 600.0
+WORKERS_LISTEN_S = 60.0
+NO_GAUGE_SETTLE_S = 5.0
+HTTP_WORKER = "kiln.frontends.http.worker"
 sys.path.insert(0, str(SRC))
 
 from kiln.bench.machine import machine_info  # noqa: E402
@@ -64,12 +70,34 @@ def server_from(src: Path, repo: Path, models: list[str], log: Path,
         load = [arg for model in models for arg in ("--load-model", model)]
         with kiln_serve([repo], "--model-control-mode", "explicit", *load, *(serve_args or []),
                         log_path=log, ready_timeout_s=SERVER_READY_S) as server:
+            wait_workers_listening(server)
             yield server
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved
+
+
+def wait_workers_listening(server: KilnProcess) -> None:
+    """Until every HTTP worker of ``server`` listens. A tree whose readiness does not wait for its workers answers
+    ready from the first one listening, and perf_analyzer, opening its connections at once, would leave all of them
+    with that worker for the whole cell. A tree without the workers' connection gauge gets a fixed settling time."""
+    workers = [child for child in psutil.Process(server.process.pid).children()
+               if HTTP_WORKER in " ".join(child.cmdline())]
+    deadline = time.monotonic() + WORKERS_LISTEN_S
+    while workers:
+        with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        if "kiln_http_worker_connections" not in text:
+            time.sleep(NO_GAUGE_SETTLE_S)
+            return
+        if text.count("kiln_http_worker_connections{") >= len(workers):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the HTTP workers of the server at {server.http_url} did not all listen within "
+                               f"{WORKERS_LISTEN_S:.0f} s")
+        time.sleep(0.1)
 
 
 def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurrency: int, window_ms: int,

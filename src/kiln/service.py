@@ -75,6 +75,7 @@ class Service:
         http = self._uvicorn(self._http_app(), self.options.http_port, tls=True) if in_process_http else None
         metrics = self._uvicorn(_metrics_app(self.server, self.options.metrics, self._processes),
                                 self.options.metrics_port) if self.options.allow_metrics else None
+        self.server.hold_readiness(True)  # until every frontend listens
         grpc_server = None
         if self.options.allow_grpc and self.options.grpc_workers:
             grpc_server, self.bound["grpc"] = await start_grpc_workers(
@@ -87,12 +88,11 @@ class Service:
                 self.server, self.options.host, self.options.grpc_port,
                 max_message_bytes=self.options.grpc_max_message_bytes, access=self.options.grpc_access,
                 tls=self.grpc_tls, limits=self._grpc_limits())
-        # HTTP starts last: its readiness endpoint answering means every frontend listens (gRPC workers take a
-        # moment to start).
         tasks = [asyncio.create_task(u.serve()) for u in (http, metrics) if u is not None]
         await _wait_started([u for u in (http, metrics) if u is not None], tasks)
         self._record_ports(http, metrics)
         http_workers = await self._start_http_workers() if self.options.allow_http and not in_process_http else None
+        self.server.hold_readiness(False)
         self._log_startup(time.monotonic() - started)
         watcher = asyncio.create_task(self._poll()) if self.options.server.control_mode == "poll" else None
         await self._stop.wait()
@@ -158,7 +158,7 @@ class Service:
                                   options.https_client_ca, log_level="DEBUG" if options.log_verbose else "INFO",
                                   access=options.http_access, limits=options.http_limits)
         workers = HttpWorkers(self.server, self._http_app(), settings)
-        # Known before they start: a client may see the server ready (from a worker) before start() returns here.
+        # Known before they start: their CPU time is watched from their first request on.
         self._pools.append(("http_worker", workers.pool))
         self._http_workers = workers
         try:

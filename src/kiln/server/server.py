@@ -92,6 +92,7 @@ class Server:
         self._path = InferPath(self._catalog, self._regions, self._router)
         self._catalog.manager.caller = self  # Python models call the server's other models through it (BLS)
         self._live = False
+        self._readiness_held = False
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -157,8 +158,14 @@ class Server:
     def live(self) -> bool:
         return self._live
 
+    def hold_readiness(self, held: bool) -> None:
+        """While held, the server does not answer ready although its models are: kiln serve holds it while its
+        frontend processes start, since a client that saw it ready from the first HTTP worker listening would open
+        every connection to that worker and keep them there."""
+        self._readiness_held = held
+
     def ready(self) -> bool:
-        if not self._live or self._path.stopping:
+        if not self._live or self._path.stopping or self._readiness_held:
             return False
         return not self.options.strict_readiness or self._catalog.wanted_ready()
 

@@ -410,3 +410,13 @@ def test_generate_stream_events_come_through_the_workers_one_by_one(served: Kiln
         assert answer.headers["Content-Type"].startswith("text/event-stream")
         events = [json.loads(line[len(b"data: "):]) for line in answer.read().splitlines() if line]
     assert [(e["OUT"], e["IDX"]) for e in events] == [(4, 0), (5, 1), (6, 2)]
+
+
+def test_the_server_is_ready_only_once_every_worker_listens(repo: Path, tmp_path: Path) -> None:
+    """A load generator starts at the first ready answer and opens all its connections at once: had one worker
+    answered ready while the others were still starting, it would have taken every connection for the whole run."""
+    with kiln_serve([repo], "--http-workers", "4", "--allow-grpc", "false", log_path=tmp_path / "serve.log") as served:
+        text = urllib.request.urlopen(f"http://{served.metrics_url}/metrics", timeout=10).read().decode()
+    listening = sorted(sample.labels["process"] for family in text_string_to_metric_families(text)
+                       if family.name == "kiln_http_worker_connections" for sample in family.samples)
+    assert listening == [f"http_worker_{index}" for index in range(4)]
