@@ -71,6 +71,10 @@ def test_readiness_and_index_report_the_broken_model(server: Server, repo: Path)
     lenient = Server(ServerOptions(repositories=[repo], strict_readiness=False))
     lenient.start()
     assert lenient.ready()
+    lenient.hold_readiness(True)  # kiln serve, while its frontend workers start
+    assert lenient.live() and not lenient.ready()
+    lenient.hold_readiness(False)
+    assert lenient.ready()
     lenient.close()
     index = {(e.name, e.version): (e.state, e.reason) for e in server.repository_index()}
     assert index[("simple", "1")] == ("READY", "")
