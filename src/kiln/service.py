@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kiln.console import ConsoleOptions
+from kiln.engines.compile_workers import stop_compile_workers
 from kiln.frontends.grpc.access import GrpcTls
 from kiln.frontends.grpc.server import GrpcConnectionLimits, start_grpc_server
 from kiln.frontends.grpc.workers import start_grpc_workers
@@ -59,6 +60,8 @@ class Service:
         self.grpc_tls = self.options.grpc_tls  # bad certificates fail here, before any model loads
         loop = asyncio.get_running_loop()
         failed = await loop.run_in_executor(None, self.server.start)
+        if await loop.run_in_executor(None, stop_compile_workers):  # nothing compiles until the next load
+            log.info("stopped torch.compile's compile workers: the models are loaded")
         # Models and frameworks are loaded: move their objects out of the collector's way, so full collections
         # stay short while requests are being served (they otherwise show up as latency spikes).
         gc.collect()
