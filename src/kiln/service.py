@@ -60,8 +60,10 @@ class Service:
         self.grpc_tls = self.options.grpc_tls  # bad certificates fail here, before any model loads
         loop = asyncio.get_running_loop()
         failed = await loop.run_in_executor(None, self.server.start)
+        stopping = time.monotonic()
         if await loop.run_in_executor(None, stop_compile_workers):  # nothing compiles until the next load
-            log.info("stopped torch.compile's compile workers: the models are loaded")
+            log.info("stopped torch.compile's compile workers (the models are loaded) in %.1f s",
+                     time.monotonic() - stopping)
         # Models and frameworks are loaded: move their objects out of the collector's way, so full collections
         # stay short while requests are being served (they otherwise show up as latency spikes).
         gc.collect()
