@@ -163,7 +163,7 @@ class Service:
                                   options.https_client_ca, log_level="DEBUG" if options.log_verbose else "INFO",
                                   access=options.http_access, limits=options.http_limits)
         workers = HttpWorkers(self.server, self._http_app(), settings)
-        # Known before they start: their CPU time is watched from their first request on.
+        # Known before they start, so that the metrics list each worker from its first moment.
         self._pools.append(("http_worker", workers.pool))
         self._http_workers = workers
         try:
