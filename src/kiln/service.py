@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kiln.compile_workers import stop_compile_workers
 from kiln.console import ConsoleOptions
-from kiln.engines.compile_workers import stop_compile_workers
 from kiln.frontends.grpc.access import GrpcTls
 from kiln.frontends.grpc.server import GrpcConnectionLimits, start_grpc_server
 from kiln.frontends.grpc.workers import start_grpc_workers

@@ -33,6 +33,7 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     "_flags": ({"errors"}, set()),
     "_proto_pool": (set(), {"google"}),
     "heap": (set(), set()),  # malloc settings for kiln's serving processes: theirs, and the cluster replicas'
+    "compile_workers": (set(), set()),  # torch.compile's worker pool, stopped by kiln serve once its models loaded
     "v2": (BASE | {"_proto_pool"}, {"numpy", "orjson", "google", "grpc", "starlette"}),
     "config": (PROTOCOL | {"_files"}, {"numpy", "onnx", "google"}),
     "engines": (PROTOCOL | {"config", "_files"}, {"numpy", "ml_dtypes", "onnx", "onnxruntime", "torch", "tensorrt"}),
@@ -46,7 +47,8 @@ RULES: dict[str, tuple[set[str], set[str]]] = {
     # The browser console: pages and a status document over the Server, mounted by the HTTP frontend; GPU figures
     # through the metrics frontend's NVML collector.
     "console": (PROTOCOL | {"server", "frontends", "kiln"}, {"starlette", "prometheus_client"}),
-    "service": (PROTOCOL | {"config", "server", "frontends", "service_options", "kiln", "console", "heap"},
+    "service": (PROTOCOL | {"config", "server", "frontends", "service_options", "kiln", "console", "heap",
+                            "compile_workers"},
                 {"starlette", "uvicorn", "uvloop"}),
     "service_options": (PROTOCOL | {"_flags", "server", "frontends"}, set()),
     "serve_process": (PROTOCOL, set()),

@@ -1,4 +1,4 @@
-"""Inductor's compile-worker pool is stopped once loading is over (kiln/engines/compile_workers.py): run in a fresh
+"""Inductor's compile-worker pool is stopped once loading is over (kiln/compile_workers.py): run in a fresh
 interpreter, so that the pool and its processes are this test's alone."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import sys, time
-    from kiln.engines.compile_workers import stop_compile_workers
+    from kiln.compile_workers import stop_compile_workers
     assert not stop_compile_workers() and "torch" not in sys.modules  # nothing to stop, torch left unimported
 
     import psutil, torch
