@@ -50,8 +50,7 @@ def join_key(request: InferRequest, routing_key: str | None) -> Hashable | None:
     the answer is encoded), or None for a request that goes on its own: one with parameters the server reads (a
     priority, a timeout, a sequence, any a model may look at), a routing key, some inputs in shared memory and
     others not, an output in shared memory for inputs in the request, or inputs that disagree on the batch
-    dimension. Members may name different regions: each keeps
-    its own (``member_regions``)."""
+    dimension. Members may name different regions: each keeps its own (``member_regions``)."""
     if routing_key is not None or not request.inputs or not _REQUEST_PARAMETERS.issuperset(request.parameters):
         return None
     rows = request.inputs[0].shape[0] if request.inputs[0].shape else 0
