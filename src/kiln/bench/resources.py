@@ -28,6 +28,7 @@ log = logging.getLogger("kiln.bench")
 
 MIB = 1024 * 1024
 SAMPLE_INTERVAL_S = 0.1
+TREE_REFRESH_S = 1.0
 
 ByteReader = Callable[[], "int | None"]
 
@@ -66,6 +67,30 @@ class _CpuReading(NamedTuple):
     machine: Any  # psutil.cpu_times()
 
 
+class ProcessTree:
+    """A process and its descendants, listed again at most every ``refresh_s``. Listing them reads every process's
+    /proc entry (psutil), and in a process whose other threads keep the GIL busy (a direct bench's callers) each
+    of those reads waits for it: listed at every 100 ms memory sample, that took 0.2 s a time on 2 cores and stole
+    the GIL from the load. A child started since the last listing is counted from the next one."""
+
+    def __init__(self, process: Any, refresh_s: float = TREE_REFRESH_S) -> None:
+        self._process = process
+        self._refresh_s = refresh_s
+        self._members: list[Any] = []
+        self._listed_at = -float("inf")
+        self._lock = threading.Lock()
+
+    def descendants(self, fresh: bool = False) -> list[Any]:
+        """The descendants (psutil processes) as last listed; listed now when ``fresh`` or when due. Raises
+        psutil's error when the process itself is gone."""
+        with self._lock:
+            now = time.monotonic()
+            if fresh or now - self._listed_at >= self._refresh_s:
+                self._members = self._process.children(recursive=True)
+                self._listed_at = now
+            return self._members
+
+
 class CpuMeter:
     """The CPU of ``pid`` (and its children) between :meth:`start` and the last :meth:`mark` (else :meth:`stop`);
     None figures without psutil or once the process is gone. Marking at the end of each measured window keeps the
@@ -81,9 +106,10 @@ class CpuMeter:
             import psutil
 
             self._process = psutil.Process(pid)
+            self._tree = ProcessTree(self._process)
 
     def start(self) -> None:
-        self._start, self._mark = self._read(), None
+        self._start, self._mark = self._read(fresh=True), None
 
     def mark(self) -> None:
         self._mark = self._read() or self._mark
@@ -106,7 +132,7 @@ class CpuMeter:
                           busiest_child=round(max(children, default=0.0) / wall, 3),
                           main_thread=round(min(main, process), 3))
 
-    def _read(self) -> _CpuReading | None:
+    def _read(self, fresh: bool = False) -> _CpuReading | None:
         if self._process is None:
             return None
         import psutil
@@ -122,7 +148,7 @@ class CpuMeter:
                 threads = {t.id: t.user_time + t.system_time for t in self._process.threads()}
             at = (reading + time.monotonic()) / 2
             children = {}
-            for child in self._process.children(recursive=True):
+            for child in self._tree.descendants(fresh):
                 with contextlib.suppress(psutil.Error):  # a child that ended meanwhile
                     child_times = child.cpu_times()
                     children[child.pid] = child_times.user + child_times.system
@@ -159,13 +185,15 @@ def rss_reader(pid: int | None) -> ByteReader | None:
         log.warning("process %d does not exist: its RSS is not measured", pid)
         return None
 
+    tree = ProcessTree(process)
+
     def read() -> int | None:
         try:
-            tree = [process, *process.children(recursive=True)]
+            members = [process, *tree.descendants()]
         except psutil.Error:
             return None
         total = 0
-        for member in tree:
+        for member in members:
             with contextlib.suppress(psutil.Error):
                 total += int(member.memory_info().rss)
         return total
@@ -183,6 +211,15 @@ def process_tree(pid: int) -> set[int]:
         return {pid}
 
 
+def _tree(pid: int) -> ProcessTree | None:
+    try:
+        import psutil
+
+        return ProcessTree(psutil.Process(pid))
+    except Exception:  # psutil missing or no such process
+        return None
+
+
 def import_nvml() -> Any | None:
     """pynvml (package nvidia-ml-py) when installed, initialized, with at least one GPU; else None."""
     try:
@@ -198,9 +235,13 @@ def import_nvml() -> Any | None:
 def nvml_process_reader(nvml: Any, pid: int) -> ByteReader:
     """GPU memory NVML attributes to ``pid`` and its children, over every GPU; None when NVML lists none of them
     (a process without a CUDA context, or a container whose PIDs NVML cannot see)."""
+    tree = _tree(pid)
 
     def read() -> int | None:
-        pids = process_tree(pid)
+        pids = {pid}
+        if tree is not None:
+            with contextlib.suppress(Exception):  # the process gone: the pid alone still identifies it in NVML
+                pids.update(child.pid for child in tree.descendants())
         total, seen = 0, False
         try:
             for index in range(nvml.nvmlDeviceGetCount()):

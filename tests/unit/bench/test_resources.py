@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 import psutil
 
-from kiln.bench.resources import MIB, CpuMeter, MemorySampler, gpu_reader, nvml_process_reader, rss_reader
+from kiln.bench.resources import (
+    MIB,
+    CpuMeter,
+    MemorySampler,
+    ProcessTree,
+    gpu_reader,
+    nvml_process_reader,
+    rss_reader,
+)
 
 
 def test_idle_is_read_before_the_level_and_peak_is_the_highest_sample() -> None:
@@ -174,3 +182,17 @@ def test_cpu_is_read_up_to_the_last_mark_so_threads_that_end_with_the_load_still
     assert figures is not None
     assert burned > 0.05, "the spinning thread got almost no CPU: nothing to measure"
     assert figures.busiest_thread > 0.7 * burned, (figures, burned)  # read at the mark, while it still ran
+
+
+def test_the_process_tree_is_listed_again_only_when_due_or_asked() -> None:
+    me = psutil.Process()
+    tree, every_time = ProcessTree(me, refresh_s=60), ProcessTree(me, refresh_s=0)
+    before = {p.pid for p in tree.descendants()}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert {p.pid for p in tree.descendants()} == before  # not due: the last listing
+        assert child.pid in {p.pid for p in every_time.descendants()}
+        assert child.pid in {p.pid for p in tree.descendants(fresh=True)}
+    finally:
+        child.kill()
+        child.wait()
