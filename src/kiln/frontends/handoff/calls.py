@@ -11,9 +11,11 @@ flight keeps its new requests until one of those calls is answered; they then le
 the worker has ``HOLD_FROM`` requests out: with fewer, the requests it would hold are the ones the server's batcher
 puts into its next batch while the calls out run, and holding them back for an answer takes them out of it (behind
 2-4 workers at 16 clients, a 1 ms device stand-in ran batches of 4 rows instead of 8 and answered 0.64x as many
-requests; benchmarks/results/join_hold_from-dev2core-2026-12-05.txt). Only keys whose joined
-requests the server process answered as one batch are held: for a model that runs its members one by one (no
-dynamic batching, A/B weights), a held group would only wait for its slowest member. This is the batch the
+requests; benchmarks/results/join_hold_from-dev2core-2026-12-05.txt). A key whose last joined request the server
+process answered member by member is not held: for a model that runs its members one by one (no dynamic batching,
+A/B weights), a held group would only wait for its slowest member. A key not seen yet is held, and its first
+answer tells: requests that come one per loop turn (grpc.aio hands a worker its calls so) would otherwise never
+form the joined request that shows the model batches them. This is the batch the
 server would have formed anyway while the earlier calls ran, formed where it costs nothing, and a lone client's
 request still waits for nothing: with fewer than ``hold`` calls in flight it leaves at the end of its turn. No request
 is held longer than ``MAX_HOLD_S``: a model whose batcher waits for company (a queue delay, preferred sizes) gets it
@@ -288,7 +290,7 @@ class InferCalls:
             return
         out = [self._releases.take()]
         for key, members in groups.items():
-            if hold and self._in_flight.get(key, 0) >= hold and self._batches.get(key, False):
+            if hold and self._in_flight.get(key, 0) >= hold and self._batches.get(key, True):
                 self._waiting.extend((key, request, future) for request, future in members)
                 self._held.update(future for _, future in members)
                 continue

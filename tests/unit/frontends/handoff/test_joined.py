@@ -366,6 +366,25 @@ async def test_requests_that_come_one_per_turn_are_held_while_their_model_has_ca
         assert await held.all_slots_back()
 
 
+@pytest.mark.parametrize(("model", "second_kinds"), [
+    ("batched", [frames.INFER, frames.INFER_JOINED]),
+    ("unbatched", [frames.INFER] * 4),  # the first held group was answered member by member: no more holding
+])
+async def test_a_model_not_seen_yet_is_held_and_its_first_answer_tells_whether_to_hold_again(
+        server: Server, model: str, second_kinds: list[int]) -> None:
+    """Requests that only ever come one per turn (as grpc.aio hands them over) never join on their own: without
+    holding the key it has not seen, a worker would never learn that the model batches them."""
+    async for held in _link(server, join=True, hold=1, max_hold_s=60, hold_from=1):
+        for kinds in ([frames.INFER, frames.INFER_JOINED], second_kinds):
+            answers = await _one_per_turn(held, [_request(model, _rows(i), f"n{i}") for i in range(4)], pause=True)
+            for i, answer in enumerate(answers):
+                assert isinstance(answer, InferResponse) and answer.id == f"n{i}", answer
+                np.testing.assert_array_equal(answer.outputs[0].data, _rows(i))
+            assert _infer_kinds(held) == kinds
+            held.kinds.clear()
+        assert await held.all_slots_back()
+
+
 async def test_held_requests_leave_after_max_hold_for_a_batcher_that_waits_for_them(server: Server) -> None:
     """The first call waits in the batcher for the rows the worker holds; the hold ends after max_hold_s, so the
     batch fills and runs without the 5 s queue delay."""
