@@ -68,7 +68,7 @@ class _CpuReading(NamedTuple):
 
 
 class ProcessTree:
-    """A process and its descendants, listed again at most every ``refresh_s``. Listing them reads every process's
+    """A process's descendants, listed again at most every ``refresh_s``. Listing them reads every process's
     /proc entry (psutil), and in a process whose other threads keep the GIL busy (a direct bench's callers) each
     of those reads waits for it: listed at every 100 ms memory sample, that took 0.2 s a time on 2 cores and stole
     the GIL from the load. A child started since the last listing is counted from the next one."""

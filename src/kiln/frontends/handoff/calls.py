@@ -14,8 +14,8 @@ puts into its next batch while the calls out run, and holding them back for an a
 requests; benchmarks/results/join_hold_from-dev2core-2026-12-05.txt). A key whose last joined request the server
 process answered member by member is not held: for a model that runs its members one by one (no dynamic batching,
 A/B weights), a held group would only wait for its slowest member. A key not seen yet is held, and its first
-answer tells: requests that come one per loop turn (grpc.aio hands a worker its calls so) would otherwise never
-form the joined request that shows the model batches them. This is the batch the
+answer tells: requests that come one per loop turn (grpc.aio hands a worker its calls so) seldom join on their
+own, so the joined request that shows the model batches them might never form. This is the batch the
 server would have formed anyway while the earlier calls ran, formed where it costs nothing, and a lone client's
 request still waits for nothing: with fewer than ``hold`` calls in flight it leaves at the end of its turn. No request
 is held longer than ``MAX_HOLD_S``: a model whose batcher waits for company (a queue delay, preferred sizes) gets it
