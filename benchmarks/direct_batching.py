@@ -35,7 +35,6 @@ from kiln.direct import BatchingEngine
 from kiln.engines.base import Engine
 
 BUSIEST_SHOWN = 3
-CALLING_ON_S = 0.2  # callers go on past the window, so that it closes under the same load and counts their threads
 
 
 class ThreadCpu:
@@ -75,7 +74,8 @@ def _group(name: str) -> str:
 def run_threads(engine: Engine, inputs: list[dict[str, Any]], start_at: float, stop_at: float,
                 latencies: list[list[int]], last: list[Any], window: Window) -> None:
     def caller(index: int) -> None:
-        while (now := time.monotonic()) < stop_at + CALLING_ON_S:
+        while not window.closed.is_set():  # calling on until the window has closed: it closes under the same load
+            now = time.monotonic()
             began = time.perf_counter_ns()
             last[index] = engine.infer(inputs[index])
             if start_at <= now < stop_at:
@@ -95,7 +95,8 @@ def run_threads(engine: Engine, inputs: list[dict[str, Any]], start_at: float, s
 def run_coroutines(engine: Engine, inputs: list[dict[str, Any]], start_at: float, stop_at: float,
                    latencies: list[list[int]], last: list[Any], window: Window) -> None:
     async def caller(index: int) -> None:
-        while (now := time.monotonic()) < stop_at + CALLING_ON_S:
+        while not window.closed.is_set():
+            now = time.monotonic()
             began = time.perf_counter_ns()
             last[index] = await engine.ainfer(inputs[index])
             if start_at <= now < stop_at:
@@ -122,6 +123,7 @@ class Window:
         self.average_batch = 1.0
         self.process_cores = 0.0
         self.busiest: list[tuple[str, float]] = []
+        self.closed = threading.Event()  # the callers stop once it is set, so their threads are counted by name
 
     def opens(self) -> None:
         self._cpu.start()
@@ -129,6 +131,7 @@ class Window:
 
     def closes(self) -> None:
         self.process_cores, self.busiest = self._cpu.stop()
+        self.closed.set()
         executions, inferences = self._counts()
         if isinstance(self._engine, BatchingEngine):
             self.average_batch = (inferences - self._batches[1]) / max(1, executions - self._batches[0])
