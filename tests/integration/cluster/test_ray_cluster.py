@@ -122,6 +122,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(orphan).kill()
         shutil.rmtree(temp, ignore_errors=True)
+    # SIGTERM is how a process manager stops it: it deletes its application and exits cleanly (a kill leaves -9).
+    assert process is None or process.returncode == 0, f"kiln cluster serve exited {process.returncode} on SIGTERM"
 
 
 @pytest.fixture(scope="module")
@@ -380,6 +382,13 @@ def test_a_killed_replica_under_load_fails_only_the_requests_in_flight(cluster: 
     pytest.fail(f"no replica replaced {victim} within 60 s")
 
 
+def _delete_in_background(names: list[str]) -> None:
+    """Delete applications without waiting for them to go: each waits out its replicas' graceful shutdown (about
+    7 s on a 2-core machine) while later tests run, and the module's `ray stop` ends whatever is left."""
+    for name in names:
+        serve.delete(name, _blocking=False)
+
+
 def test_replicas_scale_up_under_load(cluster: RayCluster) -> None:
     """A second application on the same cluster, autoscaling 1..2 replicas on ongoing requests (its replicas ask
     for no CPU: the first application's hold both)."""
@@ -405,7 +414,7 @@ def test_replicas_scale_up_under_load(cluster: RayCluster) -> None:
               f"{load.failed} failed")
         assert load.failed == 0 and load.ok > 0
     finally:
-        serve.delete("scaled")
+        _delete_in_background(["scaled"])
 
 
 def _served_versions(client: Any, answers: int) -> set[tuple[str, ...]]:
@@ -462,7 +471,7 @@ def test_a_replica_starting_after_a_corrupt_version_serves_the_newest_that_loads
         _infer_simple(client)
     finally:
         client.close()
-        serve.delete("late")
+        _delete_in_background(["late"])
 
 
 def test_an_edge_forwards_to_the_cluster_and_syncs_a_version_published_there(cluster: RayCluster,
@@ -559,17 +568,6 @@ def test_every_replica_asks_for_the_api_key_on_the_download_and_capture_routes(c
         "env_vars": {"KILN_API_KEY": "k"}}
 
 
-def _delete_applications(names: list[str], timeout_s: float = 60) -> None:
-    """Delete them all at once and wait until they are gone: one by one, each waits out its replicas' graceful
-    shutdown (about 7 s on a 2-core machine)."""
-    for name in names:
-        serve.delete(name, _blocking=False)
-    deadline = time.monotonic() + timeout_s
-    while left := set(names) & set(serve.status().applications):
-        assert time.monotonic() < deadline, f"applications {sorted(left)} still there {timeout_s} s after deletion"
-        time.sleep(0.2)
-
-
 SPLIT_MODELS = ("simple", "mlp_pipeline", "mlp_preprocess", "mlp", "mlp_postprocess")
 
 
@@ -626,7 +624,7 @@ def test_a_repository_split_per_model_places_each_model_on_replicas_of_its_own(c
              ["mlp_preprocess"], ["simple"]]), models_by_replica
     finally:
         client.close()
-        _delete_applications([application.name for application in [*per_model, front]])
+        _delete_in_background([application.name for application in [*per_model, front]])
 
 
 _PY_CONFIG = """name: "py"
