@@ -365,7 +365,7 @@ def _check_alive(region: _Region, where: str) -> None:
         raise NotFoundError(f"shared memory region '{status.name}': shared memory object '{status.key}' no longer "
                             f"exists (destroyed or replaced after registration?); unregister the region and "
                             f"register it again")
-    if os.fstat(region.fd).st_size < status.offset + status.byte_size:
+    if current.st_size < status.offset + status.byte_size:  # the object we mapped: lstat's size is fstat's
         raise NotFoundError(f"shared memory region '{status.name}': shared memory object '{status.key}' shrank "
                             f"below offset + byte_size = {status.offset + status.byte_size} bytes after "
                             f"registration; unregister the region and register it again")
