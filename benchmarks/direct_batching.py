@@ -130,8 +130,10 @@ class Window:
         self._batches = self._counts()
 
     def closes(self) -> None:
-        self.process_cores, self.busiest = self._cpu.stop()
-        self.closed.set()
+        try:
+            self.process_cores, self.busiest = self._cpu.stop()
+        finally:
+            self.closed.set()  # the callers stop whatever happened here
         executions, inferences = self._counts()
         if isinstance(self._engine, BatchingEngine):
             self.average_batch = (inferences - self._batches[1]) / max(1, executions - self._batches[0])
