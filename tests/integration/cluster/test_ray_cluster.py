@@ -8,7 +8,9 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,7 +51,7 @@ from kiln.edge import EdgeRunner, Policy  # noqa: E402
 from kiln.edge.capture import EdgeCapture  # noqa: E402
 from kiln.edge.sync import HttpSyncSource, ModelSync, SyncOptions  # noqa: E402
 from kiln.errors import InvalidArgumentError  # noqa: E402
-from kiln.serve_process import KilnProcess, free_port, kiln_serve, wait_ready  # noqa: E402
+from kiln.serve_process import KilnProcess, kiln_serve, wait_ready  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[3] / "src"
 APP = "kiln"
@@ -71,6 +73,28 @@ def _haproxies() -> set[int]:
     return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"}
 
 
+def _quiet_ports(count: int) -> list[int]:
+    """Free ports the kernel does not hand out on its own: below its ephemeral range and above Ray's worker ports
+    (10002-19999). Between picking the cluster's ports and Serve binding them, `ray start` runs for half a minute,
+    and Ray's processes bind and connect from ephemeral ports meanwhile: one took HAProxy's gRPC port once."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            ephemeral_low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    free = []
+    for port in random.sample(range(20000, max(ephemeral_low, 20000 + 4 * count)), 4 * count):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        free.append(port)
+        if len(free) == count:
+            return free
+    raise RuntimeError(f"fewer than {count} free ports between 20000 and {ephemeral_low}")
+
+
 def _ray(*args: str, env: dict[str, str]) -> None:
     ray_cli = Path(sys.executable).parent / "ray"
     subprocess.run([str(ray_cli), *args], env=env, check=True, capture_output=True, timeout=120)
@@ -82,16 +106,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
     build_demo_repository(repository)
     # Ray's socket paths must stay under the OS's limit: a short folder of its own, not pytest's deep one.
     temp = tempfile.mkdtemp(prefix="kr", dir="/tmp")
+    head_port, http_port, grpc_port, haproxy_metrics_port, stats_port = _quiet_ports(5)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]),
            # HAProxy's own metrics and stats ports, away from those of any other Serve on this machine.
-           "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+           "RAY_SERVE_HAPROXY_METRICS_PORT": str(haproxy_metrics_port), "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port),
            # As docs/cluster.md says to start a cluster: every Serve process, whoever deploys to it, with them.
            **ingress_environment("haproxy"),
            # Replicas report their load for autoscaling each second, not every 10 s, so the scale-up test is quick.
            "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
     haproxies_before = _haproxies()
-    address, http_port, grpc_port = f"127.0.0.1:{free_port()}", free_port(), free_port()
+    address = f"127.0.0.1:{head_port}"
     process = None
     try:
         _ray("start", "--head", "--port", address.split(":")[1], "--num-cpus", "1", "--resources", '{"head": 1}',
