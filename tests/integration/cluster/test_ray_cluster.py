@@ -119,7 +119,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
     address = f"127.0.0.1:{head_port}"
     process = None
     try:
-        _ray("start", "--head", "--port", address.split(":")[1], "--num-cpus", "1", "--resources", '{"head": 1}',
+        _ray("start", "--head", "--port", str(head_port), "--num-cpus", "1", "--resources", '{"head": 1}',
              "--temp-dir", temp, "--include-dashboard", "false", "--disable-usage-stats", env=env)
         _ray("start", "--address", address, "--num-cpus", "1", "--resources", '{"worker": 1}',
              "--disable-usage-stats", env=env)
