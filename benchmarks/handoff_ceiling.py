@@ -106,11 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                              f"instances, FP16 3x224x224 images, preferred [8, 32]; {args.seconds:g} s per row; "
                              f"requests spread over 0-{args.spread_turns} turns")
     text = header(info) + "\n" + table(
-        ["workers", "conc", "requests", "req/s", "vs one by one", "server cpu us/req", "avg batch"],
+        ["workers", "conc", "requests", "req/s", "vs one by one", "server cpu us/req", "loop cpu us/req",
+         "avg batch"],
         [[r["workers"], r["concurrency"], r["mode"], r["requests_per_s"], f"{r['vs_one_by_one']:.2f}x",
-          f"{r['server_cpu_us']:.0f}", f"{r['average_batch']:.1f}"] for r in rows], numeric_from=3)
+          f"{r['server_cpu_us']:.0f}", f"{r['loop_cpu_us']:.0f}", f"{r['average_batch']:.1f}"] for r in rows],
+        numeric_from=3)
     text += ("\nserver cpu us/req: the server process's CPU time (all its threads: the event loop, the stand-in's "
-             "staging of rows, the batcher) per request answered\n")
+             "staging of rows, the batcher) per request answered; loop cpu us/req: the event loop's thread alone\n")
     print(text)
     write_outputs(args.output, {**info, "rows": rows, "settings": vars(args)}, text)
     return 0
@@ -123,7 +125,7 @@ async def _measure(server: Server, workers: int, concurrency: int, join: bool, h
     links: list[CoreLink] = []
     shares = [concurrency // workers + (1 if i < concurrency % workers else 0) for i in range(workers)]
     before = server.model_statistics(MODEL)[0]
-    cpu_before = time.process_time()
+    cpu_before, loop_cpu_before = time.process_time(), time.thread_time()
     started = time.perf_counter()
     for share in shares:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -143,7 +145,7 @@ async def _measure(server: Server, workers: int, concurrency: int, join: bool, h
                 os.close(fd)
     outputs = await asyncio.gather(*(loop.run_in_executor(None, child.communicate) for child in children))
     elapsed = time.perf_counter() - started
-    cpu = time.process_time() - cpu_before
+    cpu, loop_cpu = time.process_time() - cpu_before, time.thread_time() - loop_cpu_before
     after = server.model_statistics(MODEL)[0]
     for link in links:
         if link.protocol.transport is not None:
@@ -154,6 +156,7 @@ async def _measure(server: Server, workers: int, concurrency: int, join: bool, h
         raise RuntimeError(f"the server counted {counted} requests, the workers got {answered} answers")
     executions = after.execution_count - before.execution_count
     return {"requests_per_s": answered / seconds, "server_cpu_us": cpu / max(1, answered) * 1e6,
+            "loop_cpu_us": loop_cpu / max(1, answered) * 1e6,
             "average_batch": (after.inference_count - before.inference_count) / max(1, executions),
             "wall_s": elapsed}
 

@@ -116,5 +116,5 @@ def test_handoff_ceiling_runs_each_row_one_by_one_joined_and_held(tmp_path: Path
     rows = read_json(output)["rows"]
     assert [row["mode"] for row in rows] == ["one by one", "joined per turn", "joined, held at once", "joined, held"]
     # The script itself checks the server counted every answer; joined requests form bigger batches.
-    assert all(row["requests_per_s"] > 0 and row["server_cpu_us"] > 0 for row in rows), rows
+    assert all(row["requests_per_s"] > 0 and 0 < row["loop_cpu_us"] <= row["server_cpu_us"] for row in rows), rows
     assert min(rows[1]["average_batch"], rows[2]["average_batch"]) > rows[0]["average_batch"], rows
