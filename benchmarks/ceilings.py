@@ -17,12 +17,14 @@ response, driven by the same load generators and concurrency as the other benchm
 * ``granian-rsgi``:    granian (a Rust HTTP server, hyper and tokio; one worker process, uvloop) with an RSGI
                        callable that reads the body and answers: the same work as ``asgi-raw`` with the HTTP
                        protocol and the body's buffering in Rust (needs ``pip install granian``; not in the default
-                       list).
+                       list);
+* ``granian-starlette``: granian's ASGI interface serving the ``starlette`` variant's app: what swapping uvicorn
+                       for granian under kiln's HTTP stack would give, against what an RSGI callable gives.
 
 ``--body image`` sends the request of an image model instead of mlp's 256 bytes: one 3x224x224 FP16 tensor with the
 binary-data extension (301 KB), as the GPU benchmarks' ResNet-50 requests are (HTTP variants that do not decode the
-body: ``asgi-raw``, ``starlette``, ``granian-rsgi``). Receiving a body that size costs some HTTP stacks far more
-than others, most of all at low concurrency.
+body: ``asgi-raw``, ``starlette``, ``granian-rsgi``, ``granian-starlette``). Receiving a body that size costs some
+HTTP stacks far more than others, most of all at low concurrency.
 
 The gap between a ceiling and kiln's figure is kiln's own per-request cost; the ceiling itself is the price of
 the framework.
@@ -159,7 +161,7 @@ _SERVER = textwrap.dedent('''
                     access_log=False)
 ''')
 
-# granian's worker process imports the RSGI callable from this module (beside the server script).
+# granian's worker process imports the RSGI callable (or the ASGI app) from this module (beside the server script).
 _RSGI_MODULE = textwrap.dedent('''
     import os
     RESPONSE = open(os.environ["CEILINGS_RESPONSE"], "rb").read()
@@ -168,11 +170,21 @@ _RSGI_MODULE = textwrap.dedent('''
     async def app(scope, protocol):
         await protocol()
         protocol.response_bytes(200, HEADERS, RESPONSE)
+
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def infer(request):
+        await request.body()
+        return Response(RESPONSE, media_type="application/json")
+
+    starlette_app = Starlette(routes=[Route("/v2/models/{model}/infer", infer, methods=["POST"])])
 ''')
 
 HTTP_VARIANTS = ("asgi-raw", "starlette", "starlette-json", "starlette-json-ort")
-GRANIAN_VARIANTS = ("granian-rsgi",)
-RAW_BODY_VARIANTS = ("asgi-raw", "starlette", "granian-rsgi")  # read the body without decoding it
+GRANIAN_VARIANTS = ("granian-rsgi", "granian-starlette")
+RAW_BODY_VARIANTS = ("asgi-raw", "starlette", "granian-rsgi", "granian-starlette")  # read the body without decoding it
 GRPC_VARIANTS = ("grpc-aio-bytes", "grpc-aio-bytes-x2", "grpc-aio-pb", "grpc-aio-pb-ort", "grpc-aio-pb-ort-asyncio",
                  "grpc-sync-pb")
 
@@ -237,9 +249,10 @@ def _measure(variant: str, tmp: Path, script: Path, model: Path, http_request: t
     cmd = [sys.executable, str(script), variant, str(port), str(response_file), str(model)]
     env = None
     if variant in GRANIAN_VARIANTS:
-        cmd = [sys.executable, "-m", "granian", "--interface", "rsgi", "--host", "127.0.0.1", "--port", str(port),
-               "--workers", "1", "--loop", "uvloop", "--no-ws", "--log-level", "warning", "--working-dir", str(tmp),
-               "rsgi_app:app"]
+        asgi = variant == "granian-starlette"
+        cmd = [sys.executable, "-m", "granian", "--interface", "asgi" if asgi else "rsgi", "--host", "127.0.0.1",
+               "--port", str(port), "--workers", "1", "--loop", "uvloop", "--no-ws", "--log-level", "warning",
+               "--working-dir", str(tmp), "rsgi_app:starlette_app" if asgi else "rsgi_app:app"]
         env = {**os.environ, "CEILINGS_RESPONSE": str(response_file)}
     copies = 2 if variant.endswith("-x2") else 1
     with contextlib.ExitStack() as stack:
