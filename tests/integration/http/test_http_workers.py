@@ -1,6 +1,7 @@
 """`kiln serve --http-workers 2` as a subprocess, against the same repository served by one process: the same
 answers byte for byte (infer JSON and binary, gzip, raw bodies, classification, errors, metadata, API keys),
-tritonclient end to end with system shared memory, many concurrent requests, and a worker killed and replaced."""
+tritonclient end to end with system shared memory, many concurrent requests, a worker killed and replaced, and
+workers that fail to start."""
 
 from __future__ import annotations
 
@@ -420,3 +421,15 @@ def test_the_server_is_ready_only_once_every_worker_listens(repo: Path, tmp_path
     listening = sorted(sample.labels["process"] for family in text_string_to_metric_families(text)
                        if family.name == "kiln_http_worker_connections" for sample in family.samples)
     assert listening == [f"http_worker_{index}" for index in range(4)]
+
+
+def test_workers_that_fail_to_start_stop_the_server_with_the_reason(repo: Path, tmp_path: Path) -> None:
+    # The workers load the certificate: each exits before it listens, and the server says why it stops.
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    log = tmp_path / "serve.log"
+    with pytest.raises(RuntimeError, match="exited with status 1"):
+        with kiln_serve([repo], "--http-workers", "2", "--allow-grpc", "false", "--https-certfile", str(junk),
+                        "--https-keyfile", str(junk), log_path=log, ready_timeout_s=30.0):
+            pass
+    assert "HTTP workers did not start listening" in log.read_text(), log.read_text()

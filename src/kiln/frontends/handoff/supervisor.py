@@ -82,5 +82,6 @@ class WorkerPool:
             try:
                 await asyncio.wait_for(process.wait(), wait_s)
             except TimeoutError:
-                process.kill()
+                with contextlib.suppress(ProcessLookupError):  # it exited since: nothing to kill
+                    process.kill()
                 await process.wait()
