@@ -139,8 +139,10 @@ def command_words(options: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
         elif isinstance(value, (list, tuple)) and declared.parse is None:  # a repeated flag
             for item in value:
                 flags += [declared.spelling, _text(item)]
+        elif (text := _text(value)).startswith("-"):  # argparse would read a separate "-..." word as a flag
+            flags.append(f"{declared.spelling}={text}")
         else:
-            flags += [declared.spelling, _text(value)]
+            flags += [declared.spelling, text]
     return positionals + flags
 
 

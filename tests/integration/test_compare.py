@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -221,6 +222,20 @@ def test_peers_send_from_as_many_processes_as_the_measured_model(repo: Path, tmp
     assert peer_rates and all(rate > 0 for rate in peer_rates)
 
 
+def test_serve_args_reach_every_kiln_serve_the_comparison_starts(repo: Path, tmp_path: Path) -> None:
+    options = compare_options(parse(repo, "--concurrency", "2", "--batching", "on", "--serve-args=--http-workers 3"))
+    doc = Comparison(dataclasses.replace(options, work_dir=tmp_path)).run()
+    logs = sorted((tmp_path / "logs").glob("*/server.log"))
+    assert len(logs) == 2  # served, and served beside the peer
+    for log in logs:
+        assert "(3 worker processes)" in log.read_text(encoding="utf-8"), log
+    assert doc["settings"]["serve_args"] == ["--http-workers", "3"]
+    assert all(level["cpu"]["children"] > 0 for scenario in doc["scenarios"][1:] for level in scenario["results"])
+    line = command_line(options)
+    assert "--serve-args=--http-workers 3" in line
+    assert compare_options(make_parser().parse_args(line[1:])) == options
+
+
 def test_statistics_that_cannot_be_read_give_a_clear_error() -> None:
     from kiln.bench.served_counts import served_counts
     from kiln.serve_process import free_port
@@ -255,6 +270,15 @@ def test_bad_arguments_fail_before_any_process_starts(repo: Path) -> None:
     line = command_line(compare_options(parse(repo, "--client-processes", "3")))
     assert line[line.index("--client-processes") + 1] == "3"
     assert compare_options(parse(repo, "--client-processes", "3")).client_processes == 3
+    with pytest.raises(InvalidArgumentError, match="--serve-args sets --http-port=1, which kiln bench compare sets"):
+        compare_options(parse(repo, "--serve-args=--http-workers 2 --http-port=1"))
+    with pytest.raises(InvalidArgumentError, match="--serve-args '--http-wrkers 2': kiln serve would refuse it: "
+                                                   "unrecognized arguments: --http-wrkers 2"):
+        compare_options(parse(repo, "--serve-args=--http-wrkers 2"))
+    with pytest.raises(InvalidArgumentError, match="--http-workers: expected 0 or more, got -1"):
+        compare_options(parse(repo, "--serve-args=--http-workers=-1"))
+    with pytest.raises(InvalidArgumentError, match="cannot be split into arguments: No closing quotation"):
+        compare_options(parse(repo, "--serve-args=--log-verbose 'x"))
 
 
 def test_report_renders_in_headless_chromium(compared: tuple[dict[str, Any], list[int], Path]) -> None:

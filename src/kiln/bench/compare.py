@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -60,6 +61,8 @@ MEASUREMENT = "measurement (short by default; raise them for publishable figures
 LOAD = "served load generator"  # the --help section
 STOP_GRACE_S = 10.0
 READY_TIMEOUT_S = 120.0
+# What _start_server passes `kiln serve` itself: --serve-args may not set them.
+SERVER_FLAGS_OF_COMPARE = ("--model-repository", "--model-store", "--http-port", "--grpc-port", "--metrics-port")
 SCENARIOS = ("direct", "served", "served_with_others")
 
 Note = Callable[[str], None]
@@ -110,6 +113,10 @@ class CompareOptions:
     perf_analyzer: str | None = perf_analyzer_field(LOAD)
     shared_memory: str = shared_memory_field(LOAD)
     output_shared_memory_size: int = output_shared_memory_size_field(LOAD)
+    serve_args: str | None = field(default=None, metadata=flag(
+        "--serve-args", metavar="'ARGS'",
+        help="more `kiln serve` arguments for the served scenarios, in one quoted string (e.g. '--http-workers 8'): "
+             "compare a server setting; the repository and the ports stay the comparison's"))
     work_dir: Path | None = None  # where temporary repositories and logs go (default: a fresh temporary folder)
 
     def __post_init__(self) -> None:
@@ -124,11 +131,26 @@ class CompareOptions:
             raise InvalidArgumentError(f"--batching is '{self.batching}'; expected one of: {', '.join(BATCHING)}")
         if self.client_processes < 1:
             raise InvalidArgumentError(f"--client-processes must be >= 1, got {self.client_processes}")
+        self.serve_words()
         self.bench_options()  # the measurement settings, checked before any process starts
         self.served_options("127.0.0.1:1", 1)  # and the served rows' (no server yet: a placeholder URL)
         if not (self.model_repository / self.model).is_dir():
             raise InvalidArgumentError(f"model '{self.model}' has no folder in --model-repository "
                                        f"{self.model_repository} (expected {self.model_repository / self.model})")
+
+    def serve_words(self) -> list[str]:
+        """--serve-args as `kiln serve` arguments; the flags the comparison sets itself are refused."""
+        try:
+            words = shlex.split(self.serve_args or "")
+        except ValueError as exc:
+            raise InvalidArgumentError(f"--serve-args '{self.serve_args}' cannot be split into arguments: {exc}; "
+                                       f"expected `kiln serve` flags in one quoted string") from None
+        owned = [word for word in words if word.split("=", 1)[0] in SERVER_FLAGS_OF_COMPARE]
+        if owned:
+            raise InvalidArgumentError(f"--serve-args sets {', '.join(owned)}, which kiln bench compare sets itself "
+                                       f"(the served scenarios' repository and free ports); expected other "
+                                       f"`kiln serve` flags")
+        return words
 
     def bench_options(self, **changes: Any) -> BenchOptions:
         settings: dict[str, Any] = {"model": self.model, "measurement_interval_ms": self.measurement_interval_ms,
@@ -309,7 +331,7 @@ class Comparison:
                 "settings": {"measurement_interval_ms": opts.measurement_interval_ms, "max_trials": opts.max_trials,
                              "stability_percentage": opts.stability_percentage, "device": opts.device,
                              "client_processes": opts.client_processes, "load_generator": opts.load_generator,
-                             "shared_memory": opts.shared_memory},
+                             "shared_memory": opts.shared_memory, "serve_args": opts.serve_words()},
                 "notes": notes}
 
     @contextmanager
@@ -392,7 +414,8 @@ class Comparison:
         server = processes.start("server", [sys.executable, "-m", "kiln.cli", "serve", "--model-repository", str(repo),
                                             "--http-port", str(http_port), "--grpc-port", str(grpc_port),
                                             "--metrics-port", str(metrics_port), "--exit-timeout-secs", "5",
-                                            *(["--allow-client-shm"] if self.options.shared_memory != "none" else [])])
+                                            *(["--allow-client-shm"] if self.options.shared_memory != "none" else []),
+                                            *self.options.serve_words()])
         try:
             wait_ready(f"127.0.0.1:{http_port}", server.process, READY_TIMEOUT_S)
         except (RuntimeError, TimeoutError) as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,7 +309,7 @@ def write_report(doc: dict[str, Any], output: Path, command: Sequence[str] | Non
     from kiln.bench.report_html import render_html
 
     output.mkdir(parents=True, exist_ok=True)
-    command_text = " ".join(command) if command else None
+    command_text = shlex.join(command) if command else None
     images = plots(doc)
     files = {"compare.json": json.dumps(doc, indent=2) + "\n", "compare.md": markdown(doc, command_text)}
     written: dict[str, Path] = {}

@@ -5,12 +5,15 @@ the flags declared here are the ones that combine into a field, and what the com
 from __future__ import annotations
 
 import argparse
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln.bench.compare import CompareOptions
 from kiln.bench.options import BenchOptions, default_url, load_levels, parse_shape
 from kiln.cli._arguments import add_flags, build
+from kiln.errors import InvalidArgumentError
+from kiln.service_options import ServiceOptions
 
 if TYPE_CHECKING:
     from kiln.cli._arguments import Commands
@@ -81,7 +84,28 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def compare_options(args: argparse.Namespace) -> CompareOptions:
-    return build(CompareOptions, args)
+    options = build(CompareOptions, args)
+    check_serve_args(options)
+    return options
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise InvalidArgumentError(message)
+
+
+def check_serve_args(options: CompareOptions) -> None:
+    """--serve-args read as `kiln serve` reads them, so a mistake fails now rather than after the direct
+    scenario has run for minutes."""
+    words = options.serve_words()
+    if not words:
+        return
+    parser = _RaisingParser(prog="kiln serve", add_help=False)
+    add_flags(parser, ServiceOptions)
+    try:
+        build(ServiceOptions, parser.parse_args(["--model-repository", str(options.model_repository), *words]))
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"--serve-args '{options.serve_args}': kiln serve would refuse it: {exc}") from None
 
 
 def run_compare(args: argparse.Namespace) -> int:
