@@ -115,8 +115,9 @@ class CompareOptions:
     output_shared_memory_size: int = output_shared_memory_size_field(LOAD)
     serve_args: str | None = field(default=None, metadata=flag(
         "--serve-args", metavar="'ARGS'",
-        help="more `kiln serve` arguments for the served scenarios, in one quoted string (e.g. '--http-workers 8'): "
-             "compare a server setting; the repository and the ports stay the comparison's"))
+        help="more `kiln serve` arguments for the served scenarios, in one string after '=' (e.g. "
+             "--serve-args='--http-workers 8'): compare a server setting; the repository and the ports stay the "
+             "comparison's"))
     work_dir: Path | None = None  # where temporary repositories and logs go (default: a fresh temporary folder)
 
     def __post_init__(self) -> None:

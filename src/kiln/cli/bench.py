@@ -5,9 +5,8 @@ the flags declared here are the ones that combine into a field, and what the com
 from __future__ import annotations
 
 import argparse
-import typing
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from kiln.bench.compare import CompareOptions
 from kiln.bench.options import BenchOptions, default_url, load_levels, parse_shape
@@ -90,7 +89,7 @@ def compare_options(args: argparse.Namespace) -> CompareOptions:
 
 
 class _RaisingParser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:
+    def error(self, message: str) -> NoReturn:
         raise InvalidArgumentError(message)
 
 
