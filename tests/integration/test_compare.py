@@ -279,6 +279,13 @@ def test_bad_arguments_fail_before_any_process_starts(repo: Path) -> None:
         compare_options(parse(repo, "--serve-args=--http-workers=-1"))
     with pytest.raises(InvalidArgumentError, match="cannot be split into arguments: No closing quotation"):
         compare_options(parse(repo, "--serve-args=--log-verbose 'x"))
+    with pytest.raises(InvalidArgumentError, match="'--allow-http false' turns HTTP off; kiln bench compare waits"):
+        compare_options(parse(repo, "--serve-args=--allow-http false"))
+    with pytest.raises(InvalidArgumentError, match="puts HTTP behind TLS or restricted APIs"):
+        compare_options(parse(repo, "--serve-args=--http-restricted-api statistics:k=v"))
+    with pytest.raises(InvalidArgumentError, match="turns gRPC off"):
+        compare_options(parse(repo, "--protocol", "grpc", "--serve-args=--allow-grpc false"))
+    assert compare_options(parse(repo, "--serve-args=--allow-grpc false")).serve_words() == ["--allow-grpc", "false"]
 
 
 def test_report_renders_in_headless_chromium(compared: tuple[dict[str, Any], list[int], Path]) -> None:

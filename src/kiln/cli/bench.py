@@ -102,9 +102,27 @@ def check_serve_args(options: CompareOptions) -> None:
     parser = _RaisingParser(prog="kiln serve", add_help=False)
     add_flags(parser, ServiceOptions)
     try:
-        build(ServiceOptions, parser.parse_args(["--model-repository", str(options.model_repository), *words]))
+        served = build(ServiceOptions, parser.parse_args(["--model-repository", str(options.model_repository), *words]))
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(f"--serve-args '{options.serve_args}': kiln serve would refuse it: {exc}") from None
+    unreachable = _unreachable(served, options.protocol)
+    if unreachable:
+        raise InvalidArgumentError(f"--serve-args '{options.serve_args}' {unreachable}; kiln bench compare waits for "
+                                   f"the server, reads its statistics over plain HTTP and sends {options.protocol} "
+                                   f"requests without credentials")
+
+
+def _unreachable(served: ServiceOptions, protocol: str) -> str:
+    """What in ``served`` would keep the comparison from reaching the server ('' when nothing does)."""
+    if not served.allow_http:
+        return "turns HTTP off"
+    if served.https_certfile is not None or served.http_access:
+        return "puts HTTP behind TLS or restricted APIs"
+    if protocol == "grpc" and not served.allow_grpc:
+        return "turns gRPC off"
+    if protocol == "grpc" and (served.grpc_use_ssl or served.grpc_use_ssl_mutual or served.grpc_access):
+        return "puts gRPC behind TLS or restricted protocols"
+    return ""
 
 
 def run_compare(args: argparse.Namespace) -> int:
