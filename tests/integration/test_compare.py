@@ -195,10 +195,15 @@ def _wait_for_server(pid: int, timeout_s: float = 60.0) -> set[int]:
     raise AssertionError(f"compare started no `kiln serve` within {timeout_s:.0f} s")
 
 
-def test_peers_send_from_as_many_processes_as_the_measured_model(repo: Path, tmp_path: Path) -> None:
-    args = parse(repo, "--concurrency", "2", "--batching", "on", "--client-processes", "2",
-                 "--output", str(tmp_path / "out"))
-    comparison = Comparison(compare_options(args))
+@pytest.fixture(scope="module")
+def compared_with_workers(repo: Path, tmp_path_factory: pytest.TempPathFactory
+                          ) -> tuple[CompareOptions, dict[str, Any], list[int], Path]:
+    """One comparison with peers sending from 2 processes each and `kiln serve` given 3 HTTP workers; the sizes of
+    the peer load processes' own process pools, seen while it ran."""
+    options = compare_options(parse(repo, "--concurrency", "2", "--batching", "on", "--client-processes", "2",
+                                    "--serve-args=--http-workers 3"))
+    work = tmp_path_factory.mktemp("work")
+    comparison = Comparison(dataclasses.replace(options, work_dir=work))
     senders: list[int] = []
     done = threading.Event()
 
@@ -217,15 +222,21 @@ def test_peers_send_from_as_many_processes_as_the_measured_model(repo: Path, tmp
     finally:
         done.set()
         watcher.join()
+    return options, doc, senders, work
+
+
+def test_peers_send_from_as_many_processes_as_the_measured_model(
+        compared_with_workers: tuple[CompareOptions, dict[str, Any], list[int], Path]) -> None:
+    _, doc, senders, _ = compared_with_workers
     assert max(senders, default=0) >= 2
     peer_rates = [level["server_models_per_s"]["simple_peer1"] for level in doc["scenarios"][-1]["results"]]
     assert peer_rates and all(rate > 0 for rate in peer_rates)
 
 
-def test_serve_args_reach_every_kiln_serve_the_comparison_starts(repo: Path, tmp_path: Path) -> None:
-    options = compare_options(parse(repo, "--concurrency", "2", "--batching", "on", "--serve-args=--http-workers 3"))
-    doc = Comparison(dataclasses.replace(options, work_dir=tmp_path)).run()
-    logs = sorted((tmp_path / "logs").glob("*/server.log"))
+def test_serve_args_reach_every_kiln_serve_the_comparison_starts(
+        compared_with_workers: tuple[CompareOptions, dict[str, Any], list[int], Path]) -> None:
+    options, doc, _, work = compared_with_workers
+    logs = sorted((work / "logs").glob("*/server.log"))
     assert len(logs) == 2  # served, and served beside the peer
     for log in logs:
         assert "(3 worker processes)" in log.read_text(encoding="utf-8"), log
