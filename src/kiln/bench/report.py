@@ -189,11 +189,19 @@ def machine_line(machine: dict[str, Any]) -> str:
             f"{machine.get('python', '?')}, kiln {machine.get('kiln', '?')}")
 
 
+def serve_flags(doc: dict[str, Any]) -> str:
+    """The flags a comparison gave its `kiln serve` processes (--serve-args), shell-quoted; '' for none."""
+    return shlex.join((doc.get("settings") or {}).get("serve_args") or [])
+
+
 def markdown(doc: dict[str, Any], command: str | None = None) -> str:
     protocol = doc.get("protocol", "http")
+    flags = serve_flags(doc)
+    served_with = f" `kiln serve` ran with `{flags}`." if flags else ""
     parts = [f"# kiln bench compare: {doc['model']}\n",
              f"Machine: {machine_line(doc.get('machine', {}))}  ",
-             f"Served scenarios are measured over {protocol}; peers receive the same concurrency as the model.",
+             f"Served scenarios are measured over {protocol}; peers receive the same concurrency as the model."
+             f"{served_with}",
              *([f"Command: `{command}`"] if command else []), "",
              "## Throughput (requests/s, ratio to direct) and p99 latency by concurrency\n",
              markdown_table(comparison_table(doc)),

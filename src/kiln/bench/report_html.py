@@ -20,6 +20,7 @@ from kiln.bench.report import (
     cpu_table,
     machine_line,
     memory_table,
+    serve_flags,
     together_table,
 )
 
@@ -53,13 +54,15 @@ def render_html(doc: dict[str, Any], images: dict[str, bytes], command: str | No
     model = html.escape(doc["model"])
     protocol = html.escape(str(doc.get("protocol", "http")))
     notes = "".join(f"<li>{html.escape(note)}</li>" for note in doc.get("notes") or [])
+    flags = serve_flags(doc)
+    served_with = f" <code>kiln serve</code> ran with <code>{html.escape(flags)}</code>." if flags else ""
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>kiln bench compare: {model}</title><style>{_STYLE}</style></head><body>",
         f"<h1>kiln bench compare: {model}</h1>",
         f"<p><b>Machine:</b> {html.escape(machine_line(doc.get('machine', {})))}</p>",
         f"<p>Served scenarios are measured over {protocol}; each peer model receives the same concurrency as the "
-        "measured model.</p>",
+        f"measured model.{served_with}</p>",
         f"<p><b>Command:</b> <code>{html.escape(command)}</code></p>" if command else "",
         "<h2>Throughput (requests/s, ratio to direct) and p99 latency by concurrency</h2>",
         _table(comparison_table(doc)),

@@ -143,6 +143,15 @@ def test_markdown_lays_out_both_tables_like_the_seed_article(doc: dict[str, Any]
     assert "Test CPU, 2 cores, 8 GB, NVIDIA T4" in text
 
 
+def test_the_server_flags_of_serve_args_are_named_in_both_reports(doc: dict[str, Any]) -> None:
+    assert "ran with" not in markdown(doc) and "ran with" not in render_html(doc, {})
+    doc["settings"] = {"serve_args": ["--http-workers", "8", "--log-format", "<iso> 8601"]}
+    assert ("Served scenarios are measured over http; peers receive the same concurrency as the model. `kiln serve` "
+            "ran with `--http-workers 8 --log-format '<iso> 8601'`.") in markdown(doc).splitlines()
+    assert ("<code>kiln serve</code> ran with <code>--http-workers 8 --log-format &#x27;&lt;iso&gt; 8601&#x27;</code>."
+            "</p>") in render_html(doc, {})
+
+
 def test_memory_table_names_each_deployment(doc: dict[str, Any]) -> None:
     assert [r[0] for r in memory_table(doc).rows] == ["direct process", "server, one model, dynamic batching",
                                                       "server, 3 models, no batching"]
