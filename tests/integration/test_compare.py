@@ -283,6 +283,8 @@ def test_bad_arguments_fail_before_any_process_starts(repo: Path) -> None:
     assert compare_options(parse(repo, "--client-processes", "3")).client_processes == 3
     with pytest.raises(InvalidArgumentError, match="--serve-args sets --http-port=1, which kiln bench compare sets"):
         compare_options(parse(repo, "--serve-args=--http-workers 2 --http-port=1"))
+    with pytest.raises(InvalidArgumentError, match="--serve-args sets --metrics-p, which kiln bench compare sets"):
+        compare_options(parse(repo, "--serve-args=--metrics-p 1"))  # argparse would take the abbreviation
     with pytest.raises(InvalidArgumentError, match="--serve-args '--http-wrkers 2': kiln serve would refuse it: "
                                                    "unrecognized arguments: --http-wrkers 2"):
         compare_options(parse(repo, "--serve-args=--http-wrkers 2"))

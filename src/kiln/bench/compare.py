@@ -146,7 +146,7 @@ class CompareOptions:
         except ValueError as exc:
             raise InvalidArgumentError(f"--serve-args '{self.serve_args}' cannot be split into arguments: {exc}; "
                                        f"expected `kiln serve` flags in one quoted string") from None
-        owned = [word for word in words if word.split("=", 1)[0] in SERVER_FLAGS_OF_COMPARE]
+        owned = [word for word in words if _names_owned_flag(word.split("=", 1)[0])]
         if owned:
             raise InvalidArgumentError(f"--serve-args sets {', '.join(owned)}, which kiln bench compare sets itself "
                                        f"(the served scenarios' repository and free ports); expected other "
@@ -169,6 +169,11 @@ class CompareOptions:
                                   load_generator=self.load_generator, perf_analyzer=self.perf_analyzer,
                                   shared_memory=self.shared_memory,
                                   output_shared_memory_size=self.output_shared_memory_size)
+
+
+def _names_owned_flag(name: str) -> bool:
+    """``name`` is one of SERVER_FLAGS_OF_COMPARE or, as argparse reads an abbreviation, the start of one."""
+    return len(name) > 2 and name.startswith("--") and any(flag.startswith(name) for flag in SERVER_FLAGS_OF_COMPARE)
 
 
 # -- processes ---------------------------------------------------------------------------------------------------
