@@ -73,9 +73,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--base-ms", type=float, default=0.2, help="stand-in device time per batch")
     parser.add_argument("--per-row-us", type=float, default=0.0, help="stand-in device time per image")
+    parser.add_argument("--rows-in-place", action="store_true",
+                        help="the stand-in reads the rows from the workers' arena where they lie, as a GPU engine "
+                             "does (no staging copy on the event loop)")
     parser.add_argument("--output", type=Path, default=None, help="JSON results; a .txt beside it gets the table")
     args = parser.parse_args(argv)
     DeviceStandIn.base_s, DeviceStandIn.per_row_s = args.base_ms / 1000, args.per_row_us / 1e6
+    DeviceStandIn.in_place = args.rows_in_place
     register_backend(BACKEND, DeviceStandIn)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kiln-handoff-ceiling-") as tmp:
@@ -103,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         row["vs_one_by_one"] = row["requests_per_s"] / alone["requests_per_s"] if alone["requests_per_s"] else 0.0
     info = describe("kiln handoff ceiling: the server process's side of worker processes, against a device stand-in",
                     stand_in=f"{args.base_ms:g} ms per batch + {args.per_row_us:g} us per image, {args.instances} "
-                             f"instances, FP16 3x224x224 images, preferred [8, 32]; {args.seconds:g} s per row; "
+                             f"instances, FP16 3x224x224 images, preferred [8, 32], rows "
+                             f"{'read in place' if args.rows_in_place else 'staged'}; {args.seconds:g} s per row; "
                              f"requests spread over 0-{args.spread_turns} turns")
     text = header(info) + "\n" + table(
         ["workers", "conc", "requests", "req/s", "vs one by one", "server cpu us/req", "loop cpu us/req",

@@ -118,3 +118,27 @@ def test_handoff_ceiling_runs_each_row_one_by_one_joined_and_held(tmp_path: Path
     # The script itself checks the server counted every answer; joined requests form bigger batches.
     assert all(row["requests_per_s"] > 0 and 0 < row["loop_cpu_us"] <= row["server_cpu_us"] for row in rows), rows
     assert min(rows[1]["average_batch"], rows[2]["average_batch"]) > rows[0]["average_batch"], rows
+
+
+@needs_torch
+@pytest.mark.parametrize("in_place", [False, True])
+def test_handoff_ceiling_stages_rows_unless_asked_to_read_them_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       in_place: bool) -> None:
+    import scheduler_ceiling  # ._smoke puts benchmarks/ on sys.path
+
+    from kiln.engines.torch import staging
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.setattr(backends, "BACKENDS", dict(backends.BACKENDS))
+    monkeypatch.setattr(scheduler_ceiling.DeviceStandIn, "in_place", False)  # the script sets it: undone after
+    fills = []
+    original = staging.RowStaging.fill
+    monkeypatch.setattr(staging.RowStaging, "fill", lambda self, arrays: fills.append(len(arrays)) or original(
+        self, arrays))
+    output = tmp_path / "handoff.json"
+    flags = ["--rows-in-place"] if in_place else []
+    assert run_main("handoff_ceiling", "--workers", "1", "--concurrency", "4", "--seconds", "0.3", *flags,
+                    "--output", str(output)) == 0
+    assert all(row["requests_per_s"] > 0 for row in read_json(output)["rows"])
+    # The workers' requests lie in their arena, which the server lists: read in place, nothing is staged.
+    assert (not fills) if in_place else fills
