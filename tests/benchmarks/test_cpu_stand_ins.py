@@ -125,7 +125,6 @@ def test_handoff_ceiling_runs_each_row_one_by_one_joined_and_held(tmp_path: Path
     assert fills  # without --rows-in-place the stand-in stages every batch, as on a CPU
 
 
-
 @needs_torch
 def test_handoff_ceiling_reads_rows_in_place_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import scheduler_ceiling  # ._smoke puts benchmarks/ on sys.path
@@ -144,7 +143,8 @@ def test_handoff_ceiling_reads_rows_in_place_when_asked(tmp_path: Path, monkeypa
 
 
 def _count_fills(monkeypatch: pytest.MonkeyPatch, staging: Any) -> list[int]:
-    """The sizes of the RowStaging fills made from now on (in this process: the server side of handoff_ceiling)."""
+    """How many parts each RowStaging fill from now on copied (in this process: the server side of
+    handoff_ceiling)."""
     fills: list[int] = []
     original = staging.RowStaging.fill
     monkeypatch.setattr(staging.RowStaging, "fill", lambda self, arrays: fills.append(len(arrays)) or original(
