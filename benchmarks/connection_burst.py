@@ -60,9 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = describe(f"A burst of connections: {args.models} models x {args.concurrency} connections",
                     server_src=str(args.server_src))
     rates = [row["requests_per_s"] for row in rows]
+    spread = f"{min(rates) / max(rates):.2f}" if max(rates) > 0 else "- (no model's requests were counted)"
     text = (header(info) + "\n" + table(["model", "requests/s", "p99 ms"],
                                         [[r["model"], r["requests_per_s"], r["p99_ms"]] for r in rows])
-            + f"\ntotal {sum(rates):,.0f} requests/s; slowest model / fastest: {min(rates) / max(rates):.2f}\n")
+            + f"\ntotal {sum(rates):,.0f} requests/s; slowest model / fastest: {spread}\n")
     print(text)
     write_outputs(args.output, {"info": info, "server_src": str(args.server_src), "rows": rows}, text)
     return 0
