@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import select
 import socket
 import ssl
 from collections.abc import Callable
@@ -179,8 +180,21 @@ class Listener:
             log.debug("connection not started: %s", task.exception())
 
     def _resume(self, sock: socket.socket) -> None:
-        if not self._closed:
-            self._loop.add_reader(sock.fileno(), self.accept_waiting, sock)
+        if self._closed:
+            return
+        if self._deferred_since is not None and not _waiting(sock):
+            # Another worker took the connection this one left: the next to come, maybe much later, is a new wait.
+            # Kept, the old start would let this worker take it at once (a client opening its pool connection by
+            # connection gave one worker all 16).
+            self._deferred_since = None
+        self._loop.add_reader(sock.fileno(), self.accept_waiting, sock)
+
+
+def _waiting(sock: socket.socket) -> bool:
+    """Whether a connection waits to be accepted on ``sock``."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class CountedConnections(set[Any]):

@@ -104,6 +104,23 @@ def test_a_burst_is_dealt_out_to_the_workers_holding_the_fewest() -> None:
     assert sorted(first) == [2, 2, 3] and published == first and then == [3, 3, 3], (first, published, then)
 
 
+def test_connections_arriving_one_at_a_time_are_dealt_out_too() -> None:
+    """As a client opens its pool (perf_analyzer does, one connection per request in flight): each connection is
+    alone when it comes, so a worker holding more leaves it to another, and that must not count as waiting for the
+    next one, which comes long after."""
+
+    async def scenario() -> list[int]:
+        async with _Port(4, 4) as port:
+            for count in range(1, 17):
+                port.connect(1)
+                await _until(lambda count=count: sum(port.held()) == count)
+                await asyncio.sleep(2 * listener.MAX_DEFER_S)
+            return port.held()
+
+    held = asyncio.run(scenario())
+    assert held == [4, 4, 4, 4], held
+
+
 def test_closed_connections_are_counted_off() -> None:
     async def scenario() -> tuple[list[int], list[int]]:
         async with _Port(2, 2) as port:
