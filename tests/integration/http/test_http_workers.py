@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.demo import build_demo_repository
 from kiln.engines import register_backend
+from kiln.frontends.http.listener import MAX_DEFER_S
 from kiln.server import ServerOptions
 from kiln.service import Service, ServiceOptions
 from kiln.testing.gated import ENTERED, GATE, GatedEngine
@@ -298,14 +299,17 @@ def test_the_metrics_give_each_process_and_its_event_loop_their_cpu_time(served:
                for w in ("http_worker_0", "http_worker_1")) > 0
 
 
-def test_keep_alive_connections_are_spread_evenly_over_the_workers(served: KilnProcess) -> None:
-    """A client opening its connections at once (as perf_analyzer does) gets them spread by count, not by the
-    kernel's hash: each of 2 workers holds half of 12, give or take one."""
+@pytest.mark.parametrize("apart_s", [0.0, 2 * MAX_DEFER_S], ids=["back-to-back", "apart"])
+def test_keep_alive_connections_are_spread_evenly_over_the_workers(served: KilnProcess, apart_s: float) -> None:
+    """A client opening its pool connection by connection (as perf_analyzer does), back to back or further apart
+    than a worker waits for another to take its turn, gets them spread by count, not by the kernel's hash: each of
+    2 workers holds half of 12, give or take one."""
     port = int(served.http_url.rsplit(":", 1)[1])
     clients = [httpx.Client(base_url=f"http://{served.http_url}", timeout=10) for _ in range(12)]
     try:
         for client in clients:
             assert client.get("/v2/health/live").status_code == 200  # accepted, and kept alive
+            time.sleep(apart_s)
         held = [sum(1 for c in worker.net_connections("tcp")
                     if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port)
                 for worker in _workers(served)]
