@@ -17,9 +17,10 @@ benchmarks/README.md ("The GPU figures now"), its images as zeros, and in system
         --models resnet50 --protocols http --concurrency 16,64 --input-data zero --window-ms 2500 \\
         --output benchmarks/results/<what>.json          # add --shared-memory system for the client's regions
 
-Each cell also gives the rows per execution the server formed (its metrics over the cell's run). perf_analyzer's
-memory grows with every request it sends (upstream issue 84): each run is watched as `kiln bench` watches it, and a
-run stopped for its memory is recorded as unstable.
+Each cell also gives the rows per execution the server formed (its metrics over the cell's run) and, over HTTP,
+how many of perf_analyzer's connections each HTTP worker held (busiest first). perf_analyzer's memory grows with
+every request it sends (upstream issue 84): each run is watched as `kiln bench` watches it, and a run stopped for its
+memory is recorded as unstable.
 
 perf_analyzer comes with the ``perf-analyzer`` wheel on PyPI (it needs glibc 2.38 or newer).
 """
@@ -36,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -51,6 +53,7 @@ RUN_TIMEOUT_S = 600.0
 WORKERS_LISTEN_S = 60.0
 NO_GAUGE_SETTLE_S = 5.0
 HTTP_WORKER = "kiln.frontends.http.worker"
+SPREAD_EVERY_S = 0.25  # how often the HTTP workers' connection counts are read during a cell
 sys.path.insert(0, str(SRC))
 
 from kiln.bench.machine import machine_info  # noqa: E402
@@ -100,20 +103,61 @@ def wait_workers_listening(server: KilnProcess) -> None:
         time.sleep(0.1)
 
 
+class ConnectionSpread:
+    """The HTTP connections each worker of ``server`` holds while a cell runs, read from its
+    ``kiln_http_worker_connections`` gauge every ``SPREAD_EVERY_S`` on a thread of its own; ``counts`` keeps the
+    reading with the most connections, busiest worker first (None: no gauge, one HTTP process). All of a client's
+    connections on one worker caps a cell at what that worker's loop carries
+    (results/served_core_profile-h100-2026-12-07.md)."""
+
+    def __init__(self, server: KilnProcess) -> None:
+        self._url = f"http://{server.metrics_url}/metrics"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="connection-spread", daemon=True)
+        self.counts: list[int] | None = None
+
+    def __enter__(self) -> ConnectionSpread:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while True:
+            counts = self.read()
+            if counts is not None and (self.counts is None or sum(counts) >= sum(self.counts)):
+                self.counts = counts
+            if self._stop.wait(SPREAD_EVERY_S):
+                return
+
+    def read(self) -> list[int] | None:
+        try:
+            with urllib.request.urlopen(self._url, timeout=10) as response:
+                text = response.read().decode()
+        except OSError:  # the server is going away: the readings so far stand
+            return None
+        values = re.findall(r'^kiln_http_worker_connections\{process="[^"]*"\} (\S+)$', text, re.MULTILINE)
+        return sorted((int(float(value)) for value in values), reverse=True) or None
+
+
 def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurrency: int, window_ms: int,
-            stability: int, folder: Path, extra: list[str]) -> dict[str, float | None]:
-    """Throughput (inferences/s), p50 latency (us) and the server's rows per execution of one perf_analyzer run; a
-    cell that does not stabilise is tried once more with windows twice as long, then recorded as None (unstable)
-    rather than ending the run, as is a run stopped for perf_analyzer's memory."""
+            stability: int, folder: Path, extra: list[str]) -> dict[str, Any]:
+    """Throughput (inferences/s), p50 latency (us), the server's rows per execution and (HTTP) the connections each
+    HTTP worker held (ConnectionSpread) of one perf_analyzer run; a cell that does not stabilise is tried once more
+    with windows twice as long, then recorded as None (unstable) rather than ending the run, as is a run stopped for
+    perf_analyzer's memory."""
     out = folder / f"{model}-{protocol}-{concurrency}.csv"
     url = server.http_url if protocol == "http" else server.grpc_url
-    unstable: dict[str, float | None] = {"throughput": None, "p50_us": None, "rows_per_execution": None}
+    unstable: dict[str, Any] = {"throughput": None, "p50_us": None, "rows_per_execution": None,
+                                "http_connections": None}
     for window in (window_ms, 2 * window_ms):
         command = [binary, "-m", model, "-u", url, "-i", protocol, "--concurrency-range",
                    f"{concurrency}:{concurrency}", "--measurement-interval", str(window), "--stability-percentage",
                    str(stability), "--max-trials", "8", "-f", str(out), *extra]
         counted = _counts(server, model)
-        with tempfile.TemporaryFile("w+") as log:
+        with tempfile.TemporaryFile("w+") as log, ConnectionSpread(server) as spread:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
             try:
                 code = wait_watched(process, RUN_TIMEOUT_S, None, model, functools.partial(" ".join, command))
@@ -132,7 +176,8 @@ def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurr
             requests, executions = (after - before for after, before in zip(_counts(server, model), counted,
                                                                              strict=True))
             return {"throughput": float(row["Inferences/Second"]), "p50_us": float(row["p50 latency"]),
-                    "rows_per_execution": requests / executions if executions else None}
+                    "rows_per_execution": requests / executions if executions else None,
+                    "http_connections": spread.counts if protocol == "http" else None}
         if "stable measurement" not in text:
             raise RuntimeError(f"perf_analyzer failed ({code}): {' '.join(command)}\n{text[-4000:]}")
     return unstable
@@ -218,8 +263,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] 
              f"GPUs: {', '.join(info['gpus']) or 'none'}",
              f"before: {args.before}; after: {args.after}; command: {command_line(argv)}", "",
              "| model | protocol | c | round | before /s | after /s | after/before | p50 before us | p50 after us "
-             "| rows/exec before | rows/exec after |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| rows/exec before | rows/exec after | connections by worker before | after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios: dict[str, list[float]] = {}
     key = ("model", "protocol", "concurrency", "round")
     cells = {(tuple(r[k] for k in key), r["tree"]): r for r in rows}
@@ -238,7 +283,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] 
         ratios.setdefault(str(cell_key[1]), []).append(ratio)
         lines.append(f"| {cell_key[0]} | {cell_key[1]} | {cell_key[2]} | {cell_key[3]} | {before['throughput']:,.0f} "
                      f"| {after['throughput']:,.0f} | {ratio:.2f} | {before['p50_us']:,.0f} | {after['p50_us']:,.0f} "
-                     f"| {_rows(before)} | {_rows(after)} |")
+                     f"| {_rows(before)} | {_rows(after)} | {_spread(before)} | {_spread(after)} |")
     lines.append("")
     lines += [f"median after/before, {protocol}: {statistics.median(values):.2f} over {len(values)} cells"
               for protocol, values in sorted(ratios.items())]
@@ -248,6 +293,11 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] 
 def _rows(cell: dict[str, Any]) -> str:
     value = cell.get("rows_per_execution")
     return "-" if value is None else f"{value:.1f}"
+
+
+def _spread(cell: dict[str, Any]) -> str:
+    counts = cell.get("http_connections")
+    return "-" if not counts else "/".join(map(str, counts))
 
 
 def _rate(value: float | None) -> str:

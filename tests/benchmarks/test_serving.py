@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,36 @@ def test_before_after_perf_analyzer(tmp_path: Path) -> None:
     assert "median after/before, grpc" in output.with_suffix(".txt").read_text()
 
 
+def test_before_after_reads_how_the_http_workers_hold_the_connections(tmp_path: Path) -> None:
+    """ConnectionSpread against a real `kiln serve` with 2 HTTP workers and 6 keep-alive clients: the reading with
+    the most connections, busiest worker first; none from a server with one HTTP process."""
+    import importlib
+
+    import httpx
+
+    from kiln.demo import build_demo_repository
+    from kiln.serve_process import kiln_serve
+
+    script = importlib.import_module("before_after_perf_analyzer")
+    repo = tmp_path / "repo"
+    build_demo_repository(repo)
+    with kiln_serve([repo], "--http-workers", "2", "--allow-grpc", "false") as server:
+        script.wait_workers_listening(server)
+        with script.ConnectionSpread(server) as spread:
+            clients = [httpx.Client(base_url=f"http://{server.http_url}", timeout=10) for _ in range(6)]
+            try:
+                for client in clients:
+                    assert client.get("/v2/health/live").status_code == 200
+                held = spread.read()
+                time.sleep(2 * script.SPREAD_EVERY_S)  # the thread reads them too
+            finally:
+                for client in clients:
+                    client.close()
+        assert held == [3, 3] and spread.counts == [3, 3], (held, spread.counts)
+    with kiln_serve([repo], "--http-workers", "1", "--allow-grpc", "false") as server:
+        assert script.ConnectionSpread(server).read() is None
+
+
 def test_before_after_writes_what_it_has_measured_so_far(tmp_path: Path) -> None:
     import argparse
     import importlib
@@ -142,10 +173,12 @@ def test_before_after_writes_what_it_has_measured_so_far(tmp_path: Path) -> None
     script.write(args, ["--before", "/before/src"], rows)
     assert read_json(output)["rows"] == rows
     assert "| resnet50 | http | 16 | 1 | 4,095 | not yet |" in output.with_suffix(".txt").read_text()
-    rows.append({**cell, "tree": "after", "throughput": 4316.5, "p50_us": 3396.0, "rows_per_execution": 5.2})
+    rows.append({**cell, "tree": "after", "throughput": 4316.5, "p50_us": 3396.0, "rows_per_execution": 5.2,
+                 "http_connections": [4, 4, 4, 4]})
     script.write(args, ["--before", "/before/src"], rows)
     table = output.with_suffix(".txt").read_text()
     assert "| resnet50 | http | 16 | 1 | 4,095 | 4,316 | 1.05 |" in table
+    assert "| 5.0 | 5.2 | - | 4/4/4/4 |" in table  # before: a cell measured without the connections
     assert "median after/before, http: 1.05 over 1 cells" in table
 
 
