@@ -301,9 +301,9 @@ def test_the_metrics_give_each_process_and_its_event_loop_their_cpu_time(served:
 
 @pytest.mark.parametrize("apart_s", [0.0, 2 * MAX_DEFER_S], ids=["back-to-back", "apart"])
 def test_keep_alive_connections_are_spread_evenly_over_the_workers(served: KilnProcess, apart_s: float) -> None:
-    """A client opening its pool connection by connection (as perf_analyzer does), back to back or further apart
-    than a worker waits for another to take its turn, gets them spread by count, not by the kernel's hash: each of
-    2 workers holds half of 12, give or take one."""
+    """A client opening its pool connection by connection, back to back or further apart than a worker waits for
+    another to take its turn, gets them spread by count, not by the kernel's hash: each of 2 workers holds half of
+    12, give or take one."""
     port = int(served.http_url.rsplit(":", 1)[1])
     clients = [httpx.Client(base_url=f"http://{served.http_url}", timeout=10) for _ in range(12)]
     try:

@@ -105,9 +105,9 @@ def test_a_burst_is_dealt_out_to_the_workers_holding_the_fewest() -> None:
 
 
 def test_connections_arriving_one_at_a_time_are_dealt_out_too() -> None:
-    """As a client opens its pool (perf_analyzer does, one connection per request in flight): each connection is
-    alone when it comes, so a worker holding more leaves it to another, and that must not count as waiting for the
-    next one, which comes long after."""
+    """As a client opens its pool one connection at a time (perf_analyzer's came so on an H100 host): each is alone
+    when it comes, so a worker holding more leaves it to another, and that must not count as waiting for the next
+    one, which comes long after."""
 
     async def scenario() -> list[int]:
         async with _Port(4, 4) as port:
