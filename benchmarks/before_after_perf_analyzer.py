@@ -33,6 +33,7 @@ import functools
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -305,7 +306,7 @@ def _rate(value: float | None) -> str:
 
 
 def command_line(argv: list[str] | None) -> str:
-    return " ".join(["python", "benchmarks/before_after_perf_analyzer.py", *(sys.argv[1:] if argv is None else argv)])
+    return shlex.join(["python", "benchmarks/before_after_perf_analyzer.py", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
