@@ -83,6 +83,11 @@ def server_from(src: Path, repo: Path, models: list[str], log: Path,
             os.environ["PYTHONPATH"] = saved
 
 
+def metrics_text(server: KilnProcess) -> str:
+    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
 def wait_workers_listening(server: KilnProcess) -> None:
     """Until every HTTP worker of ``server`` listens. A tree whose readiness does not wait for its workers answers
     ready from the first one listening, and perf_analyzer, opening its connections at once, would leave all of them
@@ -91,8 +96,7 @@ def wait_workers_listening(server: KilnProcess) -> None:
                if HTTP_WORKER in " ".join(child.cmdline())]
     deadline = time.monotonic() + WORKERS_LISTEN_S
     while workers:
-        with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10) as response:
-            text = response.read().decode()
+        text = metrics_text(server)
         if "kiln_http_worker_connections" not in text:
             time.sleep(NO_GAUGE_SETTLE_S)
             return
@@ -112,7 +116,7 @@ class ConnectionSpread:
     (results/served_core_profile-h100-2026-12-07.md)."""
 
     def __init__(self, server: KilnProcess) -> None:
-        self._url = f"http://{server.metrics_url}/metrics"
+        self._server = server
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="connection-spread", daemon=True)
         self.counts: list[int] | None = None
@@ -135,8 +139,7 @@ class ConnectionSpread:
 
     def read(self) -> list[int] | None:
         try:
-            with urllib.request.urlopen(self._url, timeout=10) as response:
-                text = response.read().decode()
+            text = metrics_text(self._server)
         except OSError:  # the server is going away: the readings so far stand
             return None
         values = re.findall(r'^kiln_http_worker_connections\{process="[^"]*"\} (\S+)$', text, re.MULTILINE)
@@ -186,8 +189,7 @@ def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurr
 
 def _counts(server: KilnProcess, model: str) -> tuple[float, float]:
     """The model's inferences and executions so far, from the server's metrics."""
-    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    text = metrics_text(server)
     found = []
     for family in ("nv_inference_count", "nv_inference_exec_count"):
         values = re.findall(rf'^{family}{{model="{re.escape(model)}",version="[^"]*"}} (\S+)$', text, re.MULTILINE)
