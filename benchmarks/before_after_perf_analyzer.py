@@ -19,8 +19,9 @@ benchmarks/README.md ("The GPU figures now"), its images as zeros, and in system
 
 Each cell also gives the rows per execution the server formed (its metrics over the cell's run) and, over HTTP,
 how many of perf_analyzer's connections each HTTP worker held (busiest first). perf_analyzer's memory grows with
-every request it sends (upstream issue 84): each run is watched as `kiln bench` watches it, and a run stopped for its
-memory is recorded as unstable.
+every request it sends (it keeps each request's inputs; upstream issue 84): each run is watched as `kiln bench` watches
+it, and a run stopped for its memory is measured again over windows half as long, down to 250 ms (a 301 KB image at
+c=64 can fill 60 GB within a few 2,000 ms windows); the window each cell was measured over is in the JSON.
 
 perf_analyzer comes with the ``perf-analyzer`` wheel on PyPI (it needs glibc 2.38 or newer).
 """
@@ -58,7 +59,7 @@ SPREAD_EVERY_S = 0.25  # how often the HTTP workers' connection counts are read 
 sys.path.insert(0, str(SRC))
 
 from kiln.bench.machine import machine_info  # noqa: E402
-from kiln.bench.perf_analyzer import MemoryStopped, wait_watched  # noqa: E402
+from kiln.bench.perf_analyzer import SHORTEST_WINDOW_MS, MemoryStopped, wait_watched  # noqa: E402
 from kiln.demo import build_demo_repository  # noqa: E402
 from kiln.serve_process import KilnProcess, kiln_serve  # noqa: E402
 
@@ -147,16 +148,20 @@ class ConnectionSpread:
 
 
 def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurrency: int, window_ms: int,
-            stability: int, folder: Path, extra: list[str]) -> dict[str, Any]:
-    """Throughput (inferences/s), p50 latency (us), the server's rows per execution and (HTTP) the connections each
-    HTTP worker held (ConnectionSpread) of one perf_analyzer run; a cell that does not stabilise is tried once more
-    with windows twice as long, then recorded as None (unstable) rather than ending the run, as is a run stopped for
-    perf_analyzer's memory."""
+            stability: int, folder: Path, extra: list[str], memory_limit_bytes: int | None = None) -> dict[str, Any]:
+    """Throughput (inferences/s), p50 latency (us), the server's rows per execution, (HTTP) the connections each
+    HTTP worker held (ConnectionSpread) and the window it was measured over, of one perf_analyzer run. A cell that
+    does not stabilise is tried once more with windows twice as long; one stopped for perf_analyzer's memory (it
+    keeps every request's inputs, docs/bench.md) is tried again over windows half as long, down to
+    ``SHORTEST_WINDOW_MS``, as `kiln bench` does. A cell that still has no figure is recorded as None (unstable)
+    rather than ending the run. ``memory_limit_bytes``: the guard's limit (None: kiln bench's default)."""
     out = folder / f"{model}-{protocol}-{concurrency}.csv"
     url = server.http_url if protocol == "http" else server.grpc_url
     unstable: dict[str, Any] = {"throughput": None, "p50_us": None, "rows_per_execution": None,
-                                "http_connections": None}
-    for window in (window_ms, 2 * window_ms):
+                                "http_connections": None, "window_ms": None}
+    window: int | None = window_ms
+    lengthened = False
+    while window is not None:
         command = [binary, "-m", model, "-u", url, "-i", protocol, "--concurrency-range",
                    f"{concurrency}:{concurrency}", "--measurement-interval", str(window), "--stability-percentage",
                    str(stability), "--max-trials", "8", "-f", str(out), *extra]
@@ -164,10 +169,13 @@ def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurr
         with tempfile.TemporaryFile("w+") as log, ConnectionSpread(server) as spread:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
             try:
-                code = wait_watched(process, RUN_TIMEOUT_S, None, model, functools.partial(" ".join, command))
+                code = wait_watched(process, RUN_TIMEOUT_S, memory_limit_bytes, model,
+                                    functools.partial(" ".join, command))
             except MemoryStopped as stopped:
-                print(f"  {stopped.held}: recorded as unstable", file=sys.stderr)
-                return unstable
+                window = shorter_window(window)
+                print(f"  {stopped.held} over {command[command.index('--measurement-interval') + 1]} ms windows: "
+                      + (f"again over {window} ms" if window else "recorded as unstable"), file=sys.stderr)
+                continue
             finally:
                 if process.poll() is None:
                     process.kill()
@@ -181,10 +189,17 @@ def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurr
                                                                              strict=True))
             return {"throughput": float(row["Inferences/Second"]), "p50_us": float(row["p50 latency"]),
                     "rows_per_execution": requests / executions if executions else None,
-                    "http_connections": spread.counts if protocol == "http" else None}
+                    "http_connections": spread.counts if protocol == "http" else None, "window_ms": window}
         if "stable measurement" not in text:
             raise RuntimeError(f"perf_analyzer failed ({code}): {' '.join(command)}\n{text[-4000:]}")
+        window, lengthened = (None, True) if lengthened else (2 * window, True)
     return unstable
+
+
+def shorter_window(window_ms: int) -> int | None:
+    """The window to measure a cell over after a run stopped for its memory: half as long, not below
+    ``SHORTEST_WINDOW_MS``; None once it was that short already."""
+    return None if window_ms <= SHORTEST_WINDOW_MS else max(SHORTEST_WINDOW_MS, window_ms // 2)
 
 
 def _counts(server: KilnProcess, model: str) -> tuple[float, float]:
@@ -214,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repository", type=Path, default=None,
                         help="a model repository holding --models (default: the demo repository, built here)")
     parser.add_argument("--input-data", default=None, help="perf_analyzer's --input-data (zero, random, a file)")
+    parser.add_argument("--memory-limit-mb", type=int, default=None,
+                        help="stop a perf_analyzer run holding more MiB (default: half of the free memory)")
     parser.add_argument("--shared-memory", choices=("none", "system"), default="none",
                         help="the inputs and outputs in system shared memory (the servers get --allow-client-shm)")
     parser.add_argument("--output", type=Path, default=None, help="JSON results (a .txt table goes beside it)")
@@ -240,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                         for protocol in protocols:
                             for concurrency in levels:
                                 cell = measure(args.perf_analyzer, server, model, protocol, concurrency,
-                                               args.window_ms, args.stability, Path(tmp), extra)
+                                               args.window_ms, args.stability, Path(tmp), extra,
+                                               memory_limit_bytes=args.memory_limit_mb and args.memory_limit_mb << 20)
                                 rows.append({"round": round_, "tree": label, "model": model, "protocol": protocol,
                                              "concurrency": concurrency, **cell})
                                 print(f"round {round_} {label} {model} {protocol} c={concurrency}: {cell}",

@@ -128,7 +128,37 @@ def test_before_after_perf_analyzer(tmp_path: Path) -> None:
     assert {(r["tree"], r["protocol"]) for r in rows} == {(t, p) for t in ("before", "after") for p in ("http", "grpc")}
     assert all(r["throughput"] > 0 and r["p50_us"] > 0 for r in rows)
     assert all(r["rows_per_execution"] == 1.0 for r in rows), rows  # `simple` has no dynamic batching
+    assert all(r["window_ms"] == 500 for r in rows), rows
     assert "median after/before, grpc" in output.with_suffix(".txt").read_text()
+
+
+def test_before_after_measures_a_run_stopped_for_memory_again_over_shorter_windows(tmp_path: Path,
+                                                                                   capfd: pytest.CaptureFixture[str]
+                                                                                   ) -> None:
+    """A limit perf_analyzer passes at once: every run is stopped, the windows halve down to 250 ms, and the cell is
+    recorded as unstable instead of ending the run."""
+    binary = _perf_analyzer()
+    output = tmp_path / "pa.json"
+    assert run_main("before_after_perf_analyzer", "--before", str(SRC), "--perf-analyzer", binary, "--models",
+                    "simple", "--protocols", "http", "--concurrency", "1", "--rounds", "1", "--window-ms", "1000",
+                    "--memory-limit-mb", "1", "--output", str(output)) == 0
+    rows = read_json(output)["rows"]
+    assert [(r["tree"], r["throughput"], r["window_ms"]) for r in rows] == [("before", None, None),
+                                                                           ("after", None, None)]
+    err = capfd.readouterr().err
+    assert err.count("over 1000 ms windows: again over 500 ms") == 2, err
+    assert err.count("over 250 ms windows: recorded as unstable") == 2, err
+
+
+def test_before_after_halves_the_windows_down_to_250_ms() -> None:
+    import importlib
+
+    script = importlib.import_module("before_after_perf_analyzer")
+    windows = [2000]
+    while (shorter := script.shorter_window(windows[-1])) is not None:
+        windows.append(shorter)
+    assert windows == [2000, 1000, 500, 250]
+    assert script.shorter_window(300) == 250
 
 
 def test_before_after_reads_how_the_http_workers_hold_the_connections(tmp_path: Path) -> None:
