@@ -240,8 +240,11 @@ def grpc_frame(message: bytes) -> bytes:
 
 
 def run_h2load(url: str, message: bytes, concurrency: int, duration_s: float, warmup_s: float,
-               expected_response_bytes: int, server_pids: Iterable[int] | None = None) -> LoadResult:
-    """Unary gRPC calls of ``message`` (a serialized request) for about ``duration_s`` after ``warmup_s``.
+               expected_response_bytes: int, server_pids: Iterable[int] | None = None,
+               connections: int | None = None) -> LoadResult:
+    """Unary gRPC calls of ``message`` (a serialized request) for about ``duration_s`` after ``warmup_s``,
+    ``concurrency`` in flight over ``connections`` HTTP/2 connections (None: one each; 1: all on one, as
+    perf_analyzer and tritonclient share one channel between their concurrent calls).
 
     h2load runs a fixed number of calls (``-n``) sized from the rate of a short probe and of the warm-up, not a
     timed run (``-D``): at the end of a timed run h2load resets the calls still in flight, i.e. the client cancels
@@ -252,15 +255,16 @@ def run_h2load(url: str, message: bytes, concurrency: int, duration_s: float, wa
     exactly ``5 + expected_response_bytes`` DATA bytes. Warm-up and probe are separate h2load runs, so the DATA
     byte count of the measured run covers the measured calls only.
     """
-    probe = _h2load(url, message, concurrency, max(200, concurrency * 10), timeout_s=30 + duration_s)
+    streams = _streams(concurrency, connections)
+    probe = _h2load(url, message, streams, max(200, concurrency * 10), timeout_s=30 + duration_s)
     rate = probe.rate
     if warmup_s > 0 and rate > 0:
-        warm = _h2load(url, message, concurrency, max(concurrency, round(rate * warmup_s)),
+        warm = _h2load(url, message, streams, max(concurrency, round(rate * warmup_s)),
                        timeout_s=30 + 4 * warmup_s)
         rate = warm.rate or rate
     count = max(concurrency * 10, round(rate * duration_s))
     with CpuMeter(server_pids if server_pids is not None else []) as meter:
-        run = _h2load(url, message, concurrency, count, timeout_s=30 + 4 * duration_s)
+        run = _h2load(url, message, streams, count, timeout_s=30 + 4 * duration_s)
     return meter.apply(_h2load_result(run, concurrency, count, expected_response_bytes))
 
 
@@ -308,12 +312,20 @@ class _H2Run:
         return self.succeeded / self.duration_s if self.duration_s > 0 else 0.0
 
 
-def _h2load(url: str, message: bytes, concurrency: int, count: int, timeout_s: float) -> _H2Run:
+def _streams(concurrency: int, connections: int | None) -> tuple[int, int]:
+    """h2load's clients (connections) and streams per client for ``concurrency`` calls in flight."""
+    clients = concurrency if connections is None else connections
+    if clients < 1 or concurrency % clients:
+        raise ValueError(f"{concurrency} calls in flight cannot be spread evenly over {clients} connections")
+    return clients, concurrency // clients
+
+
+def _h2load(url: str, message: bytes, streams: tuple[int, int], count: int, timeout_s: float) -> _H2Run:
     with tempfile.TemporaryDirectory(prefix="kiln-h2load-") as tmp:
         body_path = Path(tmp, "body.bin")
         body_path.write_bytes(grpc_frame(message))
         log_path = Path(tmp, "requests.tsv")
-        cmd = ["h2load", "-c", str(concurrency), "-m", "1", "-t", "1", "-n", str(count),
+        cmd = ["h2load", "-c", str(streams[0]), "-m", str(streams[1]), "-t", "1", "-n", str(count),
                "-d", str(body_path), "--log-file", str(log_path),
                "-H", "content-type: application/grpc", "-H", "te: trailers", url + GRPC_INFER_PATH]
         started = time.perf_counter()

@@ -10,6 +10,8 @@ response, driven by the same load generators and concurrency as the other benchm
 * ``grpc-aio-bytes-x2``: the same in two processes sharing the port (SO_REUSEPORT), the most any design with
   several gRPC processes could carry;
 * ``grpc-aio-pb``:     ``grpc.aio`` with protobuf parse of ModelInferRequest and serialize of the response;
+* ``starlette-await``, ``grpc-aio-pb-await``: the ``starlette`` and ``grpc-aio-pb`` servers whose handler waits one
+                       loop turn for its answer, as a handler waiting for a batcher on the same loop does;
 * ``grpc-sync-pb``:    the synchronous ``grpc.server`` (thread pool) doing the same;
 * ``grpc-aio-pb-ort-asyncio``: the same on asyncio's default event loop instead of uvloop;
 * ``*-ort``:           the minimal correct server: the above plus decoding the input, one onnxruntime
@@ -26,11 +28,15 @@ binary-data extension (301 KB), as the GPU benchmarks' ResNet-50 requests are (H
 body: ``asgi-raw``, ``starlette``, ``granian-rsgi``, ``granian-starlette``). Receiving a body that size costs some
 HTTP stacks far more than others, most of all at low concurrency.
 
+gRPC calls each get an HTTP/2 connection of their own unless ``--grpc-connections`` says otherwise; ``1`` puts them
+all on one, as perf_analyzer and tritonclient do (their concurrent calls share one channel).
+
 The gap between a ceiling and kiln's figure is kiln's own per-request cost; the ceiling itself is the price of
 the framework.
 
     python benchmarks/ceilings.py [--duration 5] [--concurrency 16] [--variants a,b,...] [--output results.json]
     python benchmarks/ceilings.py --body image --variants asgi-raw,granian-rsgi --concurrency 1
+    python benchmarks/ceilings.py --variants grpc-aio-pb,grpc-sync-pb,starlette --concurrency 4 --grpc-connections 1
 """
 
 from __future__ import annotations
@@ -61,6 +67,13 @@ _SERVER = textwrap.dedent('''
     import asyncio, json, sys
     variant, port, response_path, model_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     RESPONSE = open(response_path, "rb").read()
+
+    async def next_turn():
+        # What a handler waiting for its answer from elsewhere on the loop (kiln's batcher) goes through.
+        future = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(future.set_result, None)
+        await future
+
     if "-ort" in variant:
         import numpy as np
         import onnxruntime as ort
@@ -76,9 +89,11 @@ _SERVER = textwrap.dedent('''
             async def infer(request, context):
                 return RESPONSE
             handler = grpc.unary_unary_rpc_method_handler(infer)
-        elif variant == "grpc-aio-pb":
+        elif variant in ("grpc-aio-pb", "grpc-aio-pb-await"):
             async def infer(request, context):
                 request.raw_input_contents[0]
+                if variant.endswith("-await"):
+                    await next_turn()
                 return resp_msg
             handler = grpc.unary_unary_rpc_method_handler(
                 infer, request_deserializer=pb.ModelInferRequest.FromString,
@@ -144,6 +159,8 @@ _SERVER = textwrap.dedent('''
             out = json.loads(RESPONSE) if parse else None
             async def infer(request):
                 body = await request.body()
+                if variant.endswith("-await"):
+                    await next_turn()
                 if variant == "starlette-json-ort":
                     doc = json.loads(body)
                     item = doc["inputs"][0]
@@ -182,10 +199,11 @@ _RSGI_MODULE = textwrap.dedent('''
     starlette_app = Starlette(routes=[Route("/v2/models/{model}/infer", infer, methods=["POST"])])
 ''')
 
-HTTP_VARIANTS = ("asgi-raw", "starlette", "starlette-json", "starlette-json-ort")
+HTTP_VARIANTS = ("asgi-raw", "starlette", "starlette-await", "starlette-json", "starlette-json-ort")
 GRANIAN_VARIANTS = ("granian-rsgi", "granian-starlette")
 RAW_BODY_VARIANTS = ("asgi-raw", "starlette", "granian-rsgi", "granian-starlette")  # read the body without decoding it
-GRPC_VARIANTS = ("grpc-aio-bytes", "grpc-aio-bytes-x2", "grpc-aio-pb", "grpc-aio-pb-ort", "grpc-aio-pb-ort-asyncio",
+GRPC_VARIANTS = ("grpc-aio-bytes", "grpc-aio-bytes-x2", "grpc-aio-pb", "grpc-aio-pb-await", "grpc-aio-pb-ort",
+                 "grpc-aio-pb-ort-asyncio",
                  "grpc-sync-pb")
 
 
@@ -198,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"comma-separated; also {', '.join(GRANIAN_VARIANTS)}")
     parser.add_argument("--body", choices=("mlp", "image"), default="mlp",
                         help="image: a 301 KB FP16 image tensor (only with " + ", ".join(RAW_BODY_VARIANTS) + ")")
+    parser.add_argument("--grpc-connections", type=int, default=None,
+                        help="HTTP/2 connections the gRPC calls share (default: one per call in flight; 1: one for "
+                             "all, as perf_analyzer's and tritonclient's shared channel)")
     parser.add_argument("--max-wait-quiet", type=float, default=120.0, help="0: don't wait for a quiet machine")
     parser.add_argument("--output", type=Path, default=None, help="JSON results (a .txt beside it gets the text)")
     args = parser.parse_args(argv)
@@ -265,7 +286,8 @@ def _measure(variant: str, tmp: Path, script: Path, model: Path, http_request: t
         wait_quiet(pids, args.max_wait_quiet)
         if is_grpc:
             result = run_h2load(f"http://127.0.0.1:{port}", grpc_request, args.concurrency, args.duration,
-                                args.warmup, expected_response_bytes=len(responses["grpc"]), server_pids=pids)
+                                args.warmup, expected_response_bytes=len(responses["grpc"]), server_pids=pids,
+                                connections=args.grpc_connections)
         else:
             url = f"http://127.0.0.1:{port}/v2/models/mlp/infer"
             body, headers = http_request

@@ -6,7 +6,8 @@ For each demo model (``simple``, ``mlp``) and each concurrency (default 1, 8, 16
                third of ``--duration`` until three agree within 10% (at most ten);
 * http-json:   ``POST /v2/models/<m>/infer`` with a V2 JSON body, driven by ``wrk`` (N connections);
 * http-binary: the same with the binary tensor data extension (JSON header + raw bytes; binary outputs);
-* grpc:        unary ``ModelInfer`` with ``raw_input_contents``, driven by ``h2load`` (N connections, 1 call each).
+* grpc:        unary ``ModelInfer`` with ``raw_input_contents``, driven by ``h2load`` (N connections, 1 call each;
+               ``--grpc-connections 1``: N calls on one connection, as perf_analyzer and tritonclient send them).
 
 Every served mode sends bytes that were first posted once and checked against a numpy reference; during a window,
 failed requests count as errors, never as throughput. ``kiln serve`` runs on free ports and stops at the end.
@@ -66,6 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,8,16", help="comma-separated concurrencies (default 1,8,16)")
     parser.add_argument("--models", default="simple,mlp", help="comma-separated demo models (default simple,mlp)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    parser.add_argument("--grpc-connections", type=int, default=None,
+                        help="HTTP/2 connections the gRPC calls share (default: one per call in flight; 1: one for "
+                             "all, as perf_analyzer's and tritonclient's shared channel)")
     parser.add_argument("--wrk-threads", type=int, default=1, help="wrk threads (default 1: leave a core to kiln)")
     parser.add_argument("--max-wait-quiet", type=float, default=120.0,
                         help="before each window, wait up to this long for other processes to go idle (0: don't)")
@@ -81,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     info = describe("kiln serving overhead: served vs direct, one row per request", tools=tool_versions(),
                     settings=f"window {args.duration:g} s; served: {args.warmup:g} s warm-up, wrk "
-                             f"-t{args.wrk_threads}, h2load -t1 -m1")
+                             f"-t{args.wrk_threads}, h2load -t1 "
+                             + ("-m1 (a connection per call)" if args.grpc_connections is None else
+                                f"over {args.grpc_connections} connection(s)"))
     print(header(info), flush=True)
     results: list[dict[str, Any]] = []
     costs: dict[str, float] = {}
@@ -141,7 +147,8 @@ def _served(server: KilnProcess, case: Case, modes: list[str], concurrencies: li
             wait_quiet(pids, args.max_wait_quiet)
             if mode == "grpc":
                 result = run_h2load(f"http://{server.grpc_url}", message, c, args.duration, args.warmup,
-                                    expected_response_bytes=len(response), server_pids=pids)
+                                    expected_response_bytes=len(response), server_pids=pids,
+                                    connections=args.grpc_connections)
             else:
                 result = run_wrk(url, body, headers, c, args.duration, args.warmup, threads=args.wrk_threads,
                                  server_pids=pids)

@@ -71,6 +71,27 @@ def test_ceilings(tmp_path: Path) -> None:
     assert all(r["rps"] > 0 and r["errors"] == 0 for r in results.values()), results
 
 
+@needs_tools("wrk", "h2load")
+def test_ceilings_grpc_calls_on_one_connection_and_handlers_that_wait(tmp_path: Path) -> None:
+    output = tmp_path / "ceilings.json"
+    variants = {"grpc-aio-pb", "grpc-aio-pb-await", "starlette-await"}
+    assert run_main("ceilings", *QUICK, "--concurrency", "4", "--grpc-connections", "1", "--variants",
+                    ",".join(sorted(variants)), "--output", str(output)) == 0
+    result = read_json(output)
+    assert result["args"]["grpc_connections"] == 1
+    assert set(result["results"]) == variants
+    assert all(r["rps"] > 0 and r["errors"] == 0 for r in result["results"].values()), result["results"]
+
+
+def test_h2load_spreads_the_calls_in_flight_over_the_connections() -> None:
+    loadgen = importlib.import_module("_loadgen")
+    assert loadgen._streams(4, None) == (4, 1)  # a connection per call in flight
+    assert loadgen._streams(4, 1) == (1, 4)  # perf_analyzer's and tritonclient's one shared channel
+    assert loadgen._streams(8, 2) == (2, 4)
+    with pytest.raises(ValueError, match="cannot be spread evenly over 3 connections"):
+        loadgen._streams(4, 3)
+
+
 @needs_tools("wrk")
 def test_ceilings_image_body(tmp_path: Path) -> None:
     output = tmp_path / "ceilings.json"
