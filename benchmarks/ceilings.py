@@ -203,8 +203,7 @@ HTTP_VARIANTS = ("asgi-raw", "starlette", "starlette-await", "starlette-json", "
 GRANIAN_VARIANTS = ("granian-rsgi", "granian-starlette")
 RAW_BODY_VARIANTS = ("asgi-raw", "starlette", "granian-rsgi", "granian-starlette")  # read the body without decoding it
 GRPC_VARIANTS = ("grpc-aio-bytes", "grpc-aio-bytes-x2", "grpc-aio-pb", "grpc-aio-pb-await", "grpc-aio-pb-ort",
-                 "grpc-aio-pb-ort-asyncio",
-                 "grpc-sync-pb")
+                 "grpc-aio-pb-ort-asyncio", "grpc-sync-pb")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
