@@ -172,8 +172,8 @@ def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurr
                 code = wait_watched(process, RUN_TIMEOUT_S, memory_limit_bytes, model,
                                     functools.partial(" ".join, command))
             except MemoryStopped as stopped:
-                window = shorter_window(window)
-                print(f"  {stopped.held} over {command[command.index('--measurement-interval') + 1]} ms windows: "
+                tried, window = window, shorter_window(window)
+                print(f"  {stopped.held} over {tried} ms windows: "
                       + (f"again over {window} ms" if window else "recorded as unstable"), file=sys.stderr)
                 continue
             finally:
@@ -192,7 +192,9 @@ def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurr
                     "http_connections": spread.counts if protocol == "http" else None, "window_ms": window}
         if "stable measurement" not in text:
             raise RuntimeError(f"perf_analyzer failed ({code}): {' '.join(command)}\n{text[-4000:]}")
-        window, lengthened = (None, True) if lengthened else (2 * window, True)
+        if lengthened:
+            break
+        window, lengthened = 2 * window, True
     return unstable
 
 

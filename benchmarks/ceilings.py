@@ -70,8 +70,9 @@ _SERVER = textwrap.dedent('''
 
     async def next_turn():
         # What a handler waiting for its answer from elsewhere on the loop (kiln's batcher) goes through.
-        future = asyncio.get_running_loop().create_future()
-        asyncio.get_running_loop().call_soon(future.set_result, None)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        loop.call_soon(future.set_result, None)
         await future
 
     if "-ort" in variant:
