@@ -66,6 +66,28 @@ def test_served_ceiling_compares_http_worker_counts(tmp_path: Path) -> None:
     assert rows[0]["requests_per_call"] == 1 and rows[1]["requests_per_call"] >= 1, rows
 
 
+@needs_torch
+def test_served_stages_on_the_stand_in(tmp_path: Path) -> None:
+    output = tmp_path / "stages.json"
+    assert run_main("served_stages", "--stand-in", "--http-workers", "2,1", "--seconds", "0.5", "--output",
+                    str(output)) == 0
+    with_workers, alone = read_json(output)["scenarios"]
+    for scenario in (with_workers, alone):
+        steps = {(step["from"], step["to"]): step for step in scenario["steps"]}
+        assert scenario["steps"][0]["from"] == "LimitedHttpToolsProtocol.on_message_begin", scenario
+        assert scenario["sequence_share"] > 0.5 and scenario["requests"] >= 50, scenario
+        # The stand-in's device takes 0.5 ms a batch: the gap the probes put there is that wait.
+        device = steps[("LaunchRunner._launch.end", "LaunchRunner.device_done")]
+        assert 450 <= device["median_us"] <= 5000 and device["process"] == "server", device
+        assert 0 < scenario["traced_us"] <= scenario["cycle_us"] and scenario["outside_us"] > 0, scenario
+        assert 0.5 < scenario["cycle_us"] / (1000 * scenario["client_p50_ms"]) < 2, scenario
+    processes = {step["process"] for step in with_workers["steps"]}
+    assert processes == {"worker", "server"}, with_workers["steps"]
+    assert ("FrameProtocol._write", "FrameProtocol.data_received") in {(s["from"], s["to"])
+                                                                        for s in with_workers["steps"]}
+    assert {step["process"] for step in alone["steps"]} == {"server"}, alone["steps"]
+
+
 def test_shm_gpu_served_rows_on_a_cpu_model(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     write_model(repo, "resnet50", build_resnet50(0, base_channels=8, image_size=32, num_classes=10), _TINY_RESNET)
