@@ -3,8 +3,9 @@ frontend (its worker processes or the server process), the link between them, th
 each appending (CLOCK_MONOTONIC nanoseconds, stage) to a list that goes to ``<directory>/<pid>.txt``.
 
 A process loads them through the ``sitecustomize`` module served_stages.py writes (``install``). Every probe names
-a function that must exist: one renamed fails here, loudly, instead of leaving its stage out of the report. Each
-probe costs about a microsecond, and a request passes some thirty.
+a function that must exist: one renamed raises here, and the process then runs without probes (Python reports the
+error at start-up), so served_stages.py finds no requests and fails rather than leave a stage out of the report.
+Each probe costs about a microsecond, and a request passes some thirty.
 """
 
 from __future__ import annotations
@@ -57,8 +58,7 @@ def install(directory: str) -> None:
     global _path
     _path = os.path.join(directory, f"{os.getpid()}.txt")
     atexit.register(flush)
-    for probe in PROBES:
-        _wrap(*probe)
+    _wrap_all(PROBES)
     _watch_launches()
 
 
@@ -76,8 +76,17 @@ def record(stage: str) -> None:
         flush()
 
 
-def _wrap(module: str, cls: str, method: str, how: str) -> None:
-    owner = getattr(importlib.import_module(module), cls)
+def _wrap_all(probes: tuple[tuple[str, str, str, str], ...]) -> None:
+    """Every probe or none: each target is looked up before the first is wrapped."""
+    targets = [(getattr(importlib.import_module(module), cls), cls, method, how)
+               for module, cls, method, how in probes]
+    for owner, _, method, _ in targets:
+        getattr(owner, method)  # raises for a method that is gone
+    for target in targets:
+        _wrap(*target)
+
+
+def _wrap(owner: Any, cls: str, method: str, how: str) -> None:
     original: Callable[..., Any] = getattr(owner, method)
     stage = f"{cls}.{method}"
     if how == "at":
@@ -134,8 +143,7 @@ def _watch_launches() -> None:
             except ImportError:
                 pass
             else:
-                for probe in TORCH_PROBES:
-                    _wrap(*probe)
+                _wrap_all(TORCH_PROBES)
         init(self, *args, **kwargs)
 
     runner._post_when_done = post_when_done  # type: ignore[method-assign]

@@ -153,7 +153,9 @@ def _stages(traces: Path, roles: dict[int, str], start: str) -> dict[str, Any]:
         elif requests:
             requests[-1].append(event)
     if len(requests) < 10:
-        raise RuntimeError(f"only {len(requests)} requests were traced under {traces}")
+        raise RuntimeError(f"only {len(requests)} requests were traced under {traces}: a probe that no longer "
+                           f"matches kiln's code stops them all (Python prints 'Error in sitecustomize' in the "
+                           f"traced process's output)")
     begins = [request[0][0] for request in requests]
     cycles = [(b - a) / 1000 for a, b in zip(begins, begins[1:], strict=False)]
     measured = requests[int(len(requests) * WARM_UP_SHARE):-1]  # the last may be cut off

@@ -88,6 +88,18 @@ def test_served_stages_on_the_stand_in(tmp_path: Path) -> None:
     assert {step["process"] for step in alone["steps"]} == {"server"}, alone["steps"]
 
 
+def test_stage_probes_wrap_all_or_none() -> None:
+    import _stage_probes
+
+    from kiln.server.infer import InferPath
+
+    admit = InferPath.admit
+    with pytest.raises(AttributeError, match="admitted"):
+        _stage_probes._wrap_all((("kiln.server.infer", "InferPath", "admit", "span"),
+                                 ("kiln.server.infer", "InferPath", "admitted", "span")))
+    assert InferPath.admit is admit  # the probe that matched was not installed either
+
+
 def test_shm_gpu_served_rows_on_a_cpu_model(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     write_model(repo, "resnet50", build_resnet50(0, base_channels=8, image_size=32, num_classes=10), _TINY_RESNET)
