@@ -2,11 +2,11 @@
 
 Probes (_stage_probes.py) timestamp the functions an inference request passes through: the HTTP frontend in its
 worker processes or in the server process, the link between them, the batcher, a CUDA-graph engine's staging,
-replay and copies, and the moment the device finished. With one request at a time the events of one request follow
-each other, so the gap from one event to the next is what that step took, whichever process ran it. The printout
-gives each step's median over the most common sequence of events, the process it ended in (worker, server,
-direct), and what lies outside the traced processes: the client writing the request and reading the answer, and the
-kernel moving the bytes (from the answer's write to the next request's first byte).
+replay and copies, and the moment the batcher's waiter thread saw the device finish. With one request at a time the
+events of one request follow each other, so the gap from one event to the next is what that step took, whichever
+process ran it. The printout gives each step's median over the most common sequence of events, the process it ended
+in (worker, server, direct), and what lies outside the traced processes: the client reading the answer and writing
+the next request, and the kernel moving the bytes (from the answer's write to the next request's first byte).
 
 Scenarios: `kiln serve` over HTTP with each ``--http-workers`` count, driven by `kiln bench` at concurrency 1
 (``--load-generator perf_analyzer`` for NVIDIA's client), and with ``--direct`` the same model through ``kiln.load``
