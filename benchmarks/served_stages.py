@@ -10,7 +10,9 @@ the next request, and the kernel moving the bytes (from the answer's write to th
 
 Scenarios: `kiln serve` over HTTP with each ``--http-workers`` count, driven by `kiln bench` at concurrency 1
 (``--load-generator perf_analyzer`` for NVIDIA's client), and with ``--direct`` the same model through ``kiln.load``
-in one process (`kiln bench --target direct`), so the served rows read against the direct one.
+in one process (`kiln bench --target direct`), so the served rows read against the direct one. Any model serves:
+the launch, engine and device steps appear where the model launches its batches (a CUDA-graph build, the stand-in);
+for others the report holds the frontend, link and server steps, the model's run between admission and its answers.
 
     python benchmarks/served_stages.py --model-repository REPO --model resnet50 --http-workers 4,1 --direct \\
         --load-generator perf_analyzer --output benchmarks/results/served_stages-<host>-<date>.json
