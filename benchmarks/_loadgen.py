@@ -239,6 +239,10 @@ def grpc_frame(message: bytes) -> bytes:
     return struct.pack(">BI", 0, len(message)) + message
 
 
+GRPC_CONNECTIONS_HELP = ("HTTP/2 connections the gRPC calls share (default: one per call in flight; 1: one for all, "
+                         "as perf_analyzer's and tritonclient's shared channel)")
+
+
 def run_h2load(url: str, message: bytes, concurrency: int, duration_s: float, warmup_s: float,
                expected_response_bytes: int, server_pids: Iterable[int] | None = None,
                connections: int | None = None) -> LoadResult:

@@ -59,7 +59,7 @@ SPREAD_EVERY_S = 0.25  # how often the HTTP workers' connection counts are read 
 sys.path.insert(0, str(SRC))
 
 from kiln.bench.machine import machine_info  # noqa: E402
-from kiln.bench.perf_analyzer import SHORTEST_WINDOW_MS, MemoryStopped, wait_watched  # noqa: E402
+from kiln.bench.perf_analyzer import MemoryStopped, shorter_window, wait_watched  # noqa: E402
 from kiln.demo import build_demo_repository  # noqa: E402
 from kiln.serve_process import KilnProcess, kiln_serve  # noqa: E402
 
@@ -196,12 +196,6 @@ def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurr
             break
         window, lengthened = 2 * window, True
     return unstable
-
-
-def shorter_window(window_ms: int) -> int | None:
-    """The window to measure a cell over after a run stopped for its memory: half as long, not below
-    ``SHORTEST_WINDOW_MS``; None once it was that short already."""
-    return None if window_ms <= SHORTEST_WINDOW_MS else max(SHORTEST_WINDOW_MS, window_ms // 2)
 
 
 def _counts(server: KilnProcess, model: str) -> tuple[float, float]:

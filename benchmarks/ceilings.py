@@ -57,7 +57,15 @@ from pathlib import Path
 
 import numpy as np
 from _common import describe, header, log_tail, mlp_case, spawned, str_list, table, write_outputs
-from _loadgen import LoadResult, require_tools, run_h2load, run_wrk, tool_versions, wait_quiet
+from _loadgen import (
+    GRPC_CONNECTIONS_HELP,
+    LoadResult,
+    require_tools,
+    run_h2load,
+    run_wrk,
+    tool_versions,
+    wait_quiet,
+)
 
 from kiln.demo import build_demo_repository
 from kiln.serve_process import free_port
@@ -217,8 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--body", choices=("mlp", "image"), default="mlp",
                         help="image: a 301 KB FP16 image tensor (only with " + ", ".join(RAW_BODY_VARIANTS) + ")")
     parser.add_argument("--grpc-connections", type=int, default=None,
-                        help="HTTP/2 connections the gRPC calls share (default: one per call in flight; 1: one for "
-                             "all, as perf_analyzer's and tritonclient's shared channel)")
+                        help=GRPC_CONNECTIONS_HELP)
     parser.add_argument("--max-wait-quiet", type=float, default=120.0, help="0: don't wait for a quiet machine")
     parser.add_argument("--output", type=Path, default=None, help="JSON results (a .txt beside it gets the text)")
     args = parser.parse_args(argv)

@@ -50,7 +50,15 @@ from _common import (
     verify_http,
     write_outputs,
 )
-from _loadgen import LoadResult, require_tools, run_h2load, run_wrk, tool_versions, wait_quiet
+from _loadgen import (
+    GRPC_CONNECTIONS_HELP,
+    LoadResult,
+    require_tools,
+    run_h2load,
+    run_wrk,
+    tool_versions,
+    wait_quiet,
+)
 
 from kiln.bench import BenchOptions, run
 from kiln.demo import build_demo_repository
@@ -68,8 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default="simple,mlp", help="comma-separated demo models (default simple,mlp)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
     parser.add_argument("--grpc-connections", type=int, default=None,
-                        help="HTTP/2 connections the gRPC calls share (default: one per call in flight; 1: one for "
-                             "all, as perf_analyzer's and tritonclient's shared channel)")
+                        help=GRPC_CONNECTIONS_HELP)
     parser.add_argument("--wrk-threads", type=int, default=1, help="wrk threads (default 1: leave a core to kiln)")
     parser.add_argument("--max-wait-quiet", type=float, default=120.0,
                         help="before each window, wait up to this long for other processes to go idle (0: don't)")

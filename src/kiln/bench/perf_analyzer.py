@@ -78,6 +78,12 @@ class MemoryStopped(PerfAnalyzerError):
         self.held = held
 
 
+def shorter_window(window_ms: int) -> int | None:
+    """The window to measure over after a run stopped for perf_analyzer's memory: half as long, not below
+    ``SHORTEST_WINDOW_MS``; None once it was that short already."""
+    return None if window_ms <= SHORTEST_WINDOW_MS else max(SHORTEST_WINDOW_MS, window_ms // 2)
+
+
 def find_binary(configured: str | None) -> str:
     """The perf_analyzer to run: ``--perf-analyzer``, else ``$KILN_PERF_ANALYZER``, else ``perf_analyzer`` on
     PATH; PerfAnalyzerError naming the flag and the install when none is executable."""
@@ -225,9 +231,8 @@ class PerfAnalyzerLoad:
                 return words, output, code, False, windows
             return words, output, code, True, len(output.pass_ns)
         except MemoryStopped as stopped:
-            interval = self.options.measurement_interval_ms
+            interval = shorter_window(self.options.measurement_interval_ms) or SHORTEST_WINDOW_MS
             while True:  # halve the windows until a run fits; stopped at the shortest, the error reaches the caller
-                interval = max(SHORTEST_WINDOW_MS, interval // 2)
                 progress.note(f"perf_analyzer: {level.describe()}: {stopped.held}; measuring 3 windows of {interval} "
                               f"ms without the stability rule")
                 words = command(self.binary, self.options, self.url, level, path, RELAXED_STABILITY, MERGED_WINDOWS,
@@ -235,9 +240,10 @@ class PerfAnalyzerLoad:
                 try:
                     output, code = self._run(words)
                 except MemoryStopped as again:
-                    if interval == SHORTEST_WINDOW_MS:
+                    shorter = shorter_window(interval)
+                    if shorter is None:
                         raise
-                    stopped = again
+                    interval, stopped = shorter, again
                     continue
                 return words, output, code, False, len(output.pass_ns)
 
