@@ -57,15 +57,7 @@ from pathlib import Path
 
 import numpy as np
 from _common import describe, header, log_tail, mlp_case, spawned, str_list, table, write_outputs
-from _loadgen import (
-    GRPC_CONNECTIONS_HELP,
-    LoadResult,
-    require_tools,
-    run_h2load,
-    run_wrk,
-    tool_versions,
-    wait_quiet,
-)
+from _loadgen import GRPC_CONNECTIONS_HELP, LoadResult, require_tools, run_h2load, run_wrk, tool_versions, wait_quiet
 
 from kiln.demo import build_demo_repository
 from kiln.serve_process import free_port

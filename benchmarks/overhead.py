@@ -50,15 +50,7 @@ from _common import (
     verify_http,
     write_outputs,
 )
-from _loadgen import (
-    GRPC_CONNECTIONS_HELP,
-    LoadResult,
-    require_tools,
-    run_h2load,
-    run_wrk,
-    tool_versions,
-    wait_quiet,
-)
+from _loadgen import GRPC_CONNECTIONS_HELP, LoadResult, require_tools, run_h2load, run_wrk, tool_versions, wait_quiet
 
 from kiln.bench import BenchOptions, run
 from kiln.demo import build_demo_repository
