@@ -47,6 +47,7 @@ class ThreadCpu:
         self._at, self._total, self._threads = self._read()
 
     def stop(self) -> tuple[float, list[tuple[str, float]]]:
+        """The process's cores, and every thread group's, busiest first."""
         at, total, threads = self._read()
         wall = at - self._at
         names = {thread.native_id: thread.name for thread in threading.enumerate()}
@@ -54,8 +55,8 @@ class ThreadCpu:
         for tid, spent in threads.items():
             name = _group(names.get(tid, "native"))  # native: threads Python did not start (ONNX Runtime's, CUDA's)
             per_name[name] = per_name.get(name, 0.0) + (spent - self._threads.get(tid, 0.0)) / wall
-        busiest = sorted(per_name.items(), key=lambda item: -item[1])[:BUSIEST_SHOWN]
-        return round((total - self._total) / wall, 2), [(name, round(cores, 2)) for name, cores in busiest]
+        ranked = sorted(per_name.items(), key=lambda item: -item[1])
+        return round((total - self._total) / wall, 2), [(name, round(cores, 2)) for name, cores in ranked]
 
     def _read(self) -> tuple[float, float, dict[int, float]]:
         with self._process.oneshot():
@@ -122,7 +123,7 @@ class Window:
         self._batches = (0, 0)
         self.average_batch = 1.0
         self.process_cores = 0.0
-        self.busiest: list[tuple[str, float]] = []
+        self.threads: list[tuple[str, float]] = []  # every thread group, busiest first
         self.closed = threading.Event()  # the callers stop once it is set, so their threads are counted by name
 
     def opens(self) -> None:
@@ -131,7 +132,7 @@ class Window:
 
     def closes(self) -> None:
         try:
-            self.process_cores, self.busiest = self._cpu.stop()
+            self.process_cores, self.threads = self._cpu.stop()
         finally:
             self.closed.set()  # the callers stop whatever happened here
         executions, inferences = self._counts()
@@ -171,7 +172,7 @@ def measure(model_dir: Path, calls: str, batching: bool, callers: int, seconds: 
             "p50_ms": float(np.percentile(times, 50)) / 1e6 if len(times) else None,
             "p99_ms": float(np.percentile(times, 99)) / 1e6 if len(times) else None,
             "average_batch": window.average_batch, "process_cores": window.process_cores,
-            "busiest_threads": window.busiest}
+            "busiest_threads": window.threads[:BUSIEST_SHOWN], "thread_cores": dict(window.threads)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
