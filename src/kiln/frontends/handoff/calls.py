@@ -170,10 +170,20 @@ class InferCalls:
 
     async def infer(self, request: InferRequest, routing_key: str | None = None) -> Answer:
         """The server process's answer; :class:`Refused` with its error frame instead."""
+        future = self.submit(request, routing_key)
+        try:
+            return await future
+        except asyncio.CancelledError:  # an answer that came just before still holds its outputs' slot
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result()[1]()
+            raise
+
+    def submit(self, request: InferRequest, routing_key: str | None = None) -> asyncio.Future[Answer]:
+        """Send ``request`` (or queue it for the end of the turn) without waiting: the future holds the answer, or
+        :class:`Refused`. Whoever drops a future that got its answer must still call the answer's release."""
         if self._protocol.closed.done():
             raise Refused(LOST)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Answer] = loop.create_future()
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         key = join_key(request, routing_key) if self._join else None
         if key is None or not (self._sent or self._waiting):
             payload = encode_request(request, self._request_arena, routing_key)
@@ -183,12 +193,7 @@ class InferCalls:
         else:
             self._waiting.append((key, request, future))
             self._schedule_flush()
-        try:
-            return await future
-        except asyncio.CancelledError:  # an answer that came just before still holds its outputs' slot
-            if future.done() and not future.cancelled() and future.exception() is None:
-                future.result()[1]()
-            raise
+        return future
 
     def on_frame(self, call: int, kind: int, payload: bytes) -> bool:
         """Take an infer call's answer or error; False when ``call`` is no infer call of this worker's."""

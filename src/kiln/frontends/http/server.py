@@ -14,6 +14,7 @@ from typing import Any
 import uvicorn
 
 from kiln.frontends.http import listener
+from kiln.frontends.http.infer_lane import InferLane, lane_protocol_class
 from kiln.frontends.http.limits import HttpLimits, protocol_class
 from kiln.frontends.http.shares import ConnectionShares
 
@@ -61,10 +62,10 @@ class HttpServer(uvicorn.Server):
 
 def http_config(app: Any, host: str, port: int, exit_timeout_s: float, *, certfile: Path | None = None,
                 keyfile: Path | None = None, client_ca: Path | None = None,
-                limits: HttpLimits | None = None) -> uvicorn.Config:
+                limits: HttpLimits | None = None, lane: InferLane | None = None) -> uvicorn.Config:
     """uvicorn's settings for a kiln frontend; with ``certfile`` it serves TLS, with ``client_ca`` it requires
     client certificates signed by that CA (mTLS); ``limits``: the connection limits and timeouts (limits.py;
-    default :class:`HttpLimits`' defaults)."""
+    default :class:`HttpLimits`' defaults); ``lane``: an HTTP worker's infer lane (infer_lane.py)."""
     tls: dict[str, Any] = {}
     if certfile is not None:
         tls = {"ssl_certfile": str(certfile), "ssl_keyfile": str(keyfile) if keyfile else None}
@@ -72,6 +73,7 @@ def http_config(app: Any, host: str, port: int, exit_timeout_s: float, *, certfi
             tls |= {"ssl_ca_certs": str(client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
     limits = limits or HttpLimits()
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                          http=protocol_class(limits), loop="none",
+                          http=protocol_class(limits) if lane is None else lane_protocol_class(limits, lane),
+                          loop="none",
                           timeout_keep_alive=limits.idle_timeout_s,  # type: ignore[arg-type]  # a float works (call_later)
                           timeout_graceful_shutdown=int(exit_timeout_s), **tls)

@@ -31,7 +31,7 @@ from kiln.frontends.http.routing import ROUTING_KEY_HEADER
 from kiln.v2 import http_codec as codec
 from kiln.v2.http_body import read_body
 from kiln.v2.http_responses import error_response
-from kiln.v2.types import InferRequest
+from kiln.v2.types import InferRequest, InferResponse
 
 GONE = "the server process is not answering (it is shutting down or has stopped)"
 _DROPPED_WHEN_DECODED = (b"content-encoding", b"content-length")
@@ -79,10 +79,29 @@ class CoreClient:
         try:
             return await self._calls.infer(request, routing_key)
         except Refused as refused:
-            if refused.kind == frames.ERROR:
-                code, message = orjson.loads(refused.payload)
-                raise error_for_code(ErrorCode(code), message) from None
-            raise UnavailableError(GONE) from None
+            raise self.typed(refused) from None
+
+    def submit(self, request: InferRequest, routing_key: str | None) -> asyncio.Future[Answer]:
+        """:meth:`infer` without waiting: the future's :meth:`result` is the answer (raises
+        :class:`~kiln.frontends.handoff.calls.Refused` when the link is gone)."""
+        return self._calls.submit(request, routing_key)
+
+    def result(self, future: asyncio.Future[Answer]) -> Answer:
+        """A submitted request's answer; raises the Server's error as the typed error."""
+        try:
+            return future.result()
+        except Refused as refused:
+            raise self.typed(refused) from None
+
+    @staticmethod
+    def typed(exc: Exception) -> Exception:
+        """The error a client is to see for a refusal of the link (others are returned as they are)."""
+        if not isinstance(exc, Refused):
+            return exc
+        if exc.kind == frames.ERROR:
+            code, message = orjson.loads(exc.payload)
+            return error_for_code(ErrorCode(code), message)
+        return UnavailableError(GONE)
 
     def open(self, payload: bytes) -> tuple[int, asyncio.Queue[tuple[int, bytes]]]:
         call = next(self._ids)
@@ -106,7 +125,8 @@ class WorkerApp:
     def __init__(self, core: CoreClient, max_input_size: int, access: AccessPolicy | None = None) -> None:
         self.core = core
         self.max_input_size = max_input_size
-        self._entry = restricted(self._serve, access if access is not None else policy_from_environment())
+        self.access = access if access is not None else policy_from_environment()
+        self._entry = restricted(self._serve, self.access)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._entry(scope, receive, send)
@@ -140,12 +160,9 @@ class WorkerApp:
         """As Endpoints.infer from the Server call on."""
         answer, release = await self.core.infer(request, routing_key)
         try:
-            content, header_size = codec.encode_response(answer, request)
+            return render(answer, request)
         finally:
             release()  # the body holds a copy of every output now
-        if header_size is None:
-            return Response(content, media_type=codec.JSON_TYPE)
-        return Response(content, media_type=codec.BINARY_TYPE, headers={codec.HEADER_LENGTH: str(header_size)})
 
     def _over_limit(self, scope: Scope) -> bool:
         declared = dict(scope["headers"]).get(b"content-length", b"")
@@ -207,6 +224,14 @@ class WorkerApp:
         while (await receive())["type"] != "http.disconnect":
             pass
         self.core.send(call, frames.DISCONNECT)
+
+
+def render(answer: InferResponse, request: InferRequest) -> Response:
+    """The response to ``request``: ``answer`` encoded as Endpoints.infer encodes it."""
+    content, header_size = codec.encode_response(answer, request)
+    if header_size is None:
+        return Response(content, media_type=codec.JSON_TYPE)
+    return Response(content, media_type=codec.BINARY_TYPE, headers={codec.HEADER_LENGTH: str(header_size)})
 
 
 def _describe(scope: Scope, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:

@@ -1,0 +1,201 @@
+"""An HTTP worker's infer requests answered from the connection's own callbacks, without an ASGI task.
+
+uvicorn runs every request as a task of the ASGI app: the task starts when the head is in, sleeps until the body
+is, wakes to decode it, sleeps again until the server process answers and wakes once more to write the response.
+An infer request that the worker can decode on its own needs none of that: :class:`LaneProtocol` decodes it and
+hands it to the server process in the callback that completes its body, and writes the answer in the callback that
+receives it. The bytes on the wire are the ASGI path's: the same codec, the same Response objects, uvicorn's
+default headers, its keep-alive and pipelining rules.
+
+A request takes the lane when its head says it can: ``POST`` to an infer route, a ``Content-Length`` within
+``--http-max-input-size``, no ``Content-Encoding``, no ``Expect: 100-continue``, and no access restriction on
+inference. Everything else, and a request whose body turns out to need the server process (a raw body without a
+JSON header, or one the worker cannot decode: the server process says first whether the model exists), runs as an
+ASGI task of :class:`~kiln.frontends.http.worker_app.WorkerApp` with its body already read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from starlette.responses import Response
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
+
+from kiln.errors import InvalidArgumentError
+from kiln.frontends.access import http_group
+from kiln.frontends.handoff.calls import Answer
+from kiln.frontends.http.app import _infer_params
+from kiln.frontends.http.limits import HttpLimits, LimitedHttpToolsProtocol
+from kiln.frontends.http.routing import ROUTING_KEY_HEADER
+from kiln.frontends.http.worker_app import WorkerApp, render
+from kiln.v2 import http_codec as codec
+from kiln.v2.http_responses import error_response
+from kiln.v2.types import InferRequest
+
+log = logging.getLogger("kiln.http")
+
+LANE_VARIABLE = "KILN_HTTP_INFER_LANE"
+"""Set to 0 (or false, no, off) in `kiln serve`'s environment, which its workers inherit, to answer every request
+as an ASGI task (to compare, or to rule the lane out)."""
+
+
+def lane_enabled() -> bool:
+    """What this worker's environment says about the lane (on unless ``KILN_HTTP_INFER_LANE`` turns it off)."""
+    return os.environ.get(LANE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+_HEADER_LENGTH = codec.HEADER_LENGTH.encode()
+_ROUTING_KEY = ROUTING_KEY_HEADER.encode()
+_NOT_ON_LANE = (b"content-encoding", b"transfer-encoding")
+Respond = Callable[[RequestResponseCycle, Response], None]
+
+
+class InferLane:
+    """Decides which requests take the lane and answers them, as ``app`` (the worker's ASGI app) would: its link
+    to the server process, its input size limit; inference restricted by its access policy never takes the lane."""
+
+    def __init__(self, app: WorkerApp) -> None:
+        self._core = app.core
+        self._max_input_size = app.max_input_size
+        group = http_group("POST", "/v2/models/m/infer")
+        self.open = not (app.access and group is not None and app.access.header(group) is not None)
+        self.taken = 0  # requests answered on the lane
+
+    def accepts(self, cycle: RequestResponseCycle) -> bool:
+        """Whether the head lets this request take the lane."""
+        scope = cycle.scope
+        if not self.open or scope["method"] != "POST" or cycle.waiting_for_100_continue:
+            return False
+        if _infer_params(scope) is None:  # type: ignore[arg-type]
+            return False
+        declared = b""
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                declared = value
+            elif name in _NOT_ON_LANE:
+                return False
+        return declared.isdigit() and int(declared) <= self._max_input_size
+
+    def take(self, cycle: RequestResponseCycle, respond: Respond) -> bool:
+        """Send the request to the server process and answer it through ``respond(cycle, response)`` later;
+        False when it must run as an ASGI task instead (nothing has been sent then)."""
+        scope = cycle.scope
+        params = _infer_params(scope)  # type: ignore[arg-type]
+        assert params is not None  # accepts() said so
+        body = cycle.body if isinstance(cycle.body, bytes) else bytes(cycle.body)
+        header_length = routing_key = None
+        for name, value in scope["headers"]:
+            if name == _HEADER_LENGTH:
+                header_length = value.decode("latin-1")
+            elif name == _ROUTING_KEY:
+                routing_key = value.decode("latin-1")
+        try:
+            json_size = codec.header_length(header_length, len(body))
+        except InvalidArgumentError as exc:
+            respond(cycle, error_response(exc))
+            return True
+        if json_size == 0:  # raw body: decoding needs the model's metadata, which the server process has
+            return False
+        try:
+            request = codec.decode_request(params["model"], params.get("version", ""), body, json_size)
+        except InvalidArgumentError:  # the server process knows whether the model exists, and says first
+            return False
+        cycle.body = b""  # type: ignore[assignment]  # the request's views hold what they need of it
+        try:
+            future = self._core.submit(request, routing_key)
+        except Exception as exc:
+            respond(cycle, error_response(self._core.typed(exc)))
+            return True
+        future.add_done_callback(functools.partial(self._answered, cycle, request, respond))
+        self.taken += 1
+        return True
+
+    def _answered(self, cycle: RequestResponseCycle, request: InferRequest, respond: Respond,
+                  future: asyncio.Future[Answer]) -> None:
+        try:
+            answer, release = self._core.result(future)
+        except Exception as exc:
+            respond(cycle, error_response(exc))
+            return
+        try:
+            if cycle.disconnected:
+                return
+            response = render(answer, request)
+        except Exception as exc:  # as the ASGI path's guard answers it
+            response = error_response(exc)
+        finally:
+            release()  # the body holds a copy of every output now
+        respond(cycle, response)
+
+
+class LaneProtocol(LimitedHttpToolsProtocol):
+    """:class:`LimitedHttpToolsProtocol` whose requests take ``lane`` where they can (class attribute; see
+    :func:`lane_protocol_class`)."""
+
+    lane: InferLane | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lane_cycle: RequestResponseCycle | None = None  # on the lane, its body not complete yet
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        lane = self.lane
+        if lane is None or not lane.accepts(cycle):
+            super()._start_asgi_task(cycle, app)
+        elif cycle.more_body:
+            self._lane_cycle = cycle  # taken when its body is complete
+            self.flow.resume_reading()  # on_body pauses for a large chunk: nothing else would read on
+        else:
+            self._take(cycle, app)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        if self._lane_cycle is not None and self.cycle is self._lane_cycle:
+            self.flow.resume_reading()  # no task reads the body: the callbacks take all of it
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        cycle = self._lane_cycle
+        if cycle is not None and cycle is self.cycle and not cycle.more_body:
+            self._lane_cycle = None
+            self._take(cycle, self.app)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lane_cycle = None
+        super().connection_lost(exc)
+
+    def _take(self, cycle: RequestResponseCycle, app: Any) -> None:
+        assert self.lane is not None
+        try:
+            taken = self.lane.take(cycle, self._respond)
+        except Exception:  # a fault of the lane's own: the ASGI path answers the request as ever
+            log.exception("HTTP worker: an infer request's fast path failed; answering it the ASGI way")
+            taken = False
+        if not taken:
+            super()._start_asgi_task(cycle, app)
+
+    def _respond(self, cycle: RequestResponseCycle, response: Response) -> None:
+        """Write ``response`` as uvicorn's cycle would (its default headers, ``connection: close`` when the
+        connection ends with it) and complete the cycle."""
+        if cycle.disconnected or cycle.response_complete:
+            return
+        cycle.response_started = cycle.response_complete = True
+        head = [STATUS_LINE[response.status_code]]
+        for name, value in (*cycle.default_headers, *response.raw_headers):
+            head += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        self.transport.writelines([b"".join(head), response.body])
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()
+
+
+def lane_protocol_class(limits: HttpLimits, lane: InferLane) -> type[LaneProtocol]:
+    """The protocol class uvicorn instantiates per connection, with ``limits`` and ``lane``."""
+    return type("LaneProtocol", (LaneProtocol,), {"limits": limits, "lane": lane})

@@ -1,0 +1,240 @@
+"""An HTTP worker's infer lane (infer_lane.py): a real Server, the server process's CoreLink and the worker's
+CoreClient on a socket pair, and the worker's uvicorn twice, with the lane and without it. Infer requests answered
+on the lane give the bytes the ASGI path gives (JSON, binary, errors; keep-alive, pipelined, ``Connection:
+close``), a body that arrives in pieces larger than uvicorn's high-water mark completes, requests the lane must not
+take are answered the ASGI way, and an answer whose client has gone gives its arena slot back."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import gzip
+import json
+import os
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.frontends.access import HTTP_GROUPS, AccessPolicy, parse_restriction
+from kiln.frontends.handoff.arena import Arena, create_arena_file
+from kiln.frontends.http.app import build_app
+from kiln.frontends.http.core import CoreLink
+from kiln.frontends.http.infer_lane import InferLane, lane_enabled
+from kiln.frontends.http.server import HttpServer, http_config
+from kiln.frontends.http.worker_app import CoreClient, WorkerApp
+from kiln.server.server import Server, ServerOptions
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="arenas need memfd_create (Linux)")
+
+LIMIT = 1 << 20
+MODEL = """name: "{name}"
+backend: "identity"
+max_batch_size: 8
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+dynamic_batching {{ {batching} }}
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("repo")
+    # "slow" waits 0.3 s for a batch of 8 that never forms: its answer comes after its client may have gone
+    for name, batching in (("echo", "max_queue_delay_microseconds: 0"),
+                           ("slow", "preferred_batch_size: [ 8 ] max_queue_delay_microseconds: 300000")):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(MODEL.format(name=name, batching=batching))
+    kiln_server = Server(ServerOptions(repositories=[Path(root)]))
+    kiln_server.start()
+    yield kiln_server
+    kiln_server.close()
+
+
+class Worker:
+    """The worker's side: its link, its app, the lane (None: every request is an ASGI task), its port."""
+
+    def __init__(self, core: CoreClient, app: WorkerApp, lane: InferLane | None, port: int,
+                 arenas: list[Arena]) -> None:
+        self.core, self.app, self.lane, self.port, self.arenas = core, app, lane, port, arenas
+
+    async def slots_back(self) -> bool:
+        for _ in range(400):
+            gc.collect()  # the views' weak references fire once the last view is gone
+            if all(arena.used_bytes == 0 for arena in self.arenas):
+                return True
+            await asyncio.sleep(0.005)
+        return False
+
+
+async def _worker(server: Server, lane: bool, access: AccessPolicy | None = None) -> AsyncIterator[Worker]:
+    arenas = []
+    for _ in range(2):
+        fd = create_arena_file(1 << 22)
+        assert fd is not None
+        arenas.append((Arena.from_fd(fd), Arena.from_fd(fd)))
+        os.close(fd)
+    (worker_requests, core_requests), (core_responses, worker_responses) = arenas
+    link = CoreLink(server, build_app(server, max_input_size=LIMIT), core_requests, core_responses, lambda: None)
+    core = CoreClient(worker_requests, worker_responses)
+    ours, theirs = socket.socketpair()
+    loop = asyncio.get_running_loop()
+    await loop.create_connection(lambda: core.protocol, sock=ours)
+    await loop.create_connection(lambda: link.protocol, sock=theirs)
+    app = WorkerApp(core, LIMIT, access or AccessPolicy())
+    infer_lane = InferLane(app) if lane else None
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(64)
+    listening.setblocking(False)
+    http = HttpServer(http_config(app, "", 0, 1.0, lane=infer_lane), [listening])
+    serving = asyncio.create_task(http.serve())
+    while not http.started:
+        await asyncio.sleep(0.005)
+    yield Worker(core, app, infer_lane, listening.getsockname()[1], [worker_requests, core_responses])
+    http.should_exit = True
+    await serving
+    core.protocol.transport.close()  # type: ignore[union-attr]
+    link.protocol.transport.close()  # type: ignore[union-attr]
+
+
+@pytest.fixture
+async def lane(server: Server) -> AsyncIterator[Worker]:
+    async for worker in _worker(server, lane=True):
+        yield worker
+
+
+@pytest.fixture
+async def plain(server: Server) -> AsyncIterator[Worker]:
+    async for worker in _worker(server, lane=False):
+        yield worker
+
+
+def _post(path: str, body: bytes, *headers: str) -> bytes:
+    head = [f"POST {path} HTTP/1.1", "host: kiln", f"content-length: {len(body)}", *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _binary(values: np.ndarray, model: str = "echo", *headers: str) -> bytes:
+    doc = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, values.size], "datatype": "FP32",
+                                  "parameters": {"binary_data_size": values.nbytes}}],
+                      "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}]}).encode()
+    return _post(f"/v2/models/{model}/infer", doc + values.astype(np.float32).tobytes(),
+                 f"inference-header-content-length: {len(doc)}", *headers)
+
+
+def _json(values: list[float], model: str = "echo", *headers: str) -> bytes:
+    doc = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, len(values)], "datatype": "FP32",
+                                  "data": values}]}).encode()
+    return _post(f"/v2/models/{model}/infer", doc, "content-type: application/json", *headers)
+
+
+async def _responses(reader: asyncio.StreamReader, count: int) -> list[tuple[list[bytes], bytes]]:
+    """``count`` responses as (status line and headers but the date, body)."""
+    answers = []
+    for _ in range(count):
+        head = (await reader.readuntil(b"\r\n\r\n")).split(b"\r\n")[:-2]
+        length = next(int(line.split(b":")[1]) for line in head if line.lower().startswith(b"content-length:"))
+        answers.append(([line for line in head if not line.lower().startswith(b"date:")],
+                        await reader.readexactly(length)))
+    return answers
+
+
+async def _exchange(port: int, *requests: bytes, pieces: int = 1) -> list[tuple[list[bytes], bytes]]:
+    """``requests`` on one connection, written together (pipelined), in ``pieces`` writes a little apart."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = b"".join(requests)
+    step = -(-len(data) // pieces)
+    for start in range(0, len(data), step):
+        writer.write(data[start:start + step])
+        await writer.drain()
+        if pieces > 1:
+            await asyncio.sleep(0.01)
+    try:
+        return await asyncio.wait_for(_responses(reader, len(requests)), 10)
+    finally:
+        writer.close()
+
+
+def _status(answer: tuple[list[bytes], bytes]) -> int:
+    return int(answer[0][0].split()[1])
+
+
+CASES = {
+    "binary": [_binary(np.arange(4, dtype=np.float32))],
+    "json": [_json([1.5, 2.5, 3.5])],
+    "keep-alive and pipelined": [_binary(np.arange(3, dtype=np.float32)), _json([7.0]),
+                                 _binary(np.ones(5, np.float32))],
+    "a wrong datatype": [_post("/v2/models/echo/infer", json.dumps(
+        {"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "INT32", "data": [1, 2]}]}).encode())],
+    "a header length past the body": [_post("/v2/models/echo/infer", b"{}", "inference-header-content-length: 9")],
+    "connection close": [_json([1.0], "echo", "connection: close")],
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+async def test_the_lane_answers_with_the_bytes_the_asgi_path_gives(lane: Worker, plain: Worker, case: str) -> None:
+    requests = CASES[case]
+    fast = await _exchange(lane.port, *requests)
+    assert fast == await _exchange(plain.port, *requests)
+    assert lane.lane is not None and lane.lane.taken == len(requests) - (case == "a header length past the body")
+    assert _status(fast[0]) == (400 if case in ("a wrong datatype", "a header length past the body") else 200)
+    if case == "binary":
+        assert np.array_equal(np.frombuffer(fast[0][1][-16:], np.float32), np.arange(4))
+    if case == "connection close":
+        assert b"connection: close" in fast[0][0]
+    assert await lane.slots_back()
+
+
+async def test_a_body_in_pieces_above_the_high_water_mark_completes_on_the_lane(lane: Worker) -> None:
+    image = np.random.default_rng(3).standard_normal(75_000).astype(np.float32)  # 300 KB
+    ((head, body),) = await _exchange(lane.port, _binary(image), pieces=8)
+    assert head[0] == b"HTTP/1.1 200 OK" and np.array_equal(np.frombuffer(body[-image.nbytes:], np.float32), image)
+    assert lane.lane is not None and lane.lane.taken == 1
+
+
+async def test_requests_the_lane_must_not_take_are_answered_the_asgi_way(lane: Worker, plain: Worker) -> None:
+    compressed = gzip.compress(json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32",
+                                                       "data": [4.0]}]}).encode())
+    requests = [
+        _post("/v2/models/nonexistent/infer", b"{not json"),  # the server process says first the model is unknown
+        _post("/v2/models/echo/infer", compressed, "content-encoding: gzip"),
+        _post("/v2/models/echo/infer", np.ones(2, np.float32).tobytes(), "inference-header-content-length: 0"),  # raw
+        _post("/v2/models/echo/infer", b"x" * (LIMIT + 1)),  # over --http-max-input-size
+        b"GET /v2/health/ready HTTP/1.1\r\nhost: kiln\r\n\r\n",
+    ]
+    fast = await _exchange(lane.port, *requests)
+    assert fast == await _exchange(plain.port, *requests)
+    assert [_status(answer) for answer in fast] == [404, 200, 200, 400, 200]
+    assert lane.lane is not None and lane.lane.taken == 0
+
+
+async def test_restricted_inference_never_takes_the_lane(server: Server) -> None:
+    policy = AccessPolicy([parse_restriction("inference:x-key=yes", "--http-restricted-api", HTTP_GROUPS)])
+    async for worker in _worker(server, lane=True, access=policy):
+        assert worker.lane is not None and not worker.lane.open
+        denied, allowed = await _exchange(worker.port, _json([1.0]), _json([1.0], "echo", "x-key: yes"))
+        assert _status(denied) == 403 and _status(allowed) == 200 and worker.lane.taken == 0
+
+
+async def test_an_answer_whose_client_has_gone_gives_its_slot_back(lane: Worker) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", lane.port)
+    writer.write(_binary(np.arange(4, dtype=np.float32), "slow"))
+    await writer.drain()
+    while lane.lane is None or lane.lane.taken == 0:
+        await asyncio.sleep(0.005)
+    writer.close()  # gone before the batcher's 0.3 s are up
+    await asyncio.sleep(0.5)
+    assert await lane.slots_back()
+    assert await _exchange(lane.port, _json([2.0]))  # the worker serves on
+
+
+def test_the_environment_turns_the_lane_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert lane_enabled()
+    for value in ("0", "off", " False "):
+        monkeypatch.setenv("KILN_HTTP_INFER_LANE", value)
+        assert not lane_enabled()
+    monkeypatch.setenv("KILN_HTTP_INFER_LANE", "1")
+    assert lane_enabled()
