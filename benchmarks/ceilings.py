@@ -5,7 +5,9 @@ response, driven by the same load generators and concurrency as the other benchm
 
 * ``asgi-raw``:        uvicorn (httptools, uvloop) + a bare ASGI callable that reads the body and answers;
 * ``httptools-raw``:   an asyncio protocol on uvloop feeding httptools' parser, joining the body and writing a
-                       fixed response (no ASGI, no uvicorn): the floor of any HTTP path in Python on these pieces;
+                       fixed response (no ASGI, no uvicorn): the floor of any HTTP path in Python on these pieces.
+                       After each body chunk it stops reading for a loop turn, as uvicorn does above 64 KB until
+                       the app reads; ``httptools-eager`` reads on at once;
 * ``starlette``:       uvicorn + Starlette with one ``Route`` (kiln's HTTP stack, without kiln);
 * ``starlette-json``:  as above, plus ``json.loads`` of the request and ``json.dumps`` of a 10-float answer;
 * ``grpc-aio-bytes``:  ``grpc.aio`` generic handler, no protobuf (bytes in, fixed bytes out);
@@ -27,7 +29,7 @@ response, driven by the same load generators and concurrency as the other benchm
 
 ``--body image`` sends the request of an image model instead of mlp's 256 bytes: one 3x224x224 FP16 tensor with the
 binary-data extension (301 KB), as the GPU benchmarks' ResNet-50 requests are (HTTP variants that do not decode the
-body: ``asgi-raw``, ``httptools-raw``, ``starlette``, ``granian-rsgi``, ``granian-starlette``). Receiving a body that
+body: ``asgi-raw``, ``httptools-*``, ``starlette``, ``granian-rsgi``, ``granian-starlette``). Receiving a body that
 size costs some HTTP stacks far more than others, most of all at low concurrency.
 
 gRPC calls each get an HTTP/2 connection of their own unless ``--grpc-connections`` says otherwise; ``1`` puts them
@@ -141,10 +143,10 @@ _SERVER = textwrap.dedent('''
             else:
                 import uvloop
                 uvloop.run(main())
-    elif variant == "httptools-raw":
+    elif variant.startswith("httptools-"):
         import httptools, uvloop
-        HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                + str(len(RESPONSE)).encode() + b"\r\n\r\n")
+        HEAD = (b"HTTP/1.1 200 OK\\r\\ncontent-type: application/json\\r\\ncontent-length: "
+                + str(len(RESPONSE)).encode() + b"\\r\\n\\r\\n")
 
         class Answering(asyncio.Protocol):
             def connection_made(self, transport):
@@ -157,6 +159,9 @@ _SERVER = textwrap.dedent('''
 
             def on_body(self, body):
                 self.chunks.append(body)
+                if variant == "httptools-raw":  # read on a loop turn later, as uvicorn and kiln's lane do
+                    self.transport.pause_reading()
+                    asyncio.get_running_loop().call_soon(self.transport.resume_reading)
 
             def on_message_complete(self):
                 body, self.chunks = b"".join(self.chunks), []
@@ -228,10 +233,11 @@ _RSGI_MODULE = textwrap.dedent('''
     starlette_app = Starlette(routes=[Route("/v2/models/{model}/infer", infer, methods=["POST"])])
 ''')
 
-HTTP_VARIANTS = ("asgi-raw", "httptools-raw", "starlette", "starlette-await", "starlette-json", "starlette-json-ort")
+HTTP_VARIANTS = ("asgi-raw", "httptools-raw", "httptools-eager", "starlette", "starlette-await", "starlette-json",
+                 "starlette-json-ort")
 GRANIAN_VARIANTS = ("granian-rsgi", "granian-starlette")
 # the variants that read the body without decoding it
-RAW_BODY_VARIANTS = ("asgi-raw", "httptools-raw", "starlette", "granian-rsgi", "granian-starlette")
+RAW_BODY_VARIANTS = ("asgi-raw", "httptools-raw", "httptools-eager", "starlette", "granian-rsgi", "granian-starlette")
 GRPC_VARIANTS = ("grpc-aio-bytes", "grpc-aio-bytes-x2", "grpc-aio-pb", "grpc-aio-pb-await", "grpc-aio-pb-ort",
                  "grpc-aio-pb-ort-asyncio", "grpc-sync-pb")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -81,8 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = [f"--stand-in-ms={args.base_ms}", f"--stand-in-row-us={args.per_row_us}"]
         for workers in int_list(args.http_workers):
             serve_args = ["--http-workers", str(workers), *args.serve_args.split()]
-            with _served(repo, settings, serve_args, Path(tmp) / "serve.log") as (http_url, grpc_url, metrics_url,
-                                                                                  pid):
+            with serve_stand_in(repo, settings, serve_args, Path(tmp) / "serve.log") as (http_url, grpc_url,
+                                                                                         metrics_url, pid):
                 for row in args.rows.split(","):
                     protocol, tensors = row.split(":")
                     for concurrency in int_list(args.concurrency):
@@ -121,16 +122,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def _served(repo: Path, settings: list[str], serve_args: list[str],
-            log: Path) -> Iterator[tuple[str, str, str, int]]:
-    """`kiln serve --allow-client-shm` over ``repo``, started through this script so the stand-in is registered;
-    yields its HTTP, gRPC and metrics ``host:port`` and its process id."""
+def serve_stand_in(repo: Path, settings: list[str], serve_args: list[str], log: Path,
+                   environment: dict[str, str] | None = None) -> Iterator[tuple[str, str, str, int]]:
+    """`kiln serve --allow-client-shm` over ``repo``, started through this script so the stand-in is registered
+    (``environment``: variables set for it besides this process's); yields its HTTP, gRPC and metrics
+    ``host:port`` and its process id."""
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
     command = [sys.executable, __file__, "--serve-child", *settings, "serve", "--model-repository", str(repo),
                "--allow-client-shm", "true", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
                "--metrics-port", str(metrics_port), *serve_args]
     with open(log, "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(environment or {})})
         try:
             wait_ready(f"127.0.0.1:{http_port}", process, 60.0)
             yield f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", f"127.0.0.1:{metrics_port}", process.pid
