@@ -13,7 +13,7 @@ from kiln.demo.resnet import build_resnet50
 from kiln.engines import base
 from kiln.testing import write_model
 
-from ._smoke import needs_torch, numbers_in_column, read_json, run_main
+from ._smoke import needs_tools, needs_torch, numbers_in_column, read_json, run_main
 
 _TINY_RESNET = """name: "resnet50" platform: "onnxruntime_onnx" max_batch_size: 8
 input [ { name: "input" data_type: TYPE_FP32 dims: [ 3, 32, 32 ] } ]
@@ -83,9 +83,30 @@ def test_served_stages_on_the_stand_in(tmp_path: Path) -> None:
         assert 0.5 < scenario["cycle_us"] / (1000 * scenario["client_p50_ms"]) < 2, scenario
     processes = {step["process"] for step in with_workers["steps"]}
     assert processes == {"worker", "server"}, with_workers["steps"]
-    assert ("FrameProtocol._write", "FrameProtocol.data_received") in {(s["from"], s["to"])
-                                                                        for s in with_workers["steps"]}
+    worker_steps = {(s["from"], s["to"]) for s in with_workers["steps"]}
+    assert ("FrameProtocol._write", "FrameProtocol.data_received") in worker_steps
+    # the workers answer infer requests on their lane (infer_lane.py), not as ASGI tasks
+    assert ("LimitedHttpToolsProtocol.on_message_complete", "InferLane.take") in worker_steps, worker_steps
     assert {step["process"] for step in alone["steps"]} == {"server"}, alone["steps"]
+
+
+@needs_torch
+@needs_tools("wrk")
+def test_infer_lane_off_and_on(tmp_path: Path) -> None:
+    output = tmp_path / "lane.json"
+    assert run_main("infer_lane", "--concurrency", "2", "--rounds", "1", "--seconds", "1", "--warmup", "0",
+                    "--output", str(output)) == 0
+    rows = read_json(output)["rows"]
+    assert [row["lane"] for row in rows] == ["off", "on"]
+    for row in rows:
+        assert row["rps"] > 0 and row["errors"] == 0 and row["worker_us"] > 0 and row["server_us"] > 0, row
+    assert "c=2: req/s" in output.with_suffix(".txt").read_text()
+
+
+def test_infer_lane_needs_worker_processes() -> None:
+    with pytest.raises(SystemExit) as refused:
+        run_main("infer_lane", "--http-workers", "1")
+    assert refused.value.code == 2
 
 
 def test_stage_probes_wrap_all_or_none() -> None:

@@ -96,7 +96,7 @@ def test_h2load_spreads_the_calls_in_flight_over_the_connections() -> None:
 def test_ceilings_image_body(tmp_path: Path) -> None:
     output = tmp_path / "ceilings.json"
     granian = importlib.util.find_spec("granian") is not None  # an optional variant: only where it is installed
-    variants = "asgi-raw,granian-rsgi,granian-starlette" if granian else "asgi-raw"
+    variants = "asgi-raw,httptools-raw,httptools-eager" + (",granian-rsgi,granian-starlette" if granian else "")
     assert run_main("ceilings", *QUICK, "--concurrency", "1", "--body", "image", "--variants", variants,
                     "--output", str(output)) == 0
     results = read_json(output)["results"]
