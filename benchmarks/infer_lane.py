@@ -1,14 +1,13 @@
-"""The infer lane on and off, side by side: `kiln serve --http-workers N` against the device stand-in.
+"""The HTTP workers' infer lane on and off, side by side: `kiln serve --http-workers N` against the device stand-in.
 
 The stand-in of served_ceiling.py (one ResNet-50-shaped model: a 301 KB FP16 image in, 1000 FP32 values out, a
-fixed wait per batch) is served twice per round and worker count, once with ``KILN_HTTP_INFER_LANE=0`` (every
-request an ASGI task) and once with the lane (infer requests answered from the connection's callbacks,
-kiln/frontends/http/infer_lane.py: in the HTTP workers, or with ``--http-workers 1`` in the server process); rounds
-alternate which goes first. wrk (C, little CPU of its own) posts the image with binary outputs from keep-alive
+fixed wait per batch) is served twice per round, once with ``KILN_HTTP_INFER_LANE=0`` (every request an ASGI task)
+and once with the lane (infer requests answered from the connection's callbacks, kiln/frontends/http/infer_lane.py);
+rounds alternate which goes first. wrk (C, little CPU of its own) posts the image with binary outputs from keep-alive
 connections. Each row gives requests/s, p50/p99, and the CPU time per request of the worker processes together and
-of the server process: what the lane saves is the HTTP frontend's CPU, and where that is the limit, requests.
+of the server process: what the lane saves is worker CPU, and on a host where the workers are the limit, requests.
 
-    python benchmarks/infer_lane.py --http-workers 1,2 --concurrency 1,16,64 --rounds 3 \\
+    python benchmarks/infer_lane.py --http-workers 2 --concurrency 1,16,64 --rounds 3 \\
         --output benchmarks/results/infer_lane-<machine>-<date>.json
 """
 
@@ -37,8 +36,7 @@ WORKER_MODULE = "kiln.frontends.http.worker"
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--http-workers", default="2", help="`kiln serve --http-workers` counts, comma-separated "
-                        "(1: HTTP in the server process)")
+    parser.add_argument("--http-workers", type=int, default=2)
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5.0, help="each wrk window (whole seconds)")
@@ -47,8 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-row-us", type=float, default=10.0, help="stand-in device time per image")
     parser.add_argument("--output", type=Path, default=None, help="JSON results; a .txt beside it gets the table")
     args = parser.parse_args(argv)
+    if args.http_workers < 2:
+        parser.error("--http-workers must be 2 or more: with 1, HTTP is served in the server process (no lane)")
     require_tools("wrk")
-    info = describe(f"the infer lane, off and on (--http-workers {args.http_workers}, device stand-in "
+    info = describe(f"the HTTP workers' infer lane, off and on ({args.http_workers} workers, device stand-in "
                     f"{args.base_ms:g} ms + {args.per_row_us:g} us per image)", tools=tool_versions())
     print(header(info), flush=True)
     rows: list[dict[str, Any]] = []
@@ -60,17 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         body, headers = image_request()
         for round_index in range(args.rounds):
             order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
-            for workers in int_list(args.http_workers):
-                for lane in order:
-                    rows += _measure(repo, workers, lane, round_index + 1, body, headers, args,
-                                     Path(tmp) / "serve.log")
+            for lane in order:
+                rows += _measure(repo, lane, round_index + 1, body, headers, args, Path(tmp) / "serve.log")
     concurrencies = int_list(args.concurrency)
     text = header(info) + "\n" + table(
-        ["round", "http workers", "lane", "conc", "req/s", "p50 ms", "p99 ms", "worker us/req", "server us/req",
-         "errors"],
-        [[r["round"], r["http_workers"], r["lane"], r["concurrency"], r["rps"], r["p50_ms"], r["p99_ms"],
-          r["worker_us"], r["server_us"], r["errors"]] for r in rows], numeric_from=3)
-    text += "\n" + summary(rows, int_list(args.http_workers), concurrencies) + "\n"
+        ["round", "lane", "conc", "req/s", "p50 ms", "p99 ms", "worker us/req", "server us/req", "errors"],
+        [[r["round"], r["lane"], r["concurrency"], r["rps"], r["p50_ms"], r["p99_ms"], r["worker_us"],
+          r["server_us"], r["errors"]] for r in rows], numeric_from=2)
+    text += "\n" + summary(rows, concurrencies) + "\n"
     print(text[len(header(info)):])
     write_outputs(args.output, {"info": info, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
                   text)
@@ -86,23 +83,22 @@ def image_request() -> tuple[bytes, dict[str, str]]:
     return head + image, {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))}
 
 
-def _measure(repo: Path, workers: int, lane: str, round_number: int, body: bytes, headers: dict[str, str],
+def _measure(repo: Path, lane: str, round_number: int, body: bytes, headers: dict[str, str],
              args: argparse.Namespace, log: Path) -> list[dict[str, Any]]:
     settings = [f"--stand-in-ms={args.base_ms}", f"--stand-in-row-us={args.per_row_us}"]
     environment = {LANE_VARIABLE: "1" if lane == "on" else "0"}
     rows = []
-    with serve_stand_in(repo, settings, ["--http-workers", str(workers)], log,
+    with serve_stand_in(repo, settings, ["--http-workers", str(args.http_workers)], log,
                         environment) as (http_url, _grpc, _metrics, pid):
         server = psutil.Process(pid)
-        worker_pids = [worker.pid for worker in _workers(server)]
+        workers = list(_workers(server))
         for concurrency in int_list(args.concurrency):
             before = _cpu(server)
             result = run_wrk(f"http://{http_url}/v2/models/{MODEL}/infer", body, headers, concurrency,
-                             args.seconds, args.warmup, server_pids=worker_pids)
+                             args.seconds, args.warmup, server_pids=[w.pid for w in workers])
             server_cores = (_cpu(server) - before) / result.duration_s
             served = max(1.0, result.rps)
-            rows.append({"round": round_number, "http_workers": workers, "lane": lane, "concurrency": concurrency,
-                         "rps": result.rps,
+            rows.append({"round": round_number, "lane": lane, "concurrency": concurrency, "rps": result.rps,
                          "p50_ms": result.p50_ms, "p99_ms": result.p99_ms, "errors": result.errors,
                          "worker_us": (result.cpu_server or 0.0) / served * 1e6,
                          "server_us": server_cores / served * 1e6})
@@ -121,25 +117,21 @@ def _cpu(process: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
-def summary(rows: list[dict[str, Any]], worker_counts: list[int], concurrencies: list[int]) -> str:
-    """Per worker count and concurrency, the median over rounds of lane-on / lane-off for requests/s, p50 and the
-    CPU per request of the process that serves HTTP (the workers together, or the server process without them)."""
+def summary(rows: list[dict[str, Any]], concurrencies: list[int]) -> str:
+    """Per concurrency, the median over rounds of lane-on / lane-off for requests/s, p50 and worker CPU per request."""
     lines = ["lane on / off, median over rounds:"]
-    for workers in worker_counts:
-        cpu = "worker_us" if workers > 1 else "server_us"
-        for concurrency in concurrencies:
-            ratios: dict[str, list[float]] = {"req/s": [], "p50": [], f"{cpu[:-3]} CPU per request": []}
-            for round_number in sorted({r["round"] for r in rows}):
-                pair = {r["lane"]: r for r in rows if (r["round"], r["http_workers"], r["concurrency"])
-                        == (round_number, workers, concurrency)}
-                if len(pair) < 2:
-                    continue
-                on, off = pair["on"], pair["off"]
-                ratios["req/s"].append(on["rps"] / off["rps"])
-                ratios["p50"].append(on["p50_ms"] / off["p50_ms"])
-                ratios[f"{cpu[:-3]} CPU per request"].append(on[cpu] / off[cpu])
-            lines.append(f"  --http-workers {workers}, c={concurrency}: " + ", ".join(
-                f"{name} {statistics.median(values):.2f}x" for name, values in ratios.items() if values))
+    for concurrency in concurrencies:
+        ratios: dict[str, list[float]] = {"req/s": [], "p50": [], "worker CPU per request": []}
+        for round_number in sorted({r["round"] for r in rows}):
+            pair = {r["lane"]: r for r in rows if r["round"] == round_number and r["concurrency"] == concurrency}
+            if len(pair) < 2:
+                continue
+            on, off = pair["on"], pair["off"]
+            ratios["req/s"].append(on["rps"] / off["rps"])
+            ratios["p50"].append(on["p50_ms"] / off["p50_ms"])
+            ratios["worker CPU per request"].append(on["worker_us"] / off["worker_us"])
+        lines.append(f"  c={concurrency}: " + ", ".join(f"{name} {statistics.median(values):.2f}x"
+                                                         for name, values in ratios.items() if values))
     return "\n".join(lines)
 
 
