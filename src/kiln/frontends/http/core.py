@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import orjson
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message
 
 from kiln.errors import KilnError
@@ -25,7 +26,7 @@ from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import FrameProtocol, Releases, frame
 from kiln.frontends.handoff.infer import InferHandoff, error_payload
-from kiln.frontends.http.routing import apply_routing_key
+from kiln.frontends.http.routing import ROUTING_KEY_HEADER, apply_routing_header
 from kiln.server.server import Server
 from kiln.v2.http_responses import error_response
 from kiln.v2.types import InferRequest
@@ -114,7 +115,8 @@ class CoreLink:
         self.protocol.send(self._releases.take() + b"".join(replies))
 
     def _route(self, request: InferRequest, routing_key: str) -> None:
-        apply_routing_key(self._server, routing_key, request)
+        headers = [(ROUTING_KEY_HEADER.encode(), routing_key.encode("latin-1"))]
+        apply_routing_header(self._server, Request({"type": "http", "headers": headers}), request)
 
     async def _forward(self, call: int, payload: bytes) -> None:
         state = self._forwarded[call]

@@ -15,14 +15,13 @@ from starlette.responses import Response
 from kiln.config.render import config_to_json
 from kiln.errors import InvalidArgumentError, ModelNotReadyError, UnsupportedError
 from kiln.frontends.http import documents
-from kiln.frontends.http.routing import ROUTING_KEY_HEADER, apply_routing_key
+from kiln.frontends.http.routing import apply_routing_header
 from kiln.server.server import DecoupledModelError, Server
 from kiln.v2 import http_codec as codec
 from kiln.v2.http_body import read_body
 from kiln.v2.http_codec import decode_or_not_found
 from kiln.v2.http_responses import json_response
 from kiln.v2.status import error_body
-from kiln.v2.types import InferRequest, InferResponse
 
 NOT_READY = HTTPStatus.BAD_REQUEST
 """KServe's answer to a health or model-readiness probe that fails. Not an error mapping: the protocol fixes it
@@ -79,13 +78,22 @@ class Endpoints:
         except InvalidArgumentError:
             self.server.model_metadata(name, version)  # an unknown model is NOT_FOUND before its body's size
             raise
-        infer_request = decode_infer(self.server, name, version, body, request.headers.get(codec.HEADER_LENGTH),
-                                     request.headers.get(ROUTING_KEY_HEADER))
+        json_size = codec.header_length(request.headers.get(codec.HEADER_LENGTH), len(body))
+        if json_size == 0:
+            metadata = self.server.model_metadata(name, version)
+            infer_request = codec.decode_raw_request(name, version, body, metadata)
+        else:
+            infer_request = decode_or_not_found(self.server.model_metadata, name, version, body, json_size)
+        apply_routing_header(self.server, request, infer_request)
         try:
             response = await self.server.infer(infer_request)
-        except DecoupledModelError as exc:
-            raise infer_failure(exc) from None
-        return render(response, infer_request)
+        except DecoupledModelError:  # Triton's words (its generate_stream route serves such models)
+            raise UnsupportedError("HTTP end point doesn't support models with decoupled transaction policy") \
+                from None
+        content, header_size = codec.encode_response(response, infer_request)
+        if header_size is None:
+            return Response(content, media_type=codec.JSON_TYPE)
+        return Response(content, media_type=codec.BINARY_TYPE, headers={codec.HEADER_LENGTH: str(header_size)})
 
     # -- repository ------------------------------------------------------------------------------------------
 
@@ -142,33 +150,3 @@ class Endpoints:
 def _model(request: Request) -> tuple[str, str]:
     params = request.path_params
     return params.get("model", ""), params.get("version", "")
-
-
-def decode_infer(server: Server, name: str, version: str, body: bytes, header_length: str | None,
-                 routing_key: str | None) -> InferRequest:
-    """The infer request a body holds (``header_length``: its Inference-Header-Content-Length; a raw body is read
-    with the model's metadata), with the routing key header applied; an unknown model is NOT_FOUND whatever else is
-    wrong."""
-    json_size = codec.header_length(header_length, len(body))
-    if json_size == 0:
-        infer_request = codec.decode_raw_request(name, version, body, server.model_metadata(name, version))
-    else:
-        infer_request = decode_or_not_found(server.model_metadata, name, version, body, json_size)
-    apply_routing_key(server, routing_key, infer_request)
-    return infer_request
-
-
-def infer_failure(exc: BaseException) -> BaseException:
-    """What the HTTP infer route answers for a failure of Server.infer: a decoupled model in Triton's words (its
-    generate_stream route serves such models), anything else as it is."""
-    if isinstance(exc, DecoupledModelError):
-        return UnsupportedError("HTTP end point doesn't support models with decoupled transaction policy")
-    return exc
-
-
-def render(answer: InferResponse, request: InferRequest) -> Response:
-    """The response to ``request``: ``answer`` encoded with the binary extension where it asks for it."""
-    content, header_size = codec.encode_response(answer, request)
-    if header_size is None:
-        return Response(content, media_type=codec.JSON_TYPE)
-    return Response(content, media_type=codec.BINARY_TYPE, headers={codec.HEADER_LENGTH: str(header_size)})

@@ -1,21 +1,17 @@
-"""Infer requests answered from the HTTP connection's own callbacks, without an ASGI task.
+"""An HTTP worker's infer requests answered from the connection's own callbacks, without an ASGI task.
 
 uvicorn runs every request as a task of the ASGI app: the task starts when the head is in, sleeps until the body
-is, wakes to decode it, sleeps again until the answer is ready and wakes once more to write the response. An infer
-request needs none of that: :class:`LaneProtocol` decodes it in the callback that completes its body and writes the
-answer in a callback of its own. The bytes on the wire are the ASGI path's: the same decoding, the same Response
-objects, uvicorn's default headers, its keep-alive and pipelining rules.
-
-- In an HTTP worker process, :class:`WorkerLane` hands the decoded request to the server process over the link
-  and writes the answer in the callback that receives it. A raw body without a JSON header, or one the worker
-  cannot decode (the server process says first whether the model exists), runs as an ASGI task of
-  :class:`~kiln.frontends.http.worker_app.WorkerApp`, which forwards it.
-- In the server process (HTTP without workers), :class:`ServerLane` runs ``Server.infer`` as a task of its own (the
-  batcher's queue is awaited) and writes the answer when it is done.
+is, wakes to decode it, sleeps again until the server process answers and wakes once more to write the response.
+An infer request that the worker can decode on its own needs none of that: :class:`LaneProtocol` decodes it and
+hands it to the server process in the callback that completes its body, and writes the answer in the callback that
+receives it. The bytes on the wire are the ASGI path's: the same codec, the same Response objects, uvicorn's
+default headers, its keep-alive and pipelining rules.
 
 A request takes the lane when its head says it can: ``POST`` to an infer route, a ``Content-Length`` within
-``--http-max-input-size``, no ``Content-Encoding``, no chunked body, no ``Expect: 100-continue``, and no access
-restriction on inference. Everything else runs as an ASGI task, with its body already read where it was.
+``--http-max-input-size``, no ``Content-Encoding``, no ``Expect: 100-continue``, and no access restriction on
+inference. Everything else, and a request whose body turns out to need the server process (a raw body without a
+JSON header, or one the worker cannot decode: the server process says first whether the model exists), runs as an
+ASGI task of :class:`~kiln.frontends.http.worker_app.WorkerApp` with its body already read.
 """
 
 from __future__ import annotations
@@ -30,18 +26,16 @@ from typing import Any
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
-from kiln.errors import InvalidArgumentError, UnavailableError
-from kiln.frontends.access import AccessPolicy, http_group
+from kiln.errors import InvalidArgumentError
+from kiln.frontends.access import http_group
 from kiln.frontends.handoff.calls import Answer
 from kiln.frontends.http.app import _infer_params
-from kiln.frontends.http.endpoints import decode_infer, infer_failure, render
 from kiln.frontends.http.limits import HttpLimits, LimitedHttpToolsProtocol
 from kiln.frontends.http.routing import ROUTING_KEY_HEADER
-from kiln.frontends.http.worker_app import WorkerApp
-from kiln.server.server import Server
+from kiln.frontends.http.worker_app import WorkerApp, render
 from kiln.v2 import http_codec as codec
 from kiln.v2.http_responses import error_response
-from kiln.v2.types import InferRequest, InferResponse
+from kiln.v2.types import InferRequest
 
 log = logging.getLogger("kiln.http")
 
@@ -49,44 +43,26 @@ LANE_VARIABLE = "KILN_HTTP_INFER_LANE"
 """Set to 0 (or false, no, off) in `kiln serve`'s environment, which its workers inherit, to answer every request
 as an ASGI task (to compare, or to rule the lane out)."""
 
+
+def lane_enabled() -> bool:
+    """What this worker's environment says about the lane (on unless ``KILN_HTTP_INFER_LANE`` turns it off)."""
+    return os.environ.get(LANE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
 _HEADER_LENGTH = codec.HEADER_LENGTH.encode()
 _ROUTING_KEY = ROUTING_KEY_HEADER.encode()
 _NOT_ON_LANE = (b"content-encoding", b"transfer-encoding")
-STOPPED = "the server stopped before it answered"
 Respond = Callable[[RequestResponseCycle, Response], None]
 
 
-def lane_enabled() -> bool:
-    """What this process's environment says about the lane (on unless ``KILN_HTTP_INFER_LANE`` turns it off)."""
-    return os.environ.get(LANE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-class _Head:
-    """What the lane reads of a request: the route's model and version, the body, the two headers it needs."""
-
-    __slots__ = ("model", "version", "body", "header_length", "routing_key")
-
-    def __init__(self, cycle: RequestResponseCycle) -> None:
-        params = _infer_params(cycle.scope)  # type: ignore[arg-type]
-        assert params is not None  # accepts() said so
-        self.model, self.version = params["model"], params.get("version", "")
-        self.body = cycle.body if isinstance(cycle.body, bytes) else bytes(cycle.body)
-        self.header_length = self.routing_key = None
-        for name, value in cycle.scope["headers"]:
-            if name == _HEADER_LENGTH:
-                self.header_length = value.decode("latin-1")
-            elif name == _ROUTING_KEY:
-                self.routing_key = value.decode("latin-1")
-
-
 class InferLane:
-    """Which requests take the lane (``max_input_size``: --http-max-input-size; inference restricted by ``access``
-    never does); :meth:`take` answers one."""
+    """Decides which requests take the lane and answers them, as ``app`` (the worker's ASGI app) would: its link
+    to the server process, its input size limit; inference restricted by its access policy never takes the lane."""
 
-    def __init__(self, max_input_size: int, access: AccessPolicy | None) -> None:
-        self._max_input_size = max_input_size
+    def __init__(self, app: WorkerApp) -> None:
+        self._core = app.core
+        self._max_input_size = app.max_input_size
         group = http_group("POST", "/v2/models/m/infer")
-        self.open = not (access and group is not None and access.header(group) is not None)
+        self.open = not (app.access and group is not None and app.access.header(group) is not None)
         self.taken = 0  # requests answered on the lane
 
     def accepts(self, cycle: RequestResponseCycle) -> bool:
@@ -105,34 +81,32 @@ class InferLane:
         return declared.isdigit() and int(declared) <= self._max_input_size
 
     def take(self, cycle: RequestResponseCycle, respond: Respond) -> bool:
-        """Start answering the request (``respond(cycle, response)`` writes the answer); False when it must run as
-        an ASGI task instead (nothing has been started then)."""
-        raise NotImplementedError
-
-
-class WorkerLane(InferLane):
-    """An HTTP worker's lane: requests go to the server process as ``app`` (the worker's ASGI app) sends them."""
-
-    def __init__(self, app: WorkerApp) -> None:
-        super().__init__(app.max_input_size, app.access)
-        self._core = app.core
-
-    def take(self, cycle: RequestResponseCycle, respond: Respond) -> bool:
-        head = _Head(cycle)
+        """Send the request to the server process and answer it through ``respond(cycle, response)`` later;
+        False when it must run as an ASGI task instead (nothing has been sent then)."""
+        scope = cycle.scope
+        params = _infer_params(scope)  # type: ignore[arg-type]
+        assert params is not None  # accepts() said so
+        body = cycle.body if isinstance(cycle.body, bytes) else bytes(cycle.body)
+        header_length = routing_key = None
+        for name, value in scope["headers"]:
+            if name == _HEADER_LENGTH:
+                header_length = value.decode("latin-1")
+            elif name == _ROUTING_KEY:
+                routing_key = value.decode("latin-1")
         try:
-            json_size = codec.header_length(head.header_length, len(head.body))
+            json_size = codec.header_length(header_length, len(body))
         except InvalidArgumentError as exc:
             respond(cycle, error_response(exc))
             return True
         if json_size == 0:  # raw body: decoding needs the model's metadata, which the server process has
             return False
         try:
-            request = codec.decode_request(head.model, head.version, head.body, json_size)
+            request = codec.decode_request(params["model"], params.get("version", ""), body, json_size)
         except InvalidArgumentError:  # the server process knows whether the model exists, and says first
             return False
         cycle.body = b""  # type: ignore[assignment]  # the request's views hold what they need of it
         try:
-            future = self._core.submit(request, head.routing_key)
+            future = self._core.submit(request, routing_key)
         except Exception as exc:
             respond(cycle, error_response(self._core.typed(exc)))
             return True
@@ -155,49 +129,6 @@ class WorkerLane(InferLane):
             response = error_response(exc)
         finally:
             release()  # the body holds a copy of every output now
-        respond(cycle, response)
-
-
-class ServerLane(InferLane):
-    """The server process's lane (HTTP without workers): ``server`` answers, as the infer route's endpoint calls
-    it."""
-
-    def __init__(self, server: Server, max_input_size: int, access: AccessPolicy | None) -> None:
-        super().__init__(max_input_size, access)
-        self._server = server
-        self._running: set[asyncio.Task[InferResponse]] = set()  # the loop keeps only weak references to tasks
-
-    def take(self, cycle: RequestResponseCycle, respond: Respond) -> bool:
-        head = _Head(cycle)
-        try:
-            request = decode_infer(self._server, head.model, head.version, head.body, head.header_length,
-                                   head.routing_key)
-        except Exception as exc:  # as the infer route's guard answers it
-            respond(cycle, error_response(exc))
-            return True
-        cycle.body = b""  # type: ignore[assignment]
-        task = asyncio.get_running_loop().create_task(self._server.infer(request))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
-        task.add_done_callback(functools.partial(self._answered, cycle, request, respond))
-        self.taken += 1
-        return True
-
-    def _answered(self, cycle: RequestResponseCycle, request: InferRequest, respond: Respond,
-                  task: asyncio.Task[InferResponse]) -> None:
-        if task.cancelled():
-            respond(cycle, error_response(UnavailableError(STOPPED)))
-            return
-        failure = task.exception()
-        if failure is not None:
-            respond(cycle, error_response(infer_failure(failure)))  # type: ignore[arg-type]
-            return
-        if cycle.disconnected:
-            return
-        try:
-            response = render(task.result(), request)
-        except Exception as exc:
-            response = error_response(exc)
         respond(cycle, response)
 
 
@@ -253,7 +184,7 @@ class LaneProtocol(LimitedHttpToolsProtocol):
         try:
             taken = self.lane.take(cycle, self._respond)
         except Exception:  # a fault of the lane's own: the ASGI path answers the request as ever
-            log.exception("an infer request's lane failed; answering it the ASGI way")
+            log.exception("HTTP worker: an infer request's fast path failed; answering it the ASGI way")
             taken = False
         if not taken:
             super()._start_asgi_task(cycle, app)

@@ -20,7 +20,7 @@ from pathlib import Path
 from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import inherited_arena
 from kiln.frontends.handoff.calls import join_hold, joining_enabled
-from kiln.frontends.http.infer_lane import WorkerLane, lane_enabled
+from kiln.frontends.http.infer_lane import InferLane, lane_enabled
 from kiln.frontends.http.limits import HttpLimits
 from kiln.frontends.http.server import HttpServer, http_config
 from kiln.frontends.http.shares import ConnectionShares
@@ -39,7 +39,7 @@ async def run(args: argparse.Namespace) -> int:
     app = WorkerApp(core, args.max_input_size)
     config = http_config(app, "", 0, args.grace, certfile=args.certfile, keyfile=args.keyfile,
                          client_ca=args.client_ca, limits=HttpLimits.from_json(args.limits),
-                         lane=WorkerLane(app) if lane_enabled() else None)
+                         lane=InferLane(app) if lane_enabled() else None)
     shares = None if args.shares_fd < 0 else ConnectionShares.inherited(args.shares_fd, args.shares_index)
     server = HttpServer(config, sockets, shares)
     loop.add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))

@@ -1,9 +1,8 @@
-"""The infer lane (infer_lane.py), in an HTTP worker and in the server process: a real Server; for a worker, the
-server process's CoreLink and the worker's CoreClient on a socket pair. Each kind's uvicorn runs twice, with the
-lane and without it. Infer requests answered on the lane give the bytes the ASGI path gives (JSON, binary, errors;
-keep-alive, pipelined, ``Connection: close``), a body that arrives in pieces larger than uvicorn's high-water mark
-completes, requests the lane must not take are answered the ASGI way, and an answer whose client has gone gives its
-arena slot back."""
+"""An HTTP worker's infer lane (infer_lane.py): a real Server, the server process's CoreLink and the worker's
+CoreClient on a socket pair, and the worker's uvicorn twice, with the lane and without it. Infer requests answered
+on the lane give the bytes the ASGI path gives (JSON, binary, errors; keep-alive, pipelined, ``Connection:
+close``), a body that arrives in pieces larger than uvicorn's high-water mark completes, requests the lane must not
+take are answered the ASGI way, and an answer whose client has gone gives its arena slot back."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import os
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +22,7 @@ from kiln.frontends.access import HTTP_GROUPS, AccessPolicy, parse_restriction
 from kiln.frontends.handoff.arena import Arena, create_arena_file
 from kiln.frontends.http.app import build_app
 from kiln.frontends.http.core import CoreLink
-from kiln.frontends.http.infer_lane import InferLane, ServerLane, WorkerLane, lane_enabled
+from kiln.frontends.http.infer_lane import InferLane, lane_enabled
 from kiln.frontends.http.server import HttpServer, http_config
 from kiln.frontends.http.worker_app import CoreClient, WorkerApp
 from kiln.server.server import Server, ServerOptions
@@ -55,12 +53,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     kiln_server.close()
 
 
-class Served:
-    """One HTTP frontend: its kind (worker or server), the lane (None: every request is an ASGI task), its port,
-    and a worker's arenas."""
+class Worker:
+    """The worker's side: its link, its app, the lane (None: every request is an ASGI task), its port."""
 
-    def __init__(self, kind: str, lane: InferLane | None, port: int, arenas: list[Arena]) -> None:
-        self.kind, self.lane, self.port, self.arenas = kind, lane, port, arenas
+    def __init__(self, core: CoreClient, app: WorkerApp, lane: InferLane | None, port: int,
+                 arenas: list[Arena]) -> None:
+        self.core, self.app, self.lane, self.port, self.arenas = core, app, lane, port, arenas
 
     async def slots_back(self) -> bool:
         for _ in range(400):
@@ -71,32 +69,7 @@ class Served:
         return False
 
 
-async def _served(kind: str, server: Server, lane: bool, access: AccessPolicy | None = None
-                  ) -> AsyncIterator[Served]:
-    if kind == "worker":
-        async for served in _worker(server, lane, access):
-            yield served
-        return
-    infer_lane = ServerLane(server, LIMIT, access) if lane else None
-    async for port in _uvicorn(build_app(server, max_input_size=LIMIT, access=access), infer_lane):
-        yield Served(kind, infer_lane, port, [])
-
-
-async def _uvicorn(app: Any, lane: InferLane | None) -> AsyncIterator[int]:
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    listening.listen(64)
-    listening.setblocking(False)
-    http = HttpServer(http_config(app, "", 0, 1.0, lane=lane), [listening])
-    serving = asyncio.create_task(http.serve())
-    while not http.started:
-        await asyncio.sleep(0.005)
-    yield listening.getsockname()[1]
-    http.should_exit = True
-    await serving
-
-
-async def _worker(server: Server, lane: bool, access: AccessPolicy | None) -> AsyncIterator[Served]:
+async def _worker(server: Server, lane: bool, access: AccessPolicy | None = None) -> AsyncIterator[Worker]:
     arenas = []
     for _ in range(2):
         fd = create_arena_file(1 << 22)
@@ -111,28 +84,32 @@ async def _worker(server: Server, lane: bool, access: AccessPolicy | None) -> As
     await loop.create_connection(lambda: core.protocol, sock=ours)
     await loop.create_connection(lambda: link.protocol, sock=theirs)
     app = WorkerApp(core, LIMIT, access or AccessPolicy())
-    infer_lane = WorkerLane(app) if lane else None
-    async for port in _uvicorn(app, infer_lane):
-        yield Served("worker", infer_lane, port, [worker_requests, core_responses])
+    infer_lane = InferLane(app) if lane else None
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(64)
+    listening.setblocking(False)
+    http = HttpServer(http_config(app, "", 0, 1.0, lane=infer_lane), [listening])
+    serving = asyncio.create_task(http.serve())
+    while not http.started:
+        await asyncio.sleep(0.005)
+    yield Worker(core, app, infer_lane, listening.getsockname()[1], [worker_requests, core_responses])
+    http.should_exit = True
+    await serving
     core.protocol.transport.close()  # type: ignore[union-attr]
     link.protocol.transport.close()  # type: ignore[union-attr]
 
 
-@pytest.fixture(params=["worker", "server"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+@pytest.fixture
+async def lane(server: Server) -> AsyncIterator[Worker]:
+    async for worker in _worker(server, lane=True):
+        yield worker
 
 
 @pytest.fixture
-async def lane(kind: str, server: Server) -> AsyncIterator[Served]:
-    async for served in _served(kind, server, lane=True):
-        yield served
-
-
-@pytest.fixture
-async def plain(kind: str, server: Server) -> AsyncIterator[Served]:
-    async for served in _served(kind, server, lane=False):
-        yield served
+async def plain(server: Server) -> AsyncIterator[Worker]:
+    async for worker in _worker(server, lane=False):
+        yield worker
 
 
 def _post(path: str, body: bytes, *headers: str) -> bytes:
@@ -198,7 +175,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-async def test_the_lane_answers_with_the_bytes_the_asgi_path_gives(lane: Served, plain: Served, case: str) -> None:
+async def test_the_lane_answers_with_the_bytes_the_asgi_path_gives(lane: Worker, plain: Worker, case: str) -> None:
     requests = CASES[case]
     fast = await _exchange(lane.port, *requests)
     assert fast == await _exchange(plain.port, *requests)
@@ -211,14 +188,14 @@ async def test_the_lane_answers_with_the_bytes_the_asgi_path_gives(lane: Served,
     assert await lane.slots_back()
 
 
-async def test_a_body_in_pieces_above_the_high_water_mark_completes_on_the_lane(lane: Served) -> None:
+async def test_a_body_in_pieces_above_the_high_water_mark_completes_on_the_lane(lane: Worker) -> None:
     image = np.random.default_rng(3).standard_normal(75_000).astype(np.float32)  # 300 KB
     ((head, body),) = await _exchange(lane.port, _binary(image), pieces=8)
     assert head[0] == b"HTTP/1.1 200 OK" and np.array_equal(np.frombuffer(body[-image.nbytes:], np.float32), image)
     assert lane.lane is not None and lane.lane.taken == 1
 
 
-async def test_requests_the_lane_must_not_take_are_answered_the_asgi_way(lane: Served, plain: Served) -> None:
+async def test_requests_the_lane_must_not_take_are_answered_the_asgi_way(lane: Worker, plain: Worker) -> None:
     compressed = gzip.compress(json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32",
                                                        "data": [4.0]}]}).encode())
     requests = [
@@ -231,20 +208,18 @@ async def test_requests_the_lane_must_not_take_are_answered_the_asgi_way(lane: S
     fast = await _exchange(lane.port, *requests)
     assert fast == await _exchange(plain.port, *requests)
     assert [_status(answer) for answer in fast] == [404, 200, 200, 400, 200]
-    # the server process reads a raw body with the model's metadata on its lane; a worker forwards it
-    assert lane.lane is not None and lane.lane.taken == (1 if lane.kind == "server" else 0)
+    assert lane.lane is not None and lane.lane.taken == 0
 
 
-async def test_restricted_inference_never_takes_the_lane(kind: str, server: Server) -> None:
+async def test_restricted_inference_never_takes_the_lane(server: Server) -> None:
     policy = AccessPolicy([parse_restriction("inference:x-key=yes", "--http-restricted-api", HTTP_GROUPS)])
-    async for served in _served(kind, server, lane=True, access=policy):
-        assert served.lane is not None and not served.lane.open
-        denied, allowed = await _exchange(served.port, _json([1.0]), _json([1.0], "echo", "x-key: yes"))
-        assert _status(denied) == 403 and _status(allowed) == 200 and served.lane.taken == 0
+    async for worker in _worker(server, lane=True, access=policy):
+        assert worker.lane is not None and not worker.lane.open
+        denied, allowed = await _exchange(worker.port, _json([1.0]), _json([1.0], "echo", "x-key: yes"))
+        assert _status(denied) == 403 and _status(allowed) == 200 and worker.lane.taken == 0
 
 
-async def test_an_answer_whose_client_has_gone_gives_its_slot_back(lane: Served) -> None:
-    # in the server process there is no slot: the answer is dropped and the frontend serves on
+async def test_an_answer_whose_client_has_gone_gives_its_slot_back(lane: Worker) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", lane.port)
     writer.write(_binary(np.arange(4, dtype=np.float32), "slow"))
     await writer.drain()
