@@ -18,7 +18,6 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import orjson
-from starlette.requests import Request
 from starlette.types import ASGIApp, Message
 
 from kiln.errors import KilnError
@@ -26,7 +25,7 @@ from kiln.frontends.handoff import frames
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.frames import FrameProtocol, Releases, frame
 from kiln.frontends.handoff.infer import InferHandoff, error_payload
-from kiln.frontends.http.routing import ROUTING_KEY_HEADER, apply_routing_header
+from kiln.frontends.http.routing import apply_routing_key
 from kiln.server.server import Server
 from kiln.v2.http_responses import error_response
 from kiln.v2.types import InferRequest
@@ -115,8 +114,7 @@ class CoreLink:
         self.protocol.send(self._releases.take() + b"".join(replies))
 
     def _route(self, request: InferRequest, routing_key: str) -> None:
-        headers = [(ROUTING_KEY_HEADER.encode(), routing_key.encode("latin-1"))]
-        apply_routing_header(self._server, Request({"type": "http", "headers": headers}), request)
+        apply_routing_key(self._server, routing_key, request)
 
     async def _forward(self, call: int, payload: bytes) -> None:
         state = self._forwarded[call]

@@ -15,13 +15,14 @@ from starlette.responses import Response
 from kiln.config.render import config_to_json
 from kiln.errors import InvalidArgumentError, ModelNotReadyError, UnsupportedError
 from kiln.frontends.http import documents
-from kiln.frontends.http.routing import apply_routing_header
+from kiln.frontends.http.routing import ROUTING_KEY_HEADER, apply_routing_key
 from kiln.server.server import DecoupledModelError, Server
 from kiln.v2 import http_codec as codec
 from kiln.v2.http_body import read_body
 from kiln.v2.http_codec import decode_or_not_found
 from kiln.v2.http_responses import json_response
 from kiln.v2.status import error_body
+from kiln.v2.types import InferRequest, InferResponse
 
 NOT_READY = HTTPStatus.BAD_REQUEST
 """KServe's answer to a health or model-readiness probe that fails. Not an error mapping: the protocol fixes it
@@ -84,16 +85,13 @@ class Endpoints:
             infer_request = codec.decode_raw_request(name, version, body, metadata)
         else:
             infer_request = decode_or_not_found(self.server.model_metadata, name, version, body, json_size)
-        apply_routing_header(self.server, request, infer_request)
+        apply_routing_key(self.server, request.headers.get(ROUTING_KEY_HEADER), infer_request)
         try:
             response = await self.server.infer(infer_request)
         except DecoupledModelError:  # Triton's words (its generate_stream route serves such models)
             raise UnsupportedError("HTTP end point doesn't support models with decoupled transaction policy") \
                 from None
-        content, header_size = codec.encode_response(response, infer_request)
-        if header_size is None:
-            return Response(content, media_type=codec.JSON_TYPE)
-        return Response(content, media_type=codec.BINARY_TYPE, headers={codec.HEADER_LENGTH: str(header_size)})
+        return render(response, infer_request)
 
     # -- repository ------------------------------------------------------------------------------------------
 
@@ -150,3 +148,11 @@ class Endpoints:
 def _model(request: Request) -> tuple[str, str]:
     params = request.path_params
     return params.get("model", ""), params.get("version", "")
+
+
+def render(answer: InferResponse, request: InferRequest) -> Response:
+    """The response to ``request``: ``answer`` encoded, with the binary extension where the request asks for it."""
+    content, header_size = codec.encode_response(answer, request)
+    if header_size is None:
+        return Response(content, media_type=codec.JSON_TYPE)
+    return Response(content, media_type=codec.BINARY_TYPE, headers={codec.HEADER_LENGTH: str(header_size)})

@@ -30,9 +30,10 @@ from kiln.errors import InvalidArgumentError
 from kiln.frontends.access import http_group
 from kiln.frontends.handoff.calls import Answer
 from kiln.frontends.http.app import _infer_params
+from kiln.frontends.http.endpoints import render
 from kiln.frontends.http.limits import HttpLimits, LimitedHttpToolsProtocol
 from kiln.frontends.http.routing import ROUTING_KEY_HEADER
-from kiln.frontends.http.worker_app import WorkerApp, render
+from kiln.frontends.http.worker_app import WorkerApp
 from kiln.v2 import http_codec as codec
 from kiln.v2.http_responses import error_response
 from kiln.v2.types import InferRequest
@@ -192,8 +193,8 @@ class LaneProtocol(LimitedHttpToolsProtocol):
     def _respond(self, cycle: RequestResponseCycle, response: Response) -> None:
         """Write ``response`` as uvicorn's cycle would (its default headers, ``connection: close`` when the
         connection ends with it) and complete the cycle."""
-        if cycle.disconnected or cycle.response_complete:
-            return
+        if cycle.disconnected or cycle.response_complete or self.transport.is_closing():
+            return  # the client has gone (a pipelined request after this one may be the cycle it marked)
         cycle.response_started = cycle.response_complete = True
         head = [STATUS_LINE[response.status_code]]
         for name, value in (*cycle.default_headers, *response.raw_headers):

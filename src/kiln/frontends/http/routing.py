@@ -27,9 +27,8 @@ from kiln.v2.types import InferRequest
 ROUTING_KEY_HEADER = "kiln-routing-key"  # lower case, as ASGI has it
 
 
-def apply_routing_header(server: Server, request: Request, infer_request: InferRequest) -> None:
-    """Copy the ``Kiln-Routing-Key`` header into the request's parameters (a parameter in the body wins)."""
-    key = request.headers.get(ROUTING_KEY_HEADER)
+def apply_routing_key(server: Server, key: str | None, infer_request: InferRequest) -> None:
+    """Copy the ``Kiln-Routing-Key`` header's value into the request's parameters (a parameter in the body wins)."""
     if key is None:
         return
     name = server.routing_key_parameter(infer_request.model_name)

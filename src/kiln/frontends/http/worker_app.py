@@ -27,11 +27,12 @@ from kiln.frontends.handoff.frames import FrameProtocol, Releases, frame
 from kiln.frontends.http.app import _infer_params
 from kiln.frontends.http.auth import restricted
 from kiln.frontends.http.core import forward_payload
+from kiln.frontends.http.endpoints import render
 from kiln.frontends.http.routing import ROUTING_KEY_HEADER
 from kiln.v2 import http_codec as codec
 from kiln.v2.http_body import read_body
 from kiln.v2.http_responses import error_response
-from kiln.v2.types import InferRequest, InferResponse
+from kiln.v2.types import InferRequest
 
 GONE = "the server process is not answering (it is shutting down or has stopped)"
 _DROPPED_WHEN_DECODED = (b"content-encoding", b"content-length")
@@ -224,14 +225,6 @@ class WorkerApp:
         while (await receive())["type"] != "http.disconnect":
             pass
         self.core.send(call, frames.DISCONNECT)
-
-
-def render(answer: InferResponse, request: InferRequest) -> Response:
-    """The response to ``request``: ``answer`` encoded as Endpoints.infer encodes it."""
-    content, header_size = codec.encode_response(answer, request)
-    if header_size is None:
-        return Response(content, media_type=codec.JSON_TYPE)
-    return Response(content, media_type=codec.BINARY_TYPE, headers={codec.HEADER_LENGTH: str(header_size)})
 
 
 def _describe(scope: Scope, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
