@@ -15,13 +15,14 @@ import pytest
 
 from kiln.engines import host_memory
 from kiln.errors import ErrorCode, NotFoundError, UnsupportedError
-from kiln.frontends.handoff.arena import Arena, create_arena_file
 from kiln.frontends.handoff.frames import pack_offsets
 from kiln.frontends.handoff.infer import InferHandoff, error_from_payload, error_payload
 from kiln.frontends.handoff.tensors import decode_response, encode_request
 from kiln.server.server import Server, ServerOptions
 from kiln.tensor import DataType
 from kiln.v2.types import InferRequest, InputTensor
+
+from .._arenas import arena_pair
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="arenas need memfd_create (Linux)")
 
@@ -44,23 +45,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     kiln_server.close()
 
 
-def _pair(size: int = 1 << 16) -> tuple[Arena, Arena]:
-    """Two mappings of one arena: the writer's and the reader's."""
-    fd = create_arena_file(size)
-    assert fd is not None
-    try:
-        return Arena.from_fd(fd), Arena.from_fd(fd)
-    finally:
-        os.close(fd)
-
-
 def _request(model: str, data: np.ndarray) -> InferRequest:
     return InferRequest(model_name=model, inputs=[InputTensor("INPUT0", DataType.INT32, data.shape, data)])
 
 
 async def test_the_answer_lies_in_the_response_arena_and_the_input_slot_comes_back(server: Server) -> None:
-    worker_requests, server_requests = _pair()
-    server_responses, worker_responses = _pair()
+    worker_requests, server_requests = arena_pair()
+    server_responses, worker_responses = arena_pair()
     released: list[int] = []
     handoff = InferHandoff(server, server_requests, server_responses, released.append)
     data = np.arange(6, dtype=np.int32).reshape(2, 3)
@@ -97,8 +88,8 @@ async def test_the_frontend_words_an_error_its_own_way(server: Server) -> None:
 def test_the_request_arena_is_listed_for_engines_while_the_worker_lives(server: Server) -> None:
     """A GPU engine copies inputs to the device from where the worker wrote them (kiln.engines.host_memory): the
     arena is listed from the start and off the list once the worker is gone, before it is unmapped."""
-    worker_requests, server_requests = _pair()
-    server_responses, _ = _pair()
+    worker_requests, server_requests = arena_pair()
+    server_responses, _ = arena_pair()
     handoff = InferHandoff(server, server_requests, server_responses, lambda _: None)
     inside = np.frombuffer(server_requests.buffer, dtype=np.uint8, count=64, offset=128)
     address = int(inside.__array_interface__["data"][0])

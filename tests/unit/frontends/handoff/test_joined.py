@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import os
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -20,7 +19,7 @@ import pytest
 
 from kiln.errors import ConfigError, InternalError, InvalidArgumentError, NotFoundError, UnavailableError
 from kiln.frontends.handoff import frames
-from kiln.frontends.handoff.arena import Arena, create_arena_file
+from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.handoff.calls import (
     DEFAULT_HOLD,
     HOLD_FROM,
@@ -38,6 +37,8 @@ from kiln.server.server import Server, ServerOptions
 from kiln.tensor import DataType
 from kiln.v2.joined import join_key, slice_request, split_response
 from kiln.v2.types import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, SharedMemoryRef
+
+from .._arenas import all_freed, arena_pair
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="arenas need memfd_create (Linux)")
 
@@ -90,12 +91,7 @@ class Link:
 
     async def all_slots_back(self) -> bool:
         """Whether every slot of both arenas (inputs, outputs) comes back to its writer within a few seconds."""
-        for _ in range(1000):
-            gc.collect()  # the views' weak references fire once the last view is gone
-            if all(arena.used_bytes == 0 for arena in self.arenas):
-                return True
-            await asyncio.sleep(0.005)
-        return False
+        return await all_freed(self.arenas)
 
 
 def _infer_kinds(link: Link) -> list[int]:
@@ -113,13 +109,7 @@ async def _link(server: Server, join: bool, hold: int = DEFAULT_HOLD, max_hold_s
                 hold_from: int = 1) -> AsyncIterator[Link]:
     """A worker's client and the server process's link over a socket pair. ``hold_from`` 1: the worker holds from
     its first request out, so a few requests show what holding does."""
-    arenas = []
-    for _ in range(2):
-        fd = create_arena_file(1 << 20)
-        assert fd is not None
-        arenas.append((Arena.from_fd(fd), Arena.from_fd(fd)))
-        os.close(fd)
-    (worker_requests, core_requests), (core_responses, worker_responses) = arenas
+    (worker_requests, core_requests), (core_responses, worker_responses) = arena_pair(1 << 20), arena_pair(1 << 20)
     kinds: list[int] = []
 
     class CountingLink(CoreLink):
@@ -473,10 +463,7 @@ def test_a_joined_descriptor_round_trips_inline_and_in_the_arena_with_bytes_tens
         words = np.array([[f"w{i}".encode(), b"xyz" * i]], dtype=object)
         return InferRequest("m", [InputTensor("S", DataType.BYTES, words.shape, words),
                                   InputTensor("X", DataType.INT32, (1, 3), _rows(i))], id=str(i))
-    fd = create_arena_file(1 << 16)
-    assert fd is not None
-    arena = Arena.from_fd(fd)
-    os.close(fd)
+    arena, _ = arena_pair()
     for where in (arena, None):
         joined, members = decode_joined(encode_joined([request(i) for i in range(3)], where), where, lambda _: None)
         assert members == [("0", 1, False), ("1", 1, False), ("2", 1, False)] and joined.members == 3

@@ -10,22 +10,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kiln.frontends.handoff.arena import Arena, create_arena_file
 from kiln.frontends.handoff.tensors import decode_request, decode_response, encode_request, encode_response
 from kiln.tensor import DataType
 from kiln.v2.types import InferRequest, InferResponse, InputTensor, OutputTensor, RequestedOutput, SharedMemoryRef
 
+from .._arenas import arena_pair
+
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="arenas need memfd_create (Linux)")
-
-
-def _pair(size: int = 1 << 16) -> tuple[Arena, Arena]:
-    """The writer's and the reader's mappings of one arena."""
-    fd = create_arena_file(size)
-    assert fd is not None
-    try:
-        return Arena.from_fd(fd), Arena.from_fd(fd)
-    finally:
-        os.close(fd)
 
 
 def _sample(datatype: DataType, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
@@ -42,7 +33,7 @@ def _sample(datatype: DataType, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
 @pytest.mark.parametrize("datatype", list(DataType))
 @pytest.mark.parametrize("with_arena", [True, False])
 def test_every_datatype_round_trips(datatype: DataType, with_arena: bool) -> None:
-    writer, reader = _pair() if with_arena else (None, None)
+    writer, reader = arena_pair() if with_arena else (None, None)
     data = _sample(datatype, (2, 3))
     request = InferRequest("m", [InputTensor("x", datatype, (2, 3), data, {"binary_data_size": 7})], "2", "id-1",
                            [RequestedOutput("y", 3, {"binary_data": True})], {"binary_data_output": True, "k": "v"})
@@ -68,7 +59,7 @@ def test_every_datatype_round_trips(datatype: DataType, with_arena: bool) -> Non
 
 
 def test_inputs_are_read_only_views_whose_slot_returns_with_the_last_view() -> None:
-    writer, reader = _pair()
+    writer, reader = arena_pair()
     a, b = np.arange(16, dtype=np.float32).reshape(4, 4), np.ones((3,), np.int64)
     request = InferRequest("m", [InputTensor("a", DataType.FP32, (4, 4), a),
                                  InputTensor("b", DataType.INT64, (3,), b)])
@@ -89,7 +80,7 @@ def test_inputs_are_read_only_views_whose_slot_returns_with_the_last_view() -> N
 
 
 def test_a_message_too_large_for_the_arena_travels_inline_and_slots_are_reused() -> None:
-    writer, reader = _pair(4096)
+    writer, reader = arena_pair(4096)
     big = np.arange(2048, dtype=np.float32)  # 8 KiB: more than the arena
     small = np.arange(8, dtype=np.float32)
     payloads = [encode_request(InferRequest("m", [InputTensor("x", DataType.FP32, x.shape, x)]), writer)
@@ -109,7 +100,7 @@ def test_a_message_too_large_for_the_arena_travels_inline_and_slots_are_reused()
 
 
 def test_shared_memory_tensors_carry_their_region_and_no_bytes() -> None:
-    writer, reader = _pair()
+    writer, reader = arena_pair()
     region = {"shared_memory_region": "in", "shared_memory_byte_size": 64, "shared_memory_offset": 8}
     request = InferRequest("m", [InputTensor("x", DataType.FP32, (16,), np.empty(0, np.float32), region,
                                              SharedMemoryRef("in", 64, 8))],

@@ -7,7 +7,6 @@ take are answered the ASGI way, and an answer whose client has gone gives its ar
 from __future__ import annotations
 
 import asyncio
-import gc
 import gzip
 import json
 import os
@@ -19,13 +18,15 @@ import numpy as np
 import pytest
 
 from kiln.frontends.access import HTTP_GROUPS, AccessPolicy, parse_restriction
-from kiln.frontends.handoff.arena import Arena, create_arena_file
+from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.http.app import build_app
 from kiln.frontends.http.core import CoreLink
 from kiln.frontends.http.infer_lane import InferLane, lane_enabled
 from kiln.frontends.http.server import HttpServer, http_config
 from kiln.frontends.http.worker_app import CoreClient, WorkerApp
 from kiln.server.server import Server, ServerOptions
+
+from .._arenas import all_freed, arena_pair
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="arenas need memfd_create (Linux)")
 
@@ -61,22 +62,11 @@ class Worker:
         self.core, self.app, self.lane, self.port, self.arenas = core, app, lane, port, arenas
 
     async def slots_back(self) -> bool:
-        for _ in range(400):
-            gc.collect()  # the views' weak references fire once the last view is gone
-            if all(arena.used_bytes == 0 for arena in self.arenas):
-                return True
-            await asyncio.sleep(0.005)
-        return False
+        return await all_freed(self.arenas, seconds=2.0)
 
 
 async def _worker(server: Server, lane: bool, access: AccessPolicy | None = None) -> AsyncIterator[Worker]:
-    arenas = []
-    for _ in range(2):
-        fd = create_arena_file(1 << 22)
-        assert fd is not None
-        arenas.append((Arena.from_fd(fd), Arena.from_fd(fd)))
-        os.close(fd)
-    (worker_requests, core_requests), (core_responses, worker_responses) = arenas
+    (worker_requests, core_requests), (core_responses, worker_responses) = arena_pair(1 << 22), arena_pair(1 << 22)
     link = CoreLink(server, build_app(server, max_input_size=LIMIT), core_requests, core_responses, lambda: None)
     core = CoreClient(worker_requests, worker_responses)
     ours, theirs = socket.socketpair()
