@@ -8,10 +8,10 @@ receives it. The bytes on the wire are the ASGI path's: the same codec, the same
 default headers, its keep-alive and pipelining rules.
 
 A request takes the lane when its head says it can: ``POST`` to an infer route, a ``Content-Length`` within
-``--http-max-input-size``, no ``Content-Encoding``, no ``Expect: 100-continue``, and no access restriction on
-inference. Everything else, and a request whose body turns out to need the server process (a raw body without a
-JSON header, or one the worker cannot decode: the server process says first whether the model exists), runs as an
-ASGI task of :class:`~kiln.frontends.http.worker_app.WorkerApp` with its body already read.
+``--http-max-input-size``, no ``Content-Encoding``, no chunked body, no ``Expect: 100-continue``, and no access
+restriction on inference. Everything else, and a request whose body turns out to need the server process (a raw
+body without a JSON header, or one the worker cannot decode: the server process says first whether the model
+exists), runs as an ASGI task of :class:`~kiln.frontends.http.worker_app.WorkerApp` with its body already read.
 """
 
 from __future__ import annotations
@@ -44,15 +44,15 @@ LANE_VARIABLE = "KILN_HTTP_INFER_LANE"
 """Set to 0 (or false, no, off) in `kiln serve`'s environment, which its workers inherit, to answer every request
 as an ASGI task (to compare, or to rule the lane out)."""
 
-
-def lane_enabled() -> bool:
-    """What this worker's environment says about the lane (on unless ``KILN_HTTP_INFER_LANE`` turns it off)."""
-    return os.environ.get(LANE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
-
 _HEADER_LENGTH = codec.HEADER_LENGTH.encode()
 _ROUTING_KEY = ROUTING_KEY_HEADER.encode()
 _NOT_ON_LANE = (b"content-encoding", b"transfer-encoding")
 Respond = Callable[[RequestResponseCycle, Response], None]
+
+
+def lane_enabled() -> bool:
+    """What this worker's environment says about the lane (on unless ``KILN_HTTP_INFER_LANE`` turns it off)."""
+    return os.environ.get(LANE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class InferLane:
@@ -185,7 +185,7 @@ class LaneProtocol(LimitedHttpToolsProtocol):
         try:
             taken = self.lane.take(cycle, self._respond)
         except Exception:  # a fault of the lane's own: the ASGI path answers the request as ever
-            log.exception("HTTP worker: an infer request's fast path failed; answering it the ASGI way")
+            log.exception("HTTP worker: an infer request's lane failed; answering it as an ASGI task")
             taken = False
         if not taken:
             super()._start_asgi_task(cycle, app)

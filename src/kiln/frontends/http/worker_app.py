@@ -4,7 +4,8 @@ descriptors, every other request forwarded whole (core.py is the other end).
 The infer path reads and decodes the body with the in-process frontend's own functions (size limit, gzip, JSON
 and binary tensors) and encodes the answer with them too, so bodies, status codes and error messages are the
 same bytes. A raw single-input body (``Inference-Header-Content-Length: 0``) needs the model's metadata, which
-lives in the server process: it is forwarded, already read.
+lives in the server process: it is forwarded, already read. Most infer requests never reach this app: the
+worker's infer lane (infer_lane.py) answers them from the connection's callbacks with the same functions.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class CoreClient:
             raise self.typed(refused) from None
 
     def submit(self, request: InferRequest, routing_key: str | None) -> asyncio.Future[Answer]:
-        """:meth:`infer` without waiting: the future's :meth:`result` is the answer (raises
-        :class:`~kiln.frontends.handoff.calls.Refused` when the link is gone)."""
+        """:meth:`infer` without waiting: read the future with :meth:`result`. Raises
+        :class:`~kiln.frontends.handoff.calls.Refused` when the link is gone already (:meth:`typed` words it)."""
         return self._calls.submit(request, routing_key)
 
     def result(self, future: asyncio.Future[Answer]) -> Answer:
