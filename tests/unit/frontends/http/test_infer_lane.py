@@ -178,9 +178,11 @@ async def test_the_lane_answers_with_the_bytes_the_asgi_path_gives(lane: Worker,
     assert await lane.slots_back()
 
 
-async def test_a_body_in_pieces_above_the_high_water_mark_completes_on_the_lane(lane: Worker) -> None:
-    image = np.random.default_rng(3).standard_normal(75_000).astype(np.float32)  # 300 KB
-    ((head, body),) = await _exchange(lane.port, _binary(image), pieces=8)
+@pytest.mark.parametrize(("values", "pieces"), [(75_000, 8), (250_000, 40)])  # 300 KB; 1 MB, the limit
+async def test_a_body_in_pieces_above_the_high_water_mark_completes_on_the_lane(lane: Worker, values: int,
+                                                                                pieces: int) -> None:
+    image = np.random.default_rng(3).standard_normal(values - 64).astype(np.float32)  # room for the JSON header
+    ((head, body),) = await _exchange(lane.port, _binary(image), pieces=pieces)
     assert head[0] == b"HTTP/1.1 200 OK" and np.array_equal(np.frombuffer(body[-image.nbytes:], np.float32), image)
     assert lane.lane is not None and lane.lane.taken == 1
 
