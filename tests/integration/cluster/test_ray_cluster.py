@@ -450,10 +450,18 @@ def _served_versions(client: Any, answers: int) -> set[tuple[str, ...]]:
 ROLLING_REQUESTS = 1_000  # at least this many answered across the roll, none failed
 
 
+def _running_replicas() -> int:
+    """The kiln deployment's replicas that Serve counts as running: started, their repository loaded. One that is
+    listed but still starting may have read the repository before a version the test publishes next."""
+    application = serve.status().applications.get(APP)
+    deployment = application.deployments.get(APP) if application is not None else None
+    return 0 if deployment is None else int(deployment.replica_states.get("RUNNING", 0))
+
+
 def test_a_published_version_rolls_over_every_replica_under_load(cluster: RayCluster, client: Any) -> None:
     # After the kill test: wait for both replicas (the replacement one included) to be serving.
     deadline = time.monotonic() + 60
-    while len(_replicas()) < 2 and time.monotonic() < deadline:
+    while _running_replicas() < 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     model = cluster.repository / "simple"
     load = _Load(cluster.http_url, 4)
@@ -464,7 +472,7 @@ def test_a_published_version_rolls_over_every_replica_under_load(cluster: RayClu
         shutil.copytree(model / "1", staging)
         staging.rename(model / "2")  # appears whole: a replica's poll never sees half a version
         deadline = time.monotonic() + 30
-        while _served_versions(client, 10) != {("2",)}:
+        while _served_versions(client, 20) != {("2",)}:  # 20 answers: both replicas, but for 1 time in 2**19
             assert time.monotonic() < deadline, "version 2 did not replace version 1 on every replica within 30 s"
             time.sleep(0.2)
         rolled_at = load.ok
@@ -472,7 +480,7 @@ def test_a_published_version_rolls_over_every_replica_under_load(cluster: RayClu
         (model / "3").mkdir()
         (model / "3" / "model.onnx").write_bytes(b"not an onnx model")
         time.sleep(3)  # several polls
-        assert _served_versions(client, 10) == {("2",)}
+        assert _served_versions(client, 20) == {("2",)}
         deadline = time.monotonic() + 60
         while load.ok < ROLLING_REQUESTS and time.monotonic() < deadline:
             time.sleep(0.1)
