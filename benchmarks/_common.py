@@ -294,6 +294,14 @@ def _answers_200(url: str) -> bool:
         return False
 
 
+def http_worker_processes(server_pid: int) -> list[Any]:
+    """The HTTP worker processes (psutil) of the `kiln serve` process ``server_pid``."""
+    import psutil
+
+    return [child for child in psutil.Process(server_pid).children()
+            if "kiln.frontends.http.worker" in " ".join(child.cmdline())]
+
+
 def log_tail(path: Path, size: int = 4000) -> str:
     with contextlib.suppress(OSError):
         return path.read_bytes()[-size:].decode(errors="replace")

@@ -47,16 +47,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 SRC = Path(__file__).resolve().parents[1] / "src"
 SERVER_READY_S = 300.0  # a compiled GPU build loads in 20-40 s, more with a cold compile cache
 RUN_TIMEOUT_S = 600.0
 WORKERS_LISTEN_S = 60.0
 NO_GAUGE_SETTLE_S = 5.0
-HTTP_WORKER = "kiln.frontends.http.worker"
 SPREAD_EVERY_S = 0.25  # how often the HTTP workers' connection counts are read during a cell
 sys.path.insert(0, str(SRC))
+
+from _common import http_worker_processes  # noqa: E402  # beside this script
 
 from kiln.bench.machine import machine_info  # noqa: E402
 from kiln.bench.perf_analyzer import MemoryStopped, shorter_window, wait_watched  # noqa: E402
@@ -93,8 +92,7 @@ def wait_workers_listening(server: KilnProcess) -> None:
     """Until every HTTP worker of ``server`` listens. A tree whose readiness does not wait for its workers answers
     ready from the first one listening, and perf_analyzer, opening its connections at once, would leave all of them
     with that worker for the whole cell. A tree without the workers' connection gauge gets a fixed settling time."""
-    workers = [child for child in psutil.Process(server.process.pid).children()
-               if HTTP_WORKER in " ".join(child.cmdline())]
+    workers = http_worker_processes(server.process.pid)
     deadline = time.monotonic() + WORKERS_LISTEN_S
     while workers:
         text = metrics_text(server)

@@ -18,20 +18,18 @@ import json
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
-from _common import describe, header, int_list, table, write_outputs
+from _common import describe, header, http_worker_processes, int_list, table, write_outputs
 from _loadgen import require_tools, run_wrk, tool_versions
 from scheduler_ceiling import BACKEND
 from served_ceiling import CONFIG, MODEL, serve_stand_in
 
 from kiln.frontends.http.infer_lane import LANE_VARIABLE
-
-WORKER_MODULE = "kiln.frontends.http.worker"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,7 +89,7 @@ def _measure(repo: Path, lane: str, round_number: int, body: bytes, headers: dic
     with serve_stand_in(repo, settings, ["--http-workers", str(args.http_workers)], log,
                         environment) as (http_url, _grpc, _metrics, pid):
         server = psutil.Process(pid)
-        workers = list(_workers(server))
+        workers = http_worker_processes(pid)
         for concurrency in int_list(args.concurrency):
             before = _cpu(server)
             result = run_wrk(f"http://{http_url}/v2/models/{MODEL}/infer", body, headers, concurrency,
@@ -104,12 +102,6 @@ def _measure(repo: Path, lane: str, round_number: int, body: bytes, headers: dic
                          "server_us": server_cores / served * 1e6})
             print(rows[-1], flush=True)
     return rows
-
-
-def _workers(server: psutil.Process) -> Iterator[psutil.Process]:
-    for child in server.children():
-        if WORKER_MODULE in " ".join(child.cmdline()):
-            yield child
 
 
 def _cpu(process: psutil.Process) -> float:

@@ -151,7 +151,7 @@ class LaneProtocol(LimitedHttpToolsProtocol):
             super()._start_asgi_task(cycle, app)
         elif cycle.more_body:
             self._lane_cycle = cycle  # taken when its body is complete
-            self.flow.resume_reading()  # on_body pauses for a large chunk: nothing else would read on
+            self.flow.resume_reading()  # no task will read the body: whatever paused reading must not hold it
         else:
             self._take(cycle, app)
 
