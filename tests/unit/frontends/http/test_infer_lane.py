@@ -203,6 +203,22 @@ async def test_requests_the_lane_must_not_take_are_answered_the_asgi_way(lane: W
     assert lane.lane is not None and lane.lane.taken == 0
 
 
+async def test_a_pipeline_of_lane_and_asgi_requests_is_answered_in_order(lane: Worker, plain: Worker) -> None:
+    compressed = gzip.compress(json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32",
+                                                       "data": [6.0]}]}).encode())
+    requests = [_binary(np.arange(2, dtype=np.float32)),
+                _post("/v2/models/echo/infer", compressed, "content-encoding: gzip", "content-type: application/json"),
+                _json([8.0, 9.0]),
+                b"GET /v2/health/ready HTTP/1.1\r\nhost: kiln\r\n\r\n",
+                _json([10.0], "slow")]  # answered last though its batcher holds it longest
+    fast = await _exchange(lane.port, *requests)
+    assert fast == await _exchange(plain.port, *requests)
+    assert [_status(answer) for answer in fast] == [200] * 5
+    assert [b"6.0" in fast[1][1], b"8.0,9.0" in fast[2][1], b"10.0" in fast[4][1]] == [True] * 3
+    assert lane.lane is not None and lane.lane.taken == 3
+    assert await lane.slots_back()
+
+
 async def test_restricted_inference_never_takes_the_lane(server: Server) -> None:
     policy = AccessPolicy([parse_restriction("inference:x-key=yes", "--http-restricted-api", HTTP_GROUPS)])
     async for worker in _worker(server, lane=True, access=policy):
