@@ -1,5 +1,6 @@
-"""One change, measured by NVIDIA's perf_analyzer: `kiln serve` from two src/ trees in turn (before, after), each
-driven by the same C++ client over HTTP and gRPC at each concurrency.
+"""One change, measured by NVIDIA's perf_analyzer: `kiln serve` from two src/ trees in turn (before, after), or one
+tree under two environments (a switch such as ``KILN_HTTP_INFER_LANE=0``), each driven by the same C++ client over
+HTTP and gRPC at each concurrency.
 
 Rounds alternate the two servers, and which of them goes first, so that drift of a shared machine falls on both;
 every cell is perf_analyzer's own stable measurement (three windows within --stability percent). The table gives
@@ -10,6 +11,13 @@ protocol.
     python benchmarks/before_after_perf_analyzer.py --before /tmp/before/src --perf-analyzer PATH \\
         --output benchmarks/results/<what>.json
 
+A switch in the environment is measured with ``--before-env`` / ``--after-env`` (each ``NAME=VALUE``, repeatable),
+both trees this checkout's unless ``--before`` says otherwise; the HTTP workers' infer lane off and on:
+
+    python benchmarks/before_after_perf_analyzer.py --before-env KILN_HTTP_INFER_LANE=0 --repository /tmp/gpu16 \\
+        --models resnet50 --protocols http --concurrency 1,8,16,64 --input-data zero --window-ms 500 \\
+        --output benchmarks/results/<what>.json
+
 A GPU model is measured the same way from a repository of built models, for instance the ResNet-50 of
 benchmarks/README.md ("The GPU figures now"), its images as zeros, and in system shared memory:
 
@@ -17,8 +25,9 @@ benchmarks/README.md ("The GPU figures now"), its images as zeros, and in system
         --models resnet50 --protocols http --concurrency 16,64 --input-data zero --window-ms 2500 \\
         --output benchmarks/results/<what>.json          # add --shared-memory system for the client's regions
 
-Each cell also gives the rows per execution the server formed (its metrics over the cell's run) and, over HTTP,
-how many of perf_analyzer's connections each HTTP worker held (busiest first). perf_analyzer's memory grows with
+Each cell also gives the rows per execution the server formed (its metrics over the cell's run), the CPU time per
+request of the server process and of its worker processes together (over the cell's perf_analyzer run) and, over
+HTTP, how many of perf_analyzer's connections each HTTP worker held (busiest first). perf_analyzer's memory grows with
 every request it sends (it keeps each request's inputs; upstream issue 84): each run is watched as `kiln bench` watches
 it, and a run stopped for its memory is measured again over windows half as long, down to 250 ms (a 301 KB image at
 c=64 can fill 60 GB within a few 2,000 ms windows); the window each cell was measured over is in the JSON.
@@ -47,6 +56,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 SERVER_READY_S = 300.0  # a compiled GPU build loads in 20-40 s, more with a cold compile cache
 RUN_TIMEOUT_S = 600.0
@@ -64,12 +75,14 @@ from kiln.serve_process import KilnProcess, kiln_serve  # noqa: E402
 
 
 @contextmanager
-def server_from(src: Path, repo: Path, models: list[str], log: Path,
-                serve_args: list[str] | None = None) -> Iterator[KilnProcess]:
-    """`kiln serve` (with ``serve_args``) with ``src`` first on the child's path (what it inherits from this
-    process)."""
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(src.resolve()), *([saved] if saved else [])])
+def server_from(src: Path, repo: Path, models: list[str], log: Path, serve_args: list[str] | None = None,
+                environment: dict[str, str] | None = None) -> Iterator[KilnProcess]:
+    """`kiln serve` (with ``serve_args``) with ``src`` first on the child's path and ``environment`` set (what it
+    inherits from this process)."""
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", *(environment or {}))}
+    os.environ.update(environment or {})
+    python_path = saved["PYTHONPATH"]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(src.resolve()), *([python_path] if python_path else [])])
     try:
         load = [arg for model in models for arg in ("--load-model", model)]
         with kiln_serve([repo], "--model-control-mode", "explicit", *load, *(serve_args or []),
@@ -77,10 +90,51 @@ def server_from(src: Path, repo: Path, models: list[str], log: Path,
             wait_workers_listening(server)
             yield server
     finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def parse_environment(items: list[str], flag: str) -> dict[str, str]:
+    """``NAME=VALUE`` items as a mapping; a malformed one is refused naming ``flag``."""
+    environment = {}
+    for item in items:
+        name, equals, value = item.partition("=")
+        if not equals or not name:
+            raise SystemExit(f"{flag} takes NAME=VALUE, got {item!r}")
+        environment[name] = value
+    return environment
+
+
+class ProcessCpu:
+    """CPU seconds of the server process and, apart, of its worker processes together, over a ``with`` block (a
+    worker replaced meanwhile counts for neither of its parts: the cell's figure is then a little low)."""
+
+    def __init__(self, server: KilnProcess) -> None:
+        self._server = psutil.Process(server.process.pid)
+        self.server_s = self.workers_s = 0.0
+
+    def __enter__(self) -> ProcessCpu:
+        self._before = self._read()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        after = self._read()
+        self.server_s = after[self._server.pid] - self._before[self._server.pid]
+        self.workers_s = sum(after[pid] - self._before[pid] for pid in after
+                             if pid != self._server.pid and pid in self._before)
+
+    def _read(self) -> dict[int, float]:
+        seconds = {}
+        for process in (self._server, *self._server.children()):
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            seconds[process.pid] = float(times.user + times.system)
+        return seconds
 
 
 def metrics_text(server: KilnProcess) -> str:
@@ -147,16 +201,18 @@ class ConnectionSpread:
 
 def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurrency: int, window_ms: int,
             stability: int, folder: Path, extra: list[str], memory_limit_bytes: int | None = None) -> dict[str, Any]:
-    """Throughput (inferences/s), p50 latency (us), the server's rows per execution, (HTTP) the connections each
-    HTTP worker held (ConnectionSpread) and the window it was measured over, of one perf_analyzer run. A cell that
-    does not stabilise is tried once more with windows twice as long; one stopped for perf_analyzer's memory (it
-    keeps every request's inputs, docs/bench.md) is tried again over windows half as long, down to
-    ``SHORTEST_WINDOW_MS``, as `kiln bench` does. A cell that still has no figure is recorded as None (unstable)
-    rather than ending the run. ``memory_limit_bytes``: the guard's limit (None: kiln bench's default)."""
+    """Throughput (inferences/s), p50 latency (us), the server's rows per execution, the CPU per request of the
+    server process and of its workers (us), (HTTP) the connections each HTTP worker held (ConnectionSpread) and
+    the window it was measured over, of one perf_analyzer run. A cell that does not stabilise is tried once more
+    with windows twice as long; one stopped for perf_analyzer's memory (it keeps every request's inputs,
+    docs/bench.md) is tried again over windows half as long, down to ``SHORTEST_WINDOW_MS``, as `kiln bench` does.
+    A cell that still has no figure is recorded as None (unstable) rather than ending the run.
+    ``memory_limit_bytes``: the guard's limit (None: kiln bench's default)."""
     out = folder / f"{model}-{protocol}-{concurrency}.csv"
     url = server.http_url if protocol == "http" else server.grpc_url
     unstable: dict[str, Any] = {"throughput": None, "p50_us": None, "rows_per_execution": None,
-                                "http_connections": None, "window_ms": None}
+                                "server_cpu_us": None, "workers_cpu_us": None, "http_connections": None,
+                                "window_ms": None}
     window: int | None = window_ms
     lengthened = False
     while window is not None:
@@ -164,7 +220,7 @@ def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurr
                    f"{concurrency}:{concurrency}", "--measurement-interval", str(window), "--stability-percentage",
                    str(stability), "--max-trials", "8", "-f", str(out), *extra]
         counted = _counts(server, model)
-        with tempfile.TemporaryFile("w+") as log, ConnectionSpread(server) as spread:
+        with tempfile.TemporaryFile("w+") as log, ConnectionSpread(server) as spread, ProcessCpu(server) as cpu:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
             try:
                 code = wait_watched(process, RUN_TIMEOUT_S, memory_limit_bytes, model,
@@ -185,8 +241,10 @@ def measure(binary: str, server: KilnProcess, model: str, protocol: str, concurr
                 row = next(csv.DictReader(f))
             requests, executions = (after - before for after, before in zip(_counts(server, model), counted,
                                                                              strict=True))
+            per_request = 1e6 / requests if requests else 0.0
             return {"throughput": float(row["Inferences/Second"]), "p50_us": float(row["p50 latency"]),
                     "rows_per_execution": requests / executions if executions else None,
+                    "server_cpu_us": cpu.server_s * per_request, "workers_cpu_us": cpu.workers_s * per_request,
                     "http_connections": spread.counts if protocol == "http" else None, "window_ms": window}
         if "stable measurement" not in text:
             raise RuntimeError(f"perf_analyzer failed ({code}): {' '.join(command)}\n{text[-4000:]}")
@@ -208,8 +266,13 @@ def _counts(server: KilnProcess, model: str) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", type=Path, required=True, help="the src/ folder of the code before the change")
+    parser.add_argument("--before", type=Path, default=SRC,
+                        help="the src/ folder of the code before the change (default: this checkout)")
     parser.add_argument("--after", type=Path, default=SRC, help="the src/ folder after it (default: this checkout)")
+    parser.add_argument("--before-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set in the environment of the server before the change (repeatable)")
+    parser.add_argument("--after-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set in the environment of the server after it (repeatable)")
     parser.add_argument("--perf-analyzer", default="perf_analyzer", help="the perf_analyzer binary")
     parser.add_argument("--models", default="simple,mlp")
     parser.add_argument("--protocols", default="http,grpc")
@@ -229,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the inputs and outputs in system shared memory (the servers get --allow-client-shm)")
     parser.add_argument("--output", type=Path, default=None, help="JSON results (a .txt table goes beside it)")
     args = parser.parse_args(argv)
+    environments = {"before": parse_environment(args.before_env, "--before-env"),
+                    "after": parse_environment(args.after_env, "--after-env")}
+    if args.before.resolve() == args.after.resolve() and environments["before"] == environments["after"]:
+        parser.error("before and after are the same: give --before another src/ tree, or --before-env/--after-env")
     models, protocols = args.models.split(","), args.protocols.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
     rows: list[dict[str, Any]] = []
@@ -246,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             trees = [("before", args.before), ("after", args.after)]
             # Odd rounds run before first, even rounds after first: a drift within a round falls on both alike.
             for label, src in trees if round_ % 2 else trees[::-1]:
-                with server_from(src, repo, models, Path(tmp) / f"{label}-{round_}.log", serve_args) as server:
+                with server_from(src, repo, models, Path(tmp) / f"{label}-{round_}.log", serve_args,
+                                 environments[label]) as server:
                     for model in models:
                         for protocol in protocols:
                             for concurrency in levels:
@@ -276,10 +344,12 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] 
     info = machine_info()
     lines = [f"perf_analyzer before/after, {info['date']}, {info['cpu_model']}, {info['cpu_count']} CPUs, "
              f"GPUs: {', '.join(info['gpus']) or 'none'}",
-             f"before: {args.before}; after: {args.after}; command: {command_line(argv)}", "",
+             f"before: {_side(args.before, getattr(args, 'before_env', []))}; "
+             f"after: {_side(args.after, getattr(args, 'after_env', []))}; command: {command_line(argv)}", "",
              "| model | protocol | c | round | before /s | after /s | after/before | p50 before us | p50 after us "
-             "| rows/exec before | rows/exec after | connections by worker before | after |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| rows/exec before | rows/exec after | CPU us/request before: server + workers | after "
+             "| connections by worker before | after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios: dict[str, list[float]] = {}
     key = ("model", "protocol", "concurrency", "round")
     cells = {(tuple(r[k] for k in key), r["tree"]): r for r in rows}
@@ -298,7 +368,8 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] 
         ratios.setdefault(str(cell_key[1]), []).append(ratio)
         lines.append(f"| {cell_key[0]} | {cell_key[1]} | {cell_key[2]} | {cell_key[3]} | {before['throughput']:,.0f} "
                      f"| {after['throughput']:,.0f} | {ratio:.2f} | {before['p50_us']:,.0f} | {after['p50_us']:,.0f} "
-                     f"| {_rows(before)} | {_rows(after)} | {_spread(before)} | {_spread(after)} |")
+                     f"| {_rows(before)} | {_rows(after)} | {_cpu(before)} | {_cpu(after)} "
+                     f"| {_spread(before)} | {_spread(after)} |")
     lines.append("")
     lines += [f"median after/before, {protocol}: {statistics.median(values):.2f} over {len(values)} cells"
               for protocol, values in sorted(ratios.items())]
@@ -308,6 +379,15 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace, argv: list[str] 
 def _rows(cell: dict[str, Any]) -> str:
     value = cell.get("rows_per_execution")
     return "-" if value is None else f"{value:.1f}"
+
+
+def _cpu(cell: dict[str, Any]) -> str:
+    server, workers = cell.get("server_cpu_us"), cell.get("workers_cpu_us")
+    return "-" if server is None or workers is None else f"{server:,.0f} + {workers:,.0f}"
+
+
+def _side(src: Path, environment: list[str]) -> str:
+    return " ".join([str(src), *environment])
 
 
 def _spread(cell: dict[str, Any]) -> str:

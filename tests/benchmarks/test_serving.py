@@ -141,13 +141,17 @@ def _perf_analyzer() -> str:
 def test_before_after_perf_analyzer(tmp_path: Path) -> None:
     binary = _perf_analyzer()
     output = tmp_path / "pa.json"
-    assert run_main("before_after_perf_analyzer", "--before", str(SRC), "--perf-analyzer", binary, "--models",
-                    "simple", "--protocols", "http,grpc", "--concurrency", "1", "--rounds", "1", "--window-ms", "500",
-                    "--stability", "50", "--shared-memory", "system", "--input-data", "zero",
+    assert run_main("before_after_perf_analyzer", "--before", str(SRC), "--before-env", "KILN_HTTP_INFER_LANE=0",
+                    "--perf-analyzer", binary, "--models", "simple", "--protocols", "http,grpc", "--concurrency", "1",
+                    "--rounds", "1", "--window-ms", "500", "--stability", "50", "--shared-memory", "system",
+                    "--input-data", "zero", "--serve-args", "--http-workers 2 --grpc-workers 2",
                     "--output", str(output)) == 0
     rows = read_json(output)["rows"]
     assert {(r["tree"], r["protocol"]) for r in rows} == {(t, p) for t in ("before", "after") for p in ("http", "grpc")}
     assert all(r["throughput"] > 0 and r["p50_us"] > 0 for r in rows)
+    # a request at c=1 costs the server process and the workers at least a few microseconds, and not a second
+    assert all(1 < r["server_cpu_us"] < 1e6 and 1 < r["workers_cpu_us"] < 1e6 for r in rows), rows
+    assert "before: " + str(SRC) + " KILN_HTTP_INFER_LANE=0;" in output.with_suffix(".txt").read_text()
     assert all(r["rows_per_execution"] == 1.0 for r in rows), rows  # `simple` has no dynamic batching
     assert all(r["window_ms"] == 500 for r in rows), rows
     assert "median after/before, grpc" in output.with_suffix(".txt").read_text()
@@ -160,8 +164,9 @@ def test_before_after_measures_a_run_stopped_for_memory_again_over_shorter_windo
     recorded as unstable instead of ending the run."""
     binary = _perf_analyzer()
     output = tmp_path / "pa.json"
-    assert run_main("before_after_perf_analyzer", "--before", str(SRC), "--perf-analyzer", binary, "--models",
-                    "simple", "--protocols", "http", "--concurrency", "1", "--rounds", "1", "--window-ms", "1000",
+    assert run_main("before_after_perf_analyzer", "--after-env", "KILN_HTTP_INFER_LANE=1", "--perf-analyzer", binary,
+                    "--models", "simple", "--protocols", "http", "--concurrency", "1", "--rounds", "1", "--window-ms",
+                    "1000",
                     "--memory-limit-mb", "1", "--output", str(output)) == 0
     rows = read_json(output)["rows"]
     assert [(r["tree"], r["throughput"], r["window_ms"]) for r in rows] == [("before", None, None),
@@ -180,6 +185,34 @@ def test_before_after_halves_the_windows_down_to_250_ms() -> None:
         windows.append(shorter)
     assert windows == [2000, 1000, 500, 250]
     assert script.shorter_window(300) == 250
+
+
+def test_before_after_serves_each_side_in_its_own_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """server_from sets the side's variables in the `kiln serve` process and its workers, and puts this process's
+    environment back; a run whose two sides are the same is refused."""
+    import importlib
+
+    import psutil
+
+    from kiln.demo import build_demo_repository
+
+    script = importlib.import_module("before_after_perf_analyzer")
+    repo = tmp_path / "repo"
+    build_demo_repository(repo)
+    monkeypatch.delenv("KILN_HTTP_INFER_LANE", raising=False)
+    with script.server_from(SRC, repo, ["simple"], tmp_path / "serve.log", ["--http-workers", "2"],
+                            {"KILN_HTTP_INFER_LANE": "0"}) as server:
+        processes = [psutil.Process(server.process.pid), *psutil.Process(server.process.pid).children()]
+        assert len(processes) >= 3  # the server process and its two HTTP workers
+        assert {p.environ().get("KILN_HTTP_INFER_LANE") for p in processes} == {"0"}
+        assert str(SRC) in processes[0].environ()["PYTHONPATH"].split(os.pathsep)[0]
+    assert "KILN_HTTP_INFER_LANE" not in os.environ
+    with pytest.raises(SystemExit):
+        script.main(["--models", "simple"])
+    assert "before and after are the same" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--after-env takes NAME=VALUE, got 'LANE'"):
+        script.main(["--after-env", "LANE"])
 
 
 def test_before_after_reads_how_the_http_workers_hold_the_connections(tmp_path: Path) -> None:
@@ -225,11 +258,12 @@ def test_before_after_writes_what_it_has_measured_so_far(tmp_path: Path) -> None
     assert read_json(output)["rows"] == rows
     assert "| resnet50 | http | 16 | 1 | 4,095 | not yet |" in output.with_suffix(".txt").read_text()
     rows.append({**cell, "tree": "after", "throughput": 4316.5, "p50_us": 3396.0, "rows_per_execution": 5.2,
-                 "http_connections": [4, 4, 4, 4]})
+                 "server_cpu_us": 113.4, "workers_cpu_us": 1250.6, "http_connections": [4, 4, 4, 4]})
     script.write(args, ["--before", "/before/src"], rows)
     table = output.with_suffix(".txt").read_text()
     assert "| resnet50 | http | 16 | 1 | 4,095 | 4,316 | 1.05 |" in table
-    assert "| 5.0 | 5.2 | - | 4/4/4/4 |" in table  # before: a cell measured without the connections
+    # before: a cell measured without the CPU and the connections
+    assert "| 5.0 | 5.2 | - | 113 + 1,251 | - | 4/4/4/4 |" in table
     assert "median after/before, http: 1.05 over 1 cells" in table
 
 
