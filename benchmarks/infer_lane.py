@@ -1,11 +1,12 @@
-"""The HTTP workers' infer lane on and off, side by side: `kiln serve --http-workers N` against the device stand-in.
+"""The HTTP infer lane on and off, side by side: `kiln serve --http-workers N` against the device stand-in.
 
 The stand-in of served_ceiling.py (one ResNet-50-shaped model: a 301 KB FP16 image in, 1000 FP32 values out, a
 fixed wait per batch) is served twice per round, once with ``KILN_HTTP_INFER_LANE=0`` (every request an ASGI task)
 and once with the lane (infer requests answered from the connection's callbacks, kiln/frontends/http/infer_lane.py);
 rounds alternate which goes first. wrk (C, little CPU of its own) posts the image with binary outputs from keep-alive
 connections. Each row gives requests/s, p50/p99, and the CPU time per request of the worker processes together and
-of the server process: what the lane saves is worker CPU, and on a host where the workers are the limit, requests.
+of the server process: what the lane saves is the CPU of whichever process serves HTTP (the workers; with
+``--http-workers 1`` the server process), and where that process is the limit, requests.
 
     python benchmarks/infer_lane.py --http-workers 2 --concurrency 1,16,64 --rounds 3 \\
         --output benchmarks/results/infer_lane-<machine>-<date>.json
@@ -43,11 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-row-us", type=float, default=10.0, help="stand-in device time per image")
     parser.add_argument("--output", type=Path, default=None, help="JSON results; a .txt beside it gets the table")
     args = parser.parse_args(argv)
-    if args.http_workers < 2:
-        parser.error("--http-workers must be 2 or more: with 1, HTTP is served in the server process (no lane)")
     require_tools("wrk")
-    info = describe(f"the HTTP workers' infer lane, off and on ({args.http_workers} workers, device stand-in "
-                    f"{args.base_ms:g} ms + {args.per_row_us:g} us per image)", tools=tool_versions())
+    where = f"{args.http_workers} HTTP workers" if args.http_workers > 1 else "HTTP in the server process"
+    info = describe(f"the HTTP infer lane, off and on ({where}, device stand-in {args.base_ms:g} ms + "
+                    f"{args.per_row_us:g} us per image)", tools=tool_versions())
     print(header(info), flush=True)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kiln-infer-lane-") as tmp:
@@ -110,10 +110,12 @@ def _cpu(process: psutil.Process) -> float:
 
 
 def summary(rows: list[dict[str, Any]], concurrencies: list[int]) -> str:
-    """Per concurrency, the median over rounds of lane-on / lane-off for requests/s, p50 and worker CPU per request."""
+    """Per concurrency, the median over rounds of lane-on / lane-off for requests/s, p50 and the CPU per request of
+    the workers (where there are any) and of the server process."""
     lines = ["lane on / off, median over rounds:"]
     for concurrency in concurrencies:
-        ratios: dict[str, list[float]] = {"req/s": [], "p50": [], "worker CPU per request": []}
+        ratios: dict[str, list[float]] = {"req/s": [], "p50": [], "worker CPU per request": [],
+                                          "server CPU per request": []}
         for round_number in sorted({r["round"] for r in rows}):
             pair = {r["lane"]: r for r in rows if r["round"] == round_number and r["concurrency"] == concurrency}
             if len(pair) < 2:
@@ -121,7 +123,9 @@ def summary(rows: list[dict[str, Any]], concurrencies: list[int]) -> str:
             on, off = pair["on"], pair["off"]
             ratios["req/s"].append(on["rps"] / off["rps"])
             ratios["p50"].append(on["p50_ms"] / off["p50_ms"])
-            ratios["worker CPU per request"].append(on["worker_us"] / off["worker_us"])
+            if off["worker_us"] > 0:
+                ratios["worker CPU per request"].append(on["worker_us"] / off["worker_us"])
+            ratios["server CPU per request"].append(on["server_us"] / off["server_us"])
         lines.append(f"  c={concurrency}: " + ", ".join(f"{name} {statistics.median(values):.2f}x"
                                                          for name, values in ratios.items() if values))
     return "\n".join(lines)

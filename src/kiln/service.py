@@ -30,6 +30,7 @@ from kiln.frontends.handoff.supervisor import WorkerPool
 from kiln.frontends.http.app import build_app
 from kiln.frontends.http.capture import CaptureOptions
 from kiln.frontends.http.files import DownloadOptions
+from kiln.frontends.http.infer_lane import InferLane, ServerCore, lane_enabled
 from kiln.frontends.http.server import HttpServer, http_config
 from kiln.frontends.http.workers import HttpWorkers, WorkerSettings
 from kiln.frontends.metrics import METRICS_CONTENT_TYPE, MetricsOptions, metrics_registry, render_metrics
@@ -77,7 +78,7 @@ class Service:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         in_process_http = self.options.allow_http and self.options.http_workers <= 1
-        http = self._uvicorn(self._http_app(), self.options.http_port, tls=True) if in_process_http else None
+        http = self._uvicorn(self._http_app(), self.options.http_port, frontend=True) if in_process_http else None
         metrics = self._uvicorn(_metrics_app(self.server, self.options.metrics, self._processes),
                                 self.options.metrics_port) if self.options.allow_metrics else None
         self.server.hold_readiness(True)  # until every frontend listens
@@ -143,14 +144,17 @@ class Service:
                          capture=capture, access=self.options.http_access,
                          console=self._console_options(capture.store))
 
-    def _uvicorn(self, app: Any, port: int, *, tls: bool = False) -> HttpServer:
+    def _uvicorn(self, app: Any, port: int, *, frontend: bool = False) -> HttpServer:
+        """uvicorn serving ``app`` on ``port``; the HTTP frontend (``frontend``) with its TLS and infer lane."""
         options = self.options
         limits = options.http_limits
-        if not tls:
+        if not frontend:
             return HttpServer(http_config(app, options.host, port, options.exit_timeout_s, limits=limits))
+        lane = InferLane(ServerCore(self.server), options.http_max_input_size, options.http_access) \
+            if lane_enabled() else None
         return HttpServer(http_config(app, options.host, port, options.exit_timeout_s,
                                       certfile=options.https_certfile, keyfile=options.https_keyfile,
-                                      client_ca=options.https_client_ca, limits=limits))
+                                      client_ca=options.https_client_ca, limits=limits, lane=lane))
 
     def _grpc_limits(self) -> GrpcConnectionLimits:
         return GrpcConnectionLimits(self.options.grpc_keepalive_s, self.options.grpc_max_connection_idle_s)

@@ -103,10 +103,17 @@ def test_infer_lane_off_and_on(tmp_path: Path) -> None:
     assert "c=2: req/s" in output.with_suffix(".txt").read_text()
 
 
-def test_infer_lane_needs_worker_processes() -> None:
-    with pytest.raises(SystemExit) as refused:
-        run_main("infer_lane", "--http-workers", "1")
-    assert refused.value.code == 2
+def test_infer_lane_off_and_on_in_the_server_process(tmp_path: Path) -> None:
+    output = tmp_path / "lane.json"
+    assert run_main("infer_lane", "--http-workers", "1", "--concurrency", "2", "--rounds", "1", "--seconds", "1",
+                    "--warmup", "0", "--output", str(output)) == 0
+    rows = read_json(output)["rows"]
+    assert [row["lane"] for row in rows] == ["off", "on"]
+    for row in rows:
+        assert row["rps"] > 0 and row["errors"] == 0 and row["worker_us"] == 0 and row["server_us"] > 0, row
+    summary = output.with_suffix(".txt").read_text()
+    assert "HTTP in the server process" in summary and "server CPU per request" in summary
+    assert "worker CPU per request" not in summary
 
 
 def test_stage_probes_wrap_all_or_none() -> None:

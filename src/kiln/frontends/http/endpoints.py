@@ -86,12 +86,7 @@ class Endpoints:
         else:
             infer_request = decode_or_not_found(self.server.model_metadata, name, version, body, json_size)
         apply_routing_key(self.server, request.headers.get(ROUTING_KEY_HEADER), infer_request)
-        try:
-            response = await self.server.infer(infer_request)
-        except DecoupledModelError:  # Triton's words (its generate_stream route serves such models)
-            raise UnsupportedError("HTTP end point doesn't support models with decoupled transaction policy") \
-                from None
-        return render(response, infer_request)
+        return render(await infer_over_http(self.server, infer_request), infer_request)
 
     # -- repository ------------------------------------------------------------------------------------------
 
@@ -148,6 +143,15 @@ class Endpoints:
 def _model(request: Request) -> tuple[str, str]:
     params = request.path_params
     return params.get("model", ""), params.get("version", "")
+
+
+async def infer_over_http(server: Server, request: InferRequest) -> InferResponse:
+    """``server``'s answer to an HTTP infer request; a decoupled model's refusal in Triton's words (its
+    generate_stream route serves such models)."""
+    try:
+        return await server.infer(request)
+    except DecoupledModelError:
+        raise UnsupportedError("HTTP end point doesn't support models with decoupled transaction policy") from None
 
 
 def render(answer: InferResponse, request: InferRequest) -> Response:

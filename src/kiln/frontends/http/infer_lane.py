@@ -21,22 +21,25 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
 from kiln.errors import InvalidArgumentError
-from kiln.frontends.access import http_group
+from kiln.frontends.access import AccessPolicy, http_group
 from kiln.frontends.handoff.calls import Answer
 from kiln.frontends.http.app import _infer_params
-from kiln.frontends.http.endpoints import render
+from kiln.frontends.http.endpoints import infer_over_http, render
 from kiln.frontends.http.limits import HttpLimits, LimitedHttpToolsProtocol
-from kiln.frontends.http.routing import ROUTING_KEY_HEADER
+from kiln.frontends.http.routing import ROUTING_KEY_HEADER, apply_routing_key
 from kiln.frontends.http.worker_app import WorkerApp
 from kiln.v2 import http_codec as codec
 from kiln.v2.http_responses import error_response
 from kiln.v2.types import InferRequest
+
+if TYPE_CHECKING:
+    from kiln.server.server import Server
 
 log = logging.getLogger("kiln.http")
 
@@ -55,16 +58,57 @@ def lane_enabled() -> bool:
     return os.environ.get(LANE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-class InferLane:
-    """Decides which requests take the lane and answers them, as ``app`` (the worker's ASGI app) would: its link
-    to the server process, its input size limit; inference restricted by its access policy never takes the lane."""
+class LaneCore(Protocol):
+    """Where the lane's requests go: the server process's link in a worker (:class:`CoreClient`), the Server
+    itself in the server process (:class:`ServerCore`)."""
 
-    def __init__(self, app: WorkerApp) -> None:
-        self._core = app.core
-        self._max_input_size = app.max_input_size
+    def submit(self, request: InferRequest, routing_key: str | None) -> asyncio.Future[Answer]: ...
+
+    def result(self, future: asyncio.Future[Answer]) -> Answer: ...
+
+    def typed(self, exc: Exception) -> Exception: ...
+
+
+def _nothing_to_release() -> None:
+    pass
+
+
+class ServerCore:
+    """The Server of this process as the lane's core: HTTP served from the server process itself."""
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+
+    def submit(self, request: InferRequest, routing_key: str | None) -> asyncio.Future[Answer]:
+        apply_routing_key(self._server, routing_key, request)
+        return asyncio.ensure_future(self._answer(request))
+
+    async def _answer(self, request: InferRequest) -> Answer:
+        return await infer_over_http(self._server, request), _nothing_to_release
+
+    def result(self, future: asyncio.Future[Answer]) -> Answer:
+        return future.result()
+
+    @staticmethod
+    def typed(exc: Exception) -> Exception:
+        return exc
+
+
+class InferLane:
+    """Decides which requests take the lane and answers them, as the ASGI app would: through ``core``, within
+    ``max_input_size``; inference restricted by ``access`` never takes the lane."""
+
+    def __init__(self, core: LaneCore, max_input_size: int, access: AccessPolicy | None) -> None:
+        self._core = core
+        self._max_input_size = max_input_size
         group = http_group("POST", "/v2/models/m/infer")
-        self.open = not (app.access and group is not None and app.access.header(group) is not None)
+        self.open = not (access and group is not None and access.header(group) is not None)
         self.taken = 0  # requests answered on the lane
+
+    @classmethod
+    def of_worker(cls, app: WorkerApp) -> InferLane:
+        """The lane of an HTTP worker whose ASGI app is ``app``."""
+        return cls(app.core, app.max_input_size, app.access)
 
     def accepts(self, cycle: RequestResponseCycle) -> bool:
         """Whether the head lets this request take the lane."""

@@ -39,7 +39,7 @@ async def run(args: argparse.Namespace) -> int:
     app = WorkerApp(core, args.max_input_size)
     config = http_config(app, "", 0, args.grace, certfile=args.certfile, keyfile=args.keyfile,
                          client_ca=args.client_ca, limits=HttpLimits.from_json(args.limits),
-                         lane=InferLane(app) if lane_enabled() else None)
+                         lane=InferLane.of_worker(app) if lane_enabled() else None)
     shares = None if args.shares_fd < 0 else ConnectionShares.inherited(args.shares_fd, args.shares_index)
     server = HttpServer(config, sockets, shares)
     loop.add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))

@@ -1,8 +1,8 @@
-"""An HTTP worker's infer lane (infer_lane.py): a real Server, the server process's CoreLink and the worker's
-CoreClient on a socket pair, and the worker's uvicorn twice, with the lane and without it. Infer requests answered
-on the lane give the bytes the ASGI path gives (JSON, binary, errors; keep-alive, pipelined, ``Connection:
-close``), a body that arrives in pieces larger than uvicorn's high-water mark completes, requests the lane must not
-take are answered the ASGI way, and an answer whose client has gone gives its arena slot back."""
+"""The infer lane (infer_lane.py), in an HTTP worker and in the server process. A real Server; for a worker, the
+server process's CoreLink and the worker's CoreClient on a socket pair; uvicorn twice, with the lane and without it.
+Infer requests answered on the lane give the bytes the ASGI path gives (JSON, binary, errors; keep-alive, pipelined,
+``Connection: close``), a body that arrives in pieces larger than uvicorn's high-water mark completes, requests the
+lane must not take are answered the ASGI way, and an answer whose client has gone gives its arena slot back."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from kiln.frontends.access import HTTP_GROUPS, AccessPolicy, parse_restriction
 from kiln.frontends.handoff.arena import Arena
 from kiln.frontends.http.app import build_app
 from kiln.frontends.http.core import CoreLink
-from kiln.frontends.http.infer_lane import InferLane, lane_enabled
+from kiln.frontends.http.infer_lane import InferLane, ServerCore, lane_enabled
 from kiln.frontends.http.server import HttpServer, http_config
 from kiln.frontends.http.worker_app import CoreClient, WorkerApp
 from kiln.server.server import Server, ServerOptions
@@ -54,27 +55,43 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     kiln_server.close()
 
 
-class Worker:
-    """The worker's side: its link, its app, the lane (None: every request is an ASGI task), its port."""
+class Frontend:
+    """An HTTP frontend under test: its lane (None: every request is an ASGI task), its port, the arenas its
+    requests pass through (none in the server process)."""
 
-    def __init__(self, core: CoreClient, app: WorkerApp, lane: InferLane | None, port: int,
-                 arenas: list[Arena]) -> None:
-        self.core, self.app, self.lane, self.port, self.arenas = core, app, lane, port, arenas
+    def __init__(self, lane: InferLane | None, port: int, arenas: list[Arena]) -> None:
+        self.lane, self.port, self.arenas = lane, port, arenas
 
     async def slots_back(self) -> bool:
         return await all_freed(self.arenas, seconds=2.0)
 
 
-async def _worker(server: Server, lane: bool, access: AccessPolicy | None = None) -> AsyncIterator[Worker]:
-    (worker_requests, core_requests), (core_responses, worker_responses) = arena_pair(1 << 22), arena_pair(1 << 22)
-    link = CoreLink(server, build_app(server, max_input_size=LIMIT), core_requests, core_responses, lambda: None)
-    core = CoreClient(worker_requests, worker_responses)
-    ours, theirs = socket.socketpair()
-    loop = asyncio.get_running_loop()
-    await loop.create_connection(lambda: core.protocol, sock=ours)
-    await loop.create_connection(lambda: link.protocol, sock=theirs)
-    app = WorkerApp(core, LIMIT, access or AccessPolicy())
-    infer_lane = InferLane(app) if lane else None
+PLACES = ["worker", "server process"]
+
+
+async def _frontend(server: Server, place: str, lane: bool,
+                    access: AccessPolicy | None = None) -> AsyncIterator[Frontend]:
+    """uvicorn serving ``server`` as an HTTP worker does (``place`` "worker") or as the server process does."""
+    access = access or AccessPolicy()
+    links = []
+    arenas: list[Arena] = []
+    if place == "worker":
+        (worker_requests, core_requests), (core_responses, worker_responses) = (arena_pair(1 << 22),
+                                                                                arena_pair(1 << 22))
+        link = CoreLink(server, build_app(server, max_input_size=LIMIT), core_requests, core_responses,
+                        lambda: None)
+        core = CoreClient(worker_requests, worker_responses)
+        ours, theirs = socket.socketpair()
+        loop = asyncio.get_running_loop()
+        await loop.create_connection(lambda: core.protocol, sock=ours)
+        await loop.create_connection(lambda: link.protocol, sock=theirs)
+        links = [core.protocol, link.protocol]
+        arenas = [worker_requests, core_responses]
+        app: Any = WorkerApp(core, LIMIT, access)
+        infer_lane = InferLane.of_worker(app) if lane else None
+    else:
+        app = build_app(server, max_input_size=LIMIT, access=access)
+        infer_lane = InferLane(ServerCore(server), LIMIT, access) if lane else None
     listening = socket.socket()
     listening.bind(("127.0.0.1", 0))
     listening.listen(64)
@@ -83,23 +100,28 @@ async def _worker(server: Server, lane: bool, access: AccessPolicy | None = None
     serving = asyncio.create_task(http.serve())
     while not http.started:
         await asyncio.sleep(0.005)
-    yield Worker(core, app, infer_lane, listening.getsockname()[1], [worker_requests, core_responses])
+    yield Frontend(infer_lane, listening.getsockname()[1], arenas)
     http.should_exit = True
     await serving
-    core.protocol.transport.close()  # type: ignore[union-attr]
-    link.protocol.transport.close()  # type: ignore[union-attr]
+    for protocol in links:
+        protocol.transport.close()  # type: ignore[union-attr]
+
+
+@pytest.fixture(params=PLACES)
+def place(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture
-async def lane(server: Server) -> AsyncIterator[Worker]:
-    async for worker in _worker(server, lane=True):
-        yield worker
+async def lane(server: Server, place: str) -> AsyncIterator[Frontend]:
+    async for frontend in _frontend(server, place, lane=True):
+        yield frontend
 
 
 @pytest.fixture
-async def plain(server: Server) -> AsyncIterator[Worker]:
-    async for worker in _worker(server, lane=False):
-        yield worker
+async def plain(server: Server, place: str) -> AsyncIterator[Frontend]:
+    async for frontend in _frontend(server, place, lane=False):
+        yield frontend
 
 
 def _post(path: str, body: bytes, *headers: str) -> bytes:
@@ -165,7 +187,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-async def test_the_lane_answers_with_the_bytes_the_asgi_path_gives(lane: Worker, plain: Worker, case: str) -> None:
+async def test_the_lane_answers_with_the_bytes_the_asgi_path_gives(lane: Frontend, plain: Frontend, case: str) -> None:
     requests = CASES[case]
     fast = await _exchange(lane.port, *requests)
     assert fast == await _exchange(plain.port, *requests)
@@ -179,7 +201,7 @@ async def test_the_lane_answers_with_the_bytes_the_asgi_path_gives(lane: Worker,
 
 
 @pytest.mark.parametrize(("values", "pieces"), [(75_000, 8), (250_000, 40)])  # 300 KB; 1 MB, the limit
-async def test_a_body_in_pieces_above_the_high_water_mark_completes_on_the_lane(lane: Worker, values: int,
+async def test_a_body_in_pieces_above_the_high_water_mark_completes_on_the_lane(lane: Frontend, values: int,
                                                                                 pieces: int) -> None:
     image = np.random.default_rng(3).standard_normal(values - 64).astype(np.float32)  # room for the JSON header
     ((head, body),) = await _exchange(lane.port, _binary(image), pieces=pieces)
@@ -187,7 +209,7 @@ async def test_a_body_in_pieces_above_the_high_water_mark_completes_on_the_lane(
     assert lane.lane is not None and lane.lane.taken == 1
 
 
-async def test_requests_the_lane_must_not_take_are_answered_the_asgi_way(lane: Worker, plain: Worker) -> None:
+async def test_requests_the_lane_must_not_take_are_answered_the_asgi_way(lane: Frontend, plain: Frontend) -> None:
     compressed = gzip.compress(json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32",
                                                        "data": [4.0]}]}).encode())
     requests = [
@@ -203,7 +225,7 @@ async def test_requests_the_lane_must_not_take_are_answered_the_asgi_way(lane: W
     assert lane.lane is not None and lane.lane.taken == 0
 
 
-async def test_a_pipeline_of_lane_and_asgi_requests_is_answered_in_order(lane: Worker, plain: Worker) -> None:
+async def test_a_pipeline_of_lane_and_asgi_requests_is_answered_in_order(lane: Frontend, plain: Frontend) -> None:
     compressed = gzip.compress(json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32",
                                                        "data": [6.0]}]}).encode())
     requests = [_binary(np.arange(2, dtype=np.float32)),
@@ -219,15 +241,15 @@ async def test_a_pipeline_of_lane_and_asgi_requests_is_answered_in_order(lane: W
     assert await lane.slots_back()
 
 
-async def test_restricted_inference_never_takes_the_lane(server: Server) -> None:
+async def test_restricted_inference_never_takes_the_lane(server: Server, place: str) -> None:
     policy = AccessPolicy([parse_restriction("inference:x-key=yes", "--http-restricted-api", HTTP_GROUPS)])
-    async for worker in _worker(server, lane=True, access=policy):
-        assert worker.lane is not None and not worker.lane.open
-        denied, allowed = await _exchange(worker.port, _json([1.0]), _json([1.0], "echo", "x-key: yes"))
-        assert _status(denied) == 403 and _status(allowed) == 200 and worker.lane.taken == 0
+    async for frontend in _frontend(server, place, lane=True, access=policy):
+        assert frontend.lane is not None and not frontend.lane.open
+        denied, allowed = await _exchange(frontend.port, _json([1.0]), _json([1.0], "echo", "x-key: yes"))
+        assert _status(denied) == 403 and _status(allowed) == 200 and frontend.lane.taken == 0
 
 
-async def test_an_answer_whose_client_has_gone_gives_its_slot_back(lane: Worker) -> None:
+async def test_an_answer_whose_client_has_gone_gives_its_slot_back(lane: Frontend) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", lane.port)
     writer.write(_binary(np.arange(4, dtype=np.float32), "slow"))
     await writer.drain()
