@@ -1,17 +1,19 @@
-"""An HTTP worker's infer requests answered from the connection's own callbacks, without an ASGI task.
+"""Infer requests answered from the connection's own callbacks, without an ASGI task: in an HTTP worker and in the
+server process alike.
 
 uvicorn runs every request as a task of the ASGI app: the task starts when the head is in, sleeps until the body
-is, wakes to decode it, sleeps again until the server process answers and wakes once more to write the response.
-An infer request that the worker can decode on its own needs none of that: :class:`LaneProtocol` decodes it and
-hands it to the server process in the callback that completes its body, and writes the answer in the callback that
-receives it. The bytes on the wire are the ASGI path's: the same codec, the same Response objects, uvicorn's
-default headers, its keep-alive and pipelining rules.
+is, wakes to decode it, sleeps again until the answer comes and wakes once more to write the response. An infer
+request that decodes on its own needs none of that: :class:`LaneProtocol` decodes it and hands it on in the
+callback that completes its body (a worker's to the server process, :class:`ServerCore` to the Server of this
+process), and writes the answer in the callback that receives it. The bytes on the wire are the ASGI path's: the
+same codec, the same Response objects, uvicorn's default headers, its keep-alive and pipelining rules.
 
 A request takes the lane when its head says it can: ``POST`` to an infer route, a ``Content-Length`` within
 ``--http-max-input-size``, no ``Content-Encoding``, no chunked body, no ``Expect: 100-continue``, and no access
-restriction on inference. Everything else, and a request whose body turns out to need the server process (a raw
-body without a JSON header, or one the worker cannot decode: the server process says first whether the model
-exists), runs as an ASGI task of :class:`~kiln.frontends.http.worker_app.WorkerApp` with its body already read.
+restriction on inference. Everything else, and a request whose body turns out to need the model's metadata (a raw
+body without a JSON header, or one that does not decode: the app says first whether the model exists), runs as an
+ASGI task of the app (in a worker :class:`~kiln.frontends.http.worker_app.WorkerApp`, which forwards it to the
+server process) with its body already read.
 """
 
 from __future__ import annotations
@@ -143,11 +145,11 @@ class InferLane:
         except InvalidArgumentError as exc:
             respond(cycle, error_response(exc))
             return True
-        if json_size == 0:  # raw body: decoding needs the model's metadata, which the server process has
+        if json_size == 0:  # raw body: decoding needs the model's metadata, which the ASGI path looks up
             return False
         try:
             request = codec.decode_request(params["model"], params.get("version", ""), body, json_size)
-        except InvalidArgumentError:  # the server process knows whether the model exists, and says first
+        except InvalidArgumentError:  # the ASGI path says first whether the model exists
             return False
         cycle.body = b""  # type: ignore[assignment]  # the request's views hold what they need of it
         try:
