@@ -26,6 +26,8 @@ from kiln.frontends.http.infer_lane import InferLane, ServerCore, lane_enabled
 from kiln.frontends.http.server import HttpServer, http_config
 from kiln.frontends.http.worker_app import CoreClient, WorkerApp
 from kiln.server.server import Server, ServerOptions
+from kiln.service import Service
+from kiln.service_options import ServiceOptions
 
 from .._arenas import all_freed, arena_pair
 
@@ -268,3 +270,18 @@ def test_the_environment_turns_the_lane_off(monkeypatch: pytest.MonkeyPatch) -> 
         assert not lane_enabled()
     monkeypatch.setenv("KILN_HTTP_INFER_LANE", "1")
     assert lane_enabled()
+
+
+def test_kiln_serve_gives_the_lane_to_its_http_frontend_only(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTP in the server process takes the lane (a worker's is started in worker.py); the metrics port never does,
+    and ``KILN_HTTP_INFER_LANE=0`` turns it off."""
+    service = Service(ServiceOptions(ServerOptions(repositories=[tmp_path])))
+
+    def lane_of(http: HttpServer) -> InferLane | None:
+        return getattr(http.config.http, "lane", None)
+
+    assert isinstance(lane_of(service._uvicorn(object(), 0, frontend=True)), InferLane)
+    assert lane_of(service._uvicorn(object(), 0)) is None
+    monkeypatch.setenv("KILN_HTTP_INFER_LANE", "0")
+    assert lane_of(service._uvicorn(object(), 0, frontend=True)) is None
