@@ -65,7 +65,7 @@ def http_config(app: Any, host: str, port: int, exit_timeout_s: float, *, certfi
                 limits: HttpLimits | None = None, lane: InferLane | None = None) -> uvicorn.Config:
     """uvicorn's settings for a kiln frontend; with ``certfile`` it serves TLS, with ``client_ca`` it requires
     client certificates signed by that CA (mTLS); ``limits``: the connection limits and timeouts (limits.py;
-    default :class:`HttpLimits`' defaults); ``lane``: an HTTP worker's infer lane (infer_lane.py)."""
+    default :class:`HttpLimits`' defaults); ``lane``: the infer lane (infer_lane.py), None for none."""
     tls: dict[str, Any] = {}
     if certfile is not None:
         tls = {"ssl_certfile": str(certfile), "ssl_keyfile": str(keyfile) if keyfile else None}
