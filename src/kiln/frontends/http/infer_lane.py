@@ -38,7 +38,7 @@ from kiln.frontends.http.routing import ROUTING_KEY_HEADER, apply_routing_key
 from kiln.frontends.http.worker_app import WorkerApp
 from kiln.v2 import http_codec as codec
 from kiln.v2.http_responses import error_response
-from kiln.v2.types import InferRequest
+from kiln.v2.types import InferRequest, InferResponse
 
 if TYPE_CHECKING:
     from kiln.server.server import Server
@@ -62,11 +62,11 @@ def lane_enabled() -> bool:
 
 class LaneCore(Protocol):
     """Where the lane's requests go: the server process's link in a worker (:class:`CoreClient`), the Server
-    itself in the server process (:class:`ServerCore`)."""
+    itself in the server process (:class:`ServerCore`). ``submit`` gives a future that only ``result`` reads."""
 
-    def submit(self, request: InferRequest, routing_key: str | None) -> asyncio.Future[Answer]: ...
+    def submit(self, request: InferRequest, routing_key: str | None) -> asyncio.Future[Any]: ...
 
-    def result(self, future: asyncio.Future[Answer]) -> Answer: ...
+    def result(self, future: asyncio.Future[Any]) -> Answer: ...
 
     def typed(self, exc: Exception) -> Exception: ...
 
@@ -81,15 +81,12 @@ class ServerCore:
     def __init__(self, server: Server) -> None:
         self._server = server
 
-    def submit(self, request: InferRequest, routing_key: str | None) -> asyncio.Future[Answer]:
+    def submit(self, request: InferRequest, routing_key: str | None) -> asyncio.Future[InferResponse]:
         apply_routing_key(self._server, routing_key, request)
-        return asyncio.ensure_future(self._answer(request))
+        return asyncio.ensure_future(infer_over_http(self._server, request))
 
-    async def _answer(self, request: InferRequest) -> Answer:
-        return await infer_over_http(self._server, request), _nothing_to_release
-
-    def result(self, future: asyncio.Future[Answer]) -> Answer:
-        return future.result()
+    def result(self, future: asyncio.Future[InferResponse]) -> Answer:
+        return future.result(), _nothing_to_release  # the response owns its outputs
 
     @staticmethod
     def typed(exc: Exception) -> Exception:
@@ -162,7 +159,7 @@ class InferLane:
         return True
 
     def _answered(self, cycle: RequestResponseCycle, request: InferRequest, respond: Respond,
-                  future: asyncio.Future[Answer]) -> None:
+                  future: asyncio.Future[Any]) -> None:
         try:
             answer, release = self._core.result(future)
         except Exception as exc:
